@@ -1,0 +1,52 @@
+"""Which implementation serves a ``kimi`` op on CUDA (DESIGN §5).
+
+``cute`` kernels register themselves in :data:`KERNELS`; an op without a kernel for the
+device or shape falls back to the reference with a one-time warning, never silently.
+``KIMI_OPS_BACKEND=reference`` forces the reference; ``KIMI_OPS_BACKEND=cute`` turns every
+fallback into an error.
+"""
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Protocol
+
+BACKENDS = ("auto", "reference", "cute")
+
+
+class Kernel(Protocol):
+    def unsupported(self, *args) -> str | None:
+        """Why this kernel cannot serve these arguments, or None."""
+
+    def __call__(self, *args): ...
+
+
+KERNELS: dict[str, Kernel] = {}
+_warned: set[str] = set()
+
+
+def selected() -> str:
+    backend = os.environ.get("KIMI_OPS_BACKEND", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"KIMI_OPS_BACKEND must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def cuda_impl(name: str, reference: Callable) -> Callable:
+    """The CUDA kernel of op ``name``: its CuTe kernel where it applies, else ``reference``."""
+
+    def impl(*args):
+        backend = selected()
+        kernel = KERNELS.get(name)
+        reason = "no CuTe kernel is registered" if kernel is None else kernel.unsupported(*args)
+        if backend != "reference" and reason is None:
+            return kernel(*args)
+        if backend == "cute":
+            raise NotImplementedError(f"kimi::{name}: KIMI_OPS_BACKEND=cute but {reason}")
+        if backend == "auto" and name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"kimi::{name}: using the reference backend on CUDA ({reason})")
+        return reference(*args)
+
+    impl.__name__ = f"{name}_cuda"
+    return impl

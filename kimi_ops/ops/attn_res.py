@@ -1,0 +1,53 @@
+"""Block Attention Residuals (DESIGN §3.8; not in the seeds): ``kimi::attn_res``."""
+
+import torch
+
+from ..checks import check_same_device, check_tensor
+from ..numerics import bf16, f32, rms_norm, sum_f32
+
+
+def check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
+    """Returns (B, H)."""
+    op = "attn_res"
+    check_tensor(op, "partial", partial, torch.bfloat16, (None, None))
+    batch, hidden = partial.shape
+    check_tensor(op, "blocks", blocks, torch.bfloat16, (None, batch, hidden))
+    check_tensor(op, "sublayer_out", sublayer_out, torch.bfloat16, (None, batch, hidden))
+    for name, weight in (("query", query), ("key_norm_w", key_norm_w), ("out_norm_w", out_norm_w)):
+        check_tensor(op, name, weight, torch.bfloat16, (hidden,))
+    check_same_device(
+        op, partial=partial, blocks=blocks, sublayer_out=sublayer_out, query=query,
+        key_norm_w=key_norm_w, out_norm_w=out_norm_w,
+    )
+    return batch, hidden
+
+
+def accumulate(partial: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
+    """BF16(partial + Σ_tp sublayer_out[tp]), an FP32 sum in rank order."""
+    acc = f32(partial)
+    for rank in range(sublayer_out.shape[0]):
+        acc = acc + f32(sublayer_out[rank])
+    return bf16(acc)
+
+
+def attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps: float):
+    """(new_partial, h, h_normed), each [B, H] bf16.
+
+    Rounding points: new_partial as :func:`accumulate`; V = [blocks…, new_partial];
+    keys K_n = BF16 RMSNorm(V_n; key_norm_w) (:func:`~kimi_ops.numerics.rms_norm`);
+    logit_n = ⟨query, K_n⟩ in FP32; α = softmax_n(logit) in FP32; h = BF16(Σ_n α_n V_n)
+    (FP32); h_normed = BF16 RMSNorm(h; out_norm_w).
+    """
+    check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps)
+    new_partial = accumulate(partial, sublayer_out)
+    values = torch.cat([blocks, new_partial.unsqueeze(0)], dim=0)  # [N + 1, B, H]
+    keys = rms_norm(values, key_norm_w, eps)
+    logits = sum_f32(f32(keys) * f32(query), -1)  # [N + 1, B]
+    alpha = torch.softmax(logits, dim=0)
+    h = bf16(sum_f32(alpha.unsqueeze(-1) * f32(values), 0))
+    return new_partial, h, rms_norm(h, out_norm_w, eps)
+
+
+def attn_res_fake(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
+    shape = check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps)
+    return tuple(partial.new_empty(shape) for _ in range(3))

@@ -1,0 +1,77 @@
+"""Routing and the shared expert's activation (the seeds' ``RouteSitu``): ``kimi::moe_route``
+and ``kimi::situ``."""
+
+import torch
+
+from ..checks import check_range, check_same_device, check_tensor, fail
+from ..numerics import bf16, f32, ordered_key, pairwise_sum
+
+TOP_K = 16
+MAX_EXPERTS = 1024
+
+
+def check_moe_route(logits, bias, scale, renorm) -> int:
+    """Returns B."""
+    check_tensor("moe_route", "logits", logits, torch.float32, (None, None))
+    check_range("moe_route", "logits.shape[1] (experts)", logits.shape[1], TOP_K, MAX_EXPERTS)
+    check_tensor("moe_route", "bias", bias, torch.float32, (logits.shape[1],))
+    check_same_device("moe_route", logits=logits, bias=bias)
+    return logits.shape[0]
+
+
+def moe_route(logits, bias, scale: float, renorm: bool):
+    """Exact top-16 of sigmoid(logit) + bias per token.
+
+    Rounding points: score = sigmoid(logit) in FP32; key = score + bias in FP32; ranked
+    by the seeds' ``ordered`` key descending (NaN below every number, −0 below +0), ties to
+    the lower expert id. weight_r = score_r · FP32(scale), and with ``renorm`` divided
+    (IEEE) by (Σ_r score_r + 1e-20), the Σ taken as the warp butterfly does (adjacent
+    pairs over ranks 0..15, FP32). The bias never enters a weight. One BF16 rounding at
+    the end. Returns ids [B, 16] int32 by rank and weights [B, 16] bf16.
+    """
+    check_moe_route(logits, bias, scale, renorm)
+    score = torch.sigmoid(logits)
+    experts = logits.shape[1]
+    # One int64 per expert: the ordered key above, then the lower id on ties.
+    lower_first = MAX_EXPERTS - 1 - torch.arange(experts, device=logits.device)
+    rank_key = ordered_key(score + bias) * MAX_EXPERTS + lower_first
+    top = rank_key.topk(TOP_K, dim=1, sorted=True).indices
+    picked = score.gather(1, top)
+    weights = picked * torch.tensor(scale, dtype=torch.float32, device=logits.device)
+    if renorm:
+        weights = weights / (pairwise_sum(picked) + 1e-20).unsqueeze(1)
+    return top.to(torch.int32), bf16(weights)
+
+
+def moe_route_fake(logits, bias, scale, renorm):
+    batch = check_moe_route(logits, bias, scale, renorm)
+    return (
+        logits.new_empty((batch, TOP_K), dtype=torch.int32),
+        logits.new_empty((batch, TOP_K), dtype=torch.bfloat16),
+    )
+
+
+def check_situ(gate_up, beta, linear_beta) -> tuple[int, int]:
+    """Returns (B, S)."""
+    check_tensor("situ", "gate_up", gate_up, (torch.float32, torch.bfloat16), (None, None))
+    if gate_up.shape[1] % 2 != 0:
+        fail("situ", "gate_up", "of even width [B, 2S]", list(gate_up.shape))
+    return gate_up.shape[0], gate_up.shape[1] // 2
+
+
+def situ(gate_up, beta: float, linear_beta: float):
+    """situ(g, u) = g · sigmoid(beta · g) · (u + linear_beta), [B, S] bf16.
+
+    Rounding points: gate = gate_up[:, :S] and up = gate_up[:, S:] each rounded to BF16
+    first (as RouteSitu loads them); the product in FP32, left to right; one BF16 rounding
+    at the end. beta = 1, linear_beta = 0 is SwiGLU.
+    """
+    _, width = check_situ(gate_up, beta, linear_beta)
+    gate = f32(bf16(gate_up[:, :width]))
+    up = f32(bf16(gate_up[:, width:]))
+    return bf16(gate * torch.sigmoid(gate * beta) * (up + linear_beta))
+
+
+def situ_fake(gate_up, beta, linear_beta):
+    batch, width = check_situ(gate_up, beta, linear_beta)
+    return gate_up.new_empty((batch, width), dtype=torch.bfloat16)

@@ -1,0 +1,37 @@
+"""The ``kimi`` op schemas: the one source of truth.
+
+Python registration (:mod:`kimi_ops.ops.registry`) defines the ops from this table, and
+``python -m kimi_ops.stubs`` renders the C++ ``TORCH_LIBRARY(kimi, m)`` declarations of
+``csrc_stubs/`` from it (a test keeps the committed C++ equal to the table). Names and
+argument order are the public contract of DESIGN §3; every buffer an op writes is
+marked ``Tensor(a!)``.
+"""
+
+NAMESPACE = "kimi"
+
+SCHEMAS: dict[str, str] = {
+    "moe_route": (
+        "moe_route(Tensor logits, Tensor bias, float scale, bool renorm)"
+        " -> (Tensor ids, Tensor weights)"
+    ),
+    "moe_front": "moe_front(Tensor x, Tensor w, int n_logits) -> (Tensor logits, Tensor latent)",
+    "situ": "situ(Tensor gate_up, float beta, float linear_beta) -> Tensor",
+    "moe_tail": (
+        "moe_tail(Tensor expanded, Tensor weights, Tensor shared, Tensor gamma,"
+        " Tensor w_up, float eps) -> Tensor"
+    ),
+    "oproj": "oproj(Tensor x, Tensor w) -> Tensor",
+    "dsa_index_front": (
+        "dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w,"
+        " float eps) -> (Tensor q, Tensor head_w)"
+    ),
+    "dsa_index_key_insert": (
+        "dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps,"
+        " Tensor(a!) cache, Tensor slots) -> ()"
+    ),
+    "attn_res": (
+        "attn_res(Tensor blocks, Tensor partial, Tensor sublayer_out, Tensor query,"
+        " Tensor key_norm_w, Tensor out_norm_w, float eps)"
+        " -> (Tensor new_partial, Tensor h, Tensor h_normed)"
+    ),
+}

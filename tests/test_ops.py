@@ -1,0 +1,205 @@
+"""Each functional op against the independent float64 oracle, on fresh random inputs."""
+
+import pytest
+import torch
+
+import oracle
+from kimi_ops.numerics import ordered_key
+from conftest import BATCHES, DEVICES, assert_bf16_close, randn
+
+kimi = torch.ops.kimi
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("experts", [64, 896, 1024])
+def test_moe_route(gen, device, batch, experts):
+    logits = randn(gen, batch, experts, device=device, scale=3.0)
+    bias = randn(gen, experts, device=device, scale=0.1)
+    for renorm in (True, False):
+        ids, weights = kimi.moe_route(logits, bias, 2.827, renorm)
+        want_ids, want_weights = oracle.route(logits.cpu(), bias.cpu(), 2.827, renorm)
+        assert torch.equal(ids.cpu(), want_ids)
+        assert_bf16_close(weights, want_weights, max_ulps=1)
+
+
+def test_ordered_key():
+    """The seeds' ordered key: monotone over the numbers, −0 just below +0, NaN lowest."""
+    values = torch.tensor([float("-inf"), -2.5, -1e-38, -0.0, 0.0, 1e-45, 3.0, float("inf")])
+    keys = ordered_key(values)
+    assert keys.tolist() == sorted(keys.tolist()) and len(set(keys.tolist())) == len(values)
+    assert ordered_key(torch.tensor([float("nan")])).item() == 0 < keys.min().item()
+
+
+def test_moe_route_ties_and_nan():
+    """Equal keys rank the lower expert first; NaN ranks below every number."""
+    experts = 64
+    logits = torch.full((4, experts), -30.0)
+    bias = torch.zeros(experts)
+    logits[0, 10:40] = 1.0  # 30 tied keys: experts 10..25 win, in id order
+    logits[1, :] = float("nan")
+    logits[1, 50:55] = 2.0  # five numbers beat 59 NaNs; then NaNs by lower id
+    logits[2, :] = float("-inf")  # sigmoid = 0: the keys are the bias
+    bias[7] = 1e-30  # the only positive key
+    logits[3, 5] = float("nan")
+    ids, weights = kimi.moe_route(logits, bias, 1.0, False)
+    assert ids[0].tolist() == list(range(10, 26))
+    assert ids[1].tolist() == [50, 51, 52, 53, 54] + list(range(11))
+    assert ids[2].tolist()[0] == 7 and ids[2].tolist()[1:] == [e for e in range(16) if e != 7]
+    assert 5 not in ids[3].tolist()
+    want_ids, want_weights = oracle.route(logits, bias, 1.0, False)
+    assert torch.equal(ids, want_ids)
+    assert_bf16_close(weights, want_weights, max_ulps=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_situ(gen, device, batch, dtype):
+    gate_up = randn(gen, batch, 2 * 384, dtype=dtype, device=device, scale=2.0)
+    for beta, linear_beta in ((1.0, 0.0), (1.702, 1.0)):
+        got = kimi.situ(gate_up, beta, linear_beta)
+        assert_bf16_close(got, oracle.situ(gate_up.cpu(), beta, linear_beta))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_moe_front(gen, device, batch):
+    x = randn(gen, batch, 1024, dtype=torch.bfloat16, device=device)
+    w = randn(gen, 96 + 256, 1024, dtype=torch.bfloat16, device=device, scale=0.03)
+    logits, latent = kimi.moe_front(x, w, 96)
+    assert logits.dtype == torch.float32 and latent.dtype == torch.bfloat16
+    full = oracle.linear(x.cpu(), w.cpu())
+    torch.testing.assert_close(logits.cpu().double(), full[:, :96], rtol=1e-6, atol=1e-6)
+    assert_bf16_close(latent, full[:, 96:].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_oproj(gen, device, batch):
+    x = randn(gen, batch, 1536, dtype=torch.bfloat16, device=device)
+    w = randn(gen, 512, 1536, dtype=torch.bfloat16, device=device, scale=0.03)
+    assert_bf16_close(kimi.oproj(x, w), oracle.linear(x.cpu(), w.cpu()).to(torch.bfloat16))
+
+
+def tail_inputs(gen, batch, hidden, latent, device):
+    return (
+        randn(gen, batch, 16, latent, dtype=torch.bfloat16, device=device),
+        randn(gen, batch, 16, dtype=torch.bfloat16, device=device, scale=0.2),
+        randn(gen, batch, hidden, dtype=torch.bfloat16, device=device),
+        randn(gen, latent, dtype=torch.bfloat16, device=device, scale=0.1) + 1,
+        randn(gen, hidden, latent, dtype=torch.bfloat16, device=device, scale=0.05),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_moe_tail(gen, device, batch):
+    args = tail_inputs(gen, batch, 1024, 512, device)
+    got = kimi.moe_tail(*args, 1e-6)
+    assert_bf16_close(got, oracle.tail(*(a.cpu() for a in args), 1e-6), magnitude=args[2])
+
+
+def test_moe_tail_kimi_shapes(gen):
+    args = tail_inputs(gen, 2, 7168, 3584, "cpu")
+    assert_bf16_close(kimi.moe_tail(*args, 1e-6), oracle.tail(*args, 1e-6), magnitude=args[2])
+
+
+def test_moe_tail_negative_zero_rows(gen):
+    """A token whose expert rows are all −0.0 yields the shared row (finite, no NaN)."""
+    expanded, weights, shared, gamma, w_up = tail_inputs(gen, 3, 256, 128, "cpu")
+    expanded[1] = -0.0
+    got = kimi.moe_tail(expanded, weights, shared, gamma, w_up, 1e-6)
+    assert torch.equal(got[1], shared[1])
+    want = oracle.tail(expanded, weights, shared, gamma, w_up, 1e-6)
+    assert_bf16_close(got, want, magnitude=shared)
+
+
+def index_front_inputs(gen, batch, device):
+    return (
+        randn(gen, batch, 1536, dtype=torch.bfloat16, device=device),
+        randn(gen, 4096, 1536, dtype=torch.bfloat16, device=device, scale=0.03),
+        randn(gen, batch, 32, dtype=torch.bfloat16, device=device),
+        randn(gen, 1536, dtype=torch.bfloat16, device=device, scale=0.1) + 1,
+    )
+
+
+def assert_e4m3_close(got, got_scale, want, want_scale, max_flipped=0.01):
+    """Dequantized FP8 values (q · scale) within one e4m3 step plus 2^-9 of the row's range
+    (448 · scale: what BF16 flips of the inputs move a small, cancelled value by), and at
+    most ``max_flipped`` of them not equal. Scales may differ: a flipped input can move
+    the amax across a power of two."""
+    got = got.cpu().float() * got_scale.cpu().float()
+    want = want.float() * want_scale.float()
+    step = torch.maximum(got.abs(), want.abs()) / 8 + 448 * want_scale.float() * 2**-9
+    assert bool(((got - want).abs() <= step).all())
+    assert float((got != want).float().mean()) <= max_flipped
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("normalized", [True, False])
+def test_dsa_index_front(gen, device, batch, normalized):
+    rows, wq_b, head_in, q_norm_w = index_front_inputs(gen, batch, device)
+    q_norm_w = None if normalized else q_norm_w
+    q, head_w = kimi.dsa_index_front(rows, wq_b, head_in, q_norm_w, 1e-6)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    want_q, want_w = oracle.index_front(rows.cpu(), wq_b.cpu(), head_in.cpu(), cpu(q_norm_w), 1e-6)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (batch, 32, 128)
+    # head_w / head_in recovers each head's scale (a power of two times 1/64).
+    scale = lambda w: (w.cpu().float() / head_in.cpu().float() * 64)[..., None]  # noqa: E731
+    assert_e4m3_close(q, scale(head_w), want_q, scale(want_w))
+    assert_bf16_close(head_w, want_w, max_ulps=0, max_flipped=0.02)
+
+
+def test_dsa_index_front_zero_rows():
+    """All-zero rows quantize with the floor amax 1e-10 (no division by zero, no NaN)."""
+    rows, wq_b, head_in = torch.zeros(2, 1536, dtype=torch.bfloat16), torch.ones(4096, 1536, dtype=torch.bfloat16), torch.ones(2, 32, dtype=torch.bfloat16)
+    q, head_w = kimi.dsa_index_front(rows, wq_b, head_in, None, 1e-6)
+    assert q.float().abs().sum() == 0 and torch.isfinite(head_w.float()).all()
+    assert_bf16_close(head_w, oracle.index_front(rows, wq_b, head_in, None, 1e-6)[1], max_ulps=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_dsa_index_key_insert(gen, device, batch):
+    k_in = randn(gen, batch, 128, dtype=torch.bfloat16, device=device, scale=3.0)
+    norm_w = randn(gen, 128, dtype=torch.bfloat16, device=device, scale=0.1) + 1
+    norm_b = randn(gen, 128, dtype=torch.bfloat16, device=device, scale=0.1)
+    num_slots = 2 * batch + 4
+    cache = torch.randint(0, 256, (num_slots, 132), dtype=torch.uint8, generator=gen).to(device)
+    slots = torch.randperm(num_slots, generator=gen)[:batch]
+    if batch > 1:
+        slots[batch // 2] = -1  # a padding token: skipped
+    slots = slots.to(device)
+    before = cache.clone()
+    kimi.dsa_index_key_insert(k_in, norm_w, norm_b, 1e-5, cache, slots)
+    want_rows = oracle.index_key(k_in.cpu(), norm_w.cpu(), norm_b.cpu(), 1e-5)
+    written = slots.cpu() >= 0
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots.cpu()[written]] = False
+    assert torch.equal(cache.cpu()[untouched], before.cpu()[untouched])
+    got = cache.cpu()[slots.cpu()[written]]
+    want = want_rows[written]
+    assert torch.equal(got[:, 128:], want[:, 128:])  # FP32 scales exact
+    fp8, scale = lambda rows: rows[:, :128].view(torch.float8_e4m3fn), lambda rows: rows[:, 128:].view(torch.float32)  # noqa: E731
+    assert_e4m3_close(fp8(got), scale(got), fp8(want), scale(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("completed", [0, 3])
+def test_attn_res(gen, device, batch, completed):
+    hidden, tp = 512, 2
+    args = (
+        randn(gen, completed, batch, hidden, dtype=torch.bfloat16, device=device),
+        randn(gen, batch, hidden, dtype=torch.bfloat16, device=device),
+        randn(gen, tp, batch, hidden, dtype=torch.bfloat16, device=device),
+        randn(gen, hidden, dtype=torch.bfloat16, device=device, scale=0.05),
+        randn(gen, hidden, dtype=torch.bfloat16, device=device, scale=0.1) + 1,
+        randn(gen, hidden, dtype=torch.bfloat16, device=device, scale=0.1) + 1,
+    )
+    got = kimi.attn_res(*args, 1e-6)
+    want = oracle.attn_res(*(a.cpu() for a in args), 1e-6)
+    for g, w in zip(got, want):
+        assert_bf16_close(g, w, max_ulps=2, max_flipped=0.02)
