@@ -1,0 +1,35 @@
+"""Small valid argument tuples of every op, for opcheck, compile and error tests."""
+
+import torch
+
+
+def rand(gen, *shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
+    if name == "moe_route":
+        return rand(gen, batch, 64, dtype=torch.float32), rand(gen, 64, dtype=torch.float32, scale=0.1), 2.5, True
+    if name == "moe_front":
+        return rand(gen, batch, 128), rand(gen, 32 + 48, 128, scale=0.1), 32
+    if name == "situ":
+        return rand(gen, batch, 96, dtype=torch.float32), 1.0, 0.0
+    if name == "moe_tail":
+        return (
+            rand(gen, batch, 16, 64), rand(gen, batch, 16, scale=0.2), rand(gen, batch, 96),
+            rand(gen, 64, scale=0.1) + 1, rand(gen, 96, 64, scale=0.1), 1e-6,
+        )
+    if name == "oproj":
+        return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1)
+    if name == "dsa_index_front":
+        return rand(gen, batch, 96), rand(gen, 4096, 96, scale=0.1), rand(gen, batch, 32), rand(gen, 96) + 1, 1e-6
+    if name == "dsa_index_key_insert":
+        cache = torch.randint(0, 256, (batch + 2, 132), dtype=torch.uint8, generator=gen)
+        slots = torch.randperm(batch + 2, generator=gen)[:batch]
+        return rand(gen, batch, 128), rand(gen, 128) + 1, rand(gen, 128, scale=0.1), 1e-5, cache, slots
+    if name == "attn_res":
+        return (
+            rand(gen, 2, batch, 64), rand(gen, batch, 64), rand(gen, 2, batch, 64),
+            rand(gen, 64, scale=0.1), rand(gen, 64) + 1, rand(gen, 64) + 1, 1e-6,
+        )
+    raise KeyError(name)

@@ -1,0 +1,92 @@
+"""The registered schemas (expect test), the generated C++ stubs, and the stub library
+loaded before or after kimi_ops."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import expecttest
+import pytest
+import torch
+
+import kimi_ops
+from kimi_ops import SCHEMAS, stubs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TestSchemas(expecttest.TestCase):
+    def test_registered_schemas(self):
+        text = "\n".join(str(getattr(torch.ops.kimi, name).default._schema) for name in SCHEMAS)
+        self.assertExpectedInline(text, """\
+kimi::moe_route(Tensor logits, Tensor bias, float scale, bool renorm) -> (Tensor ids, Tensor weights)
+kimi::moe_front(Tensor x, Tensor w, int n_logits) -> (Tensor logits, Tensor latent)
+kimi::situ(Tensor gate_up, float beta, float linear_beta) -> Tensor
+kimi::moe_tail(Tensor expanded, Tensor weights, Tensor shared, Tensor gamma, Tensor w_up, float eps) -> Tensor
+kimi::oproj(Tensor x, Tensor w) -> Tensor
+kimi::dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, float eps) -> (Tensor q, Tensor head_w)
+kimi::dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps, Tensor(a!) cache, Tensor slots) -> ()
+kimi::attn_res(Tensor blocks, Tensor partial, Tensor sublayer_out, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)""")
+
+    def test_defined_in_python_without_stub(self):
+        self.assertEqual(kimi_ops.registry.defined_by, "python")
+
+
+def test_committed_cpp_stubs_match_the_table():
+    with open(stubs.STUB_PATH) as f:
+        assert f.read() == stubs.render(), "run `python -m kimi_ops.stubs` and commit the result"
+
+
+def run_python(*parts: str) -> str:
+    code = "".join(textwrap.dedent(part) for part in parts)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True,
+        cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def stub_library(tmp_path_factory):
+    """Build csrc_stubs/ with torch's cpp_extension (in a subprocess, so this process
+    keeps its Python-defined ops); the path of the shared library."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    build = tmp_path_factory.mktemp("stub_build")
+    return run_python(f"""
+        from torch.utils.cpp_extension import load
+        load("kimi_ops_stubs", [{str(stubs.STUB_PATH)!r}], build_directory={str(build)!r},
+             is_python_module=False, verbose=False)
+        print({str(build / "kimi_ops_stubs.so")!r})
+    """).strip().splitlines()[-1]
+
+
+CHECK_OPS = """
+    import torch
+    out = torch.ops.kimi.oproj(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16))
+    assert out.float().eq(8).all()
+    for name in kimi_ops.SCHEMAS:
+        assert getattr(torch.ops.kimi, name).default._schema is not None
+    print(kimi_ops.registry.defined_by)
+"""
+
+
+def test_stub_loaded_first(stub_library):
+    out = run_python(f"""
+        import torch
+        torch.ops.load_library({stub_library!r})
+        import kimi_ops
+    """, CHECK_OPS)
+    assert out.strip() == "c++"
+
+
+def test_stub_loaded_after_kimi_ops(stub_library):
+    out = run_python(f"""
+        import kimi_ops
+        assert kimi_ops.registry.defined_by == "python"
+        kimi_ops.load_stub_library({stub_library!r})
+    """, CHECK_OPS)
+    assert out.strip() == "c++"
