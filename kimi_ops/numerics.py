@@ -73,3 +73,11 @@ def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
     return x[..., 0]
+
+
+def rank_sum(rows: torch.Tensor) -> torch.Tensor:
+    """BF16(Σ_i rows[i]): an FP32 sum over the first dim in rank order (TP sources)."""
+    acc = f32(rows[0])
+    for i in range(1, rows.shape[0]):
+        acc = acc + f32(rows[i])
+    return bf16(acc)

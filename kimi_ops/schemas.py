@@ -34,4 +34,28 @@ SCHEMAS: dict[str, str] = {
         " Tensor key_norm_w, Tensor out_norm_w, float eps)"
         " -> (Tensor new_partial, Tensor h, Tensor h_normed)"
     ),
+    # Mailbox ops (DESIGN §4): every buffer written, the peers' boxes included, is marked
+    # (x!), one alias set per argument.
+    "mailbox_arm": "mailbox_arm(Tensor(a!) box) -> ()",
+    "mailbox_rearm": "mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()",
+    "mailbox_take": "mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor",
+    "oproj_publish": "oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()",
+    "moe_front_publish": (
+        "moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity,"
+        " int rank) -> ()"
+    ),
+    "moe_route_poll": (
+        "moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity,"
+        " int batch, Tensor(b!) error) -> (Tensor ids, Tensor weights, Tensor latent)"
+    ),
+    "moe_tail_push": "moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",
+    "moe_tail_publish": (
+        "moe_tail_publish(Tensor expanded, Tensor weights, Tensor(a!)[] latent_boxes,"
+        " int parity, int rank) -> ()"
+    ),
+    "moe_tail_poll": (
+        "moe_tail_poll(Tensor(a!) latent_box, Tensor(b!) rs_box, Tensor gamma, Tensor w_up,"
+        " float eps, Tensor(c!)[] out_boxes, Tensor(d!) error, int parity, int rearm_parity,"
+        " int rearm_batch, int rank, int batch) -> ()"
+    ),
 }

@@ -32,4 +32,37 @@ def sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
             rand(gen, 2, batch, 64), rand(gen, batch, 64), rand(gen, 2, batch, 64),
             rand(gen, 64, scale=0.1), rand(gen, 64) + 1, rand(gen, 64) + 1, 1e-6,
         )
+    return mailbox_sample_args(name, batch, gen)
+
+
+CAP, TP = 8, 2
+
+
+def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
+    """Boxes of a TP2 group (CAP 8) filled with published-looking data."""
+    error = torch.zeros(1, dtype=torch.int32)
+    boxes = lambda *shape: [rand(gen, *shape) for _ in range(TP)]  # noqa: E731
+    if name == "mailbox_arm":
+        return (rand(gen, 3, TP, CAP, 16),)
+    if name == "mailbox_rearm":
+        return rand(gen, 3, TP, CAP, 16), 1, batch
+    if name == "mailbox_take":
+        return rand(gen, 1, TP, CAP, 64), 0, batch, error
+    if name == "oproj_publish":
+        return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1), boxes(1, TP, CAP, 48), 1
+    if name == "moe_front_publish":  # E = 32, L = 48 over TP2
+        return rand(gen, batch, 128), rand(gen, 16 + 24, 128, scale=0.1), 16, boxes(3, 1, CAP, 48 + 64), 2, 1
+    if name == "moe_route_poll":
+        box = rand(gen, 3, 1, CAP, 48 + 64)
+        box[..., 48:] = rand(gen, 3, 1, CAP, 32, dtype=torch.float32).view(torch.bfloat16)
+        return box, rand(gen, 32, dtype=torch.float32, scale=0.1), 2.5, True, 1, batch, error
+    if name == "moe_tail_push":
+        return rand(gen, batch, 64), boxes(3, TP, CAP, 32), 0, 1
+    if name == "moe_tail_publish":
+        return rand(gen, batch, 16, 48), rand(gen, batch, 16, scale=0.2), boxes(3, TP, CAP, 48), 1, 0
+    if name == "moe_tail_poll":
+        return (
+            rand(gen, 3, TP, CAP, 48), rand(gen, 3, TP, CAP, 32), rand(gen, 48) + 1,
+            rand(gen, 32, 48, scale=0.1), 1e-6, boxes(1, 1, CAP, 64), error, 0, 2, CAP, 1, batch,
+        )
     raise KeyError(name)

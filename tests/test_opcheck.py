@@ -14,5 +14,6 @@ from conftest import DEVICES
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_opcheck(name, batch, device):
     gen = torch.Generator().manual_seed(batch)
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in sample_args(name, batch, gen))
+    move = lambda a: a.to(device) if isinstance(a, torch.Tensor) else a  # noqa: E731
+    args = tuple([move(t) for t in a] if isinstance(a, list) else move(a) for a in sample_args(name, batch, gen))
     torch.library.opcheck(getattr(torch.ops.kimi, name).default, args)

@@ -28,7 +28,16 @@ kimi::moe_tail(Tensor expanded, Tensor weights, Tensor shared, Tensor gamma, Ten
 kimi::oproj(Tensor x, Tensor w) -> Tensor
 kimi::dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, float eps) -> (Tensor q, Tensor head_w)
 kimi::dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps, Tensor(a!) cache, Tensor slots) -> ()
-kimi::attn_res(Tensor blocks, Tensor partial, Tensor sublayer_out, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)""")
+kimi::attn_res(Tensor blocks, Tensor partial, Tensor sublayer_out, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)
+kimi::mailbox_arm(Tensor(a!) box) -> ()
+kimi::mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()
+kimi::mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor
+kimi::oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()
+kimi::moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity, int rank) -> ()
+kimi::moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error) -> (Tensor ids, Tensor weights, Tensor latent)
+kimi::moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()
+kimi::moe_tail_publish(Tensor expanded, Tensor weights, Tensor(a!)[] latent_boxes, int parity, int rank) -> ()
+kimi::moe_tail_poll(Tensor(a!) latent_box, Tensor(b!) rs_box, Tensor gamma, Tensor w_up, float eps, Tensor(c!)[] out_boxes, Tensor(d!) error, int parity, int rearm_parity, int rearm_batch, int rank, int batch) -> ()""")
 
     def test_defined_in_python_without_stub(self):
         self.assertEqual(kimi_ops.registry.defined_by, "python")

@@ -1,7 +1,8 @@
-"""The functional ``kimi`` ops of DESIGN §3: each module holds an op family's checks,
-reference (the oracle) and fake; :mod:`.registry` attaches them to the dispatcher."""
+"""The ``kimi`` ops: the functional ops of DESIGN §3 and the mailbox ops of §4. Each
+module holds an op family's checks, reference (the oracle) and fake;
+:mod:`kimi_ops.registry` attaches them to the dispatcher."""
 
-from . import attn_res, dsa, front, oproj, route, tail
+from . import attn_res, dsa, front, mailbox_ops, oproj, route, tail
 
 # op name → (reference, fake); the schemas live in kimi_ops.schemas.
 OPS = {
@@ -13,4 +14,5 @@ OPS = {
     "dsa_index_front": (dsa.dsa_index_front, dsa.dsa_index_front_fake),
     "dsa_index_key_insert": (dsa.dsa_index_key_insert, dsa.dsa_index_key_insert_fake),
     "attn_res": (attn_res.attn_res, attn_res.attn_res_fake),
+    **mailbox_ops.OPS,
 }

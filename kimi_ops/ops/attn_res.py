@@ -3,7 +3,7 @@
 import torch
 
 from ..checks import check_same_device, check_tensor
-from ..numerics import bf16, f32, rms_norm, sum_f32
+from ..numerics import bf16, f32, rank_sum, rms_norm, sum_f32
 
 
 def check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
@@ -22,24 +22,17 @@ def check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w,
     return batch, hidden
 
 
-def accumulate(partial: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
-    """BF16(partial + Σ_tp sublayer_out[tp]), an FP32 sum in rank order."""
-    acc = f32(partial)
-    for rank in range(sublayer_out.shape[0]):
-        acc = acc + f32(sublayer_out[rank])
-    return bf16(acc)
-
-
 def attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps: float):
     """(new_partial, h, h_normed), each [B, H] bf16.
 
-    Rounding points: new_partial as :func:`accumulate`; V = [blocks…, new_partial];
+    Rounding points: new_partial = BF16(partial + Σ_tp sublayer_out[tp]), an FP32 sum
+    in rank order; V = [blocks…, new_partial];
     keys K_n = BF16 RMSNorm(V_n; key_norm_w) (:func:`~kimi_ops.numerics.rms_norm`);
     logit_n = ⟨query, K_n⟩ in FP32; α = softmax_n(logit) in FP32; h = BF16(Σ_n α_n V_n)
     (FP32); h_normed = BF16 RMSNorm(h; out_norm_w).
     """
     check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps)
-    new_partial = accumulate(partial, sublayer_out)
+    new_partial = rank_sum(torch.cat([partial.unsqueeze(0), sublayer_out]))
     values = torch.cat([blocks, new_partial.unsqueeze(0)], dim=0)  # [N + 1, B, H]
     keys = rms_norm(values, key_norm_w, eps)
     logits = sum_f32(f32(keys) * f32(query), -1)  # [N + 1, B]

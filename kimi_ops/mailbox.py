@@ -1,0 +1,69 @@
+"""Mailbox words (DESIGN §4): the sentinel, the writers' canonical form, the readers' check.
+
+A box is BF16 ``[parities, TP sources, CAP, width]``, armed with the 32-bit word
+0x80000000 (the BF16 pair (+0, −0); as FP32, −0.0). Writers make data unable to equal
+it: −0 becomes +0 and NaN becomes the canonical quiet NaN. Readers compare bits, a row
+at a time, never values.
+"""
+
+import torch
+
+SENTINEL = -0x80000000  # as int32
+
+# Error word bits: which poll found its row unwritten.
+ROUTE_POLL, TAIL_LATENT_POLL, TAIL_SHARED_POLL, TAKE_POLL = 1, 2, 4, 8
+POLL_NAMES = {
+    ROUTE_POLL: "the routing kernel's front row",
+    TAIL_LATENT_POLL: "the tail's latent sources",
+    TAIL_SHARED_POLL: "the tail's shared reduce-scatter sources",
+    TAKE_POLL: "a consumer's rows (o-proj partials or tail output)",
+}
+
+
+class KimiMailboxError(RuntimeError):
+    """A poll found a mailbox row that was never written (a dead peer, a mis-armed box)."""
+
+
+def arm_(box: torch.Tensor) -> None:
+    box.view(torch.int32).fill_(SENTINEL)
+
+
+def no_neg_zero(x: torch.Tensor) -> torch.Tensor:
+    """x (bf16 or fp32) with −0 → +0 and every NaN → the canonical quiet NaN."""
+    x = torch.where(x == 0, torch.zeros_like(x), x)
+    return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x)
+
+
+def arrived(rows: torch.Tensor) -> torch.Tensor:
+    """Per row (all dims but the last): no 32-bit word still holds the sentinel."""
+    return (rows.view(torch.int32) != SENTINEL).all(-1)
+
+
+def flag_missing(error: torch.Tensor, rows: torch.Tensor, code: int) -> None:
+    """error |= code where some row has not arrived (no host sync)."""
+    missing = (~arrived(rows)).any().to(torch.int32) * code
+    error.bitwise_or_(missing)
+
+
+def raise_if_error(error: torch.Tensor) -> None:
+    """The host check of a device error word (syncs)."""
+    code = int(error.max())
+    if code:
+        polls = [name for bit, name in POLL_NAMES.items() if code & bit]
+        raise KimiMailboxError(
+            f"mailbox poll timed out (error word {code:#x}): {'; '.join(polls)} never "
+            "arrived — a peer did not publish or a box was not armed"
+        )
+
+
+def parities(ordinal: int, count: int) -> tuple[int, int]:
+    """(publish, rearm) parities of MoE layer ``ordinal`` of ``count``: layer i publishes
+    into i % 3 and re-arms the previous MoE layer's (i − 1) mod count % 3. A layer count
+    whose first layer would re-arm the parity it publishes to is rejected."""
+    parity, rearm = ordinal % 3, (ordinal - 1) % count % 3
+    if parity == rearm:
+        raise ValueError(
+            f"MoE tail parities collide for {count} MoE layers: layer {ordinal} would "
+            f"re-arm parity {parity}, which it publishes to (counts ≡ 1 mod 3 collide)"
+        )
+    return parity, rearm

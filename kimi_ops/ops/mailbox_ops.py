@@ -1,0 +1,272 @@
+"""Mailbox ops (DESIGN §4): the publishing and polling halves of the fused decode path.
+
+Every box is BF16 ``[parities, TP sources, CAP, width]`` (:mod:`kimi_ops.mailbox`). An op
+that publishes takes ``boxes``, the box of every rank of the group in rank order (the
+local one among them), and writes its rows into each (a multicast, or one peer store per
+rank); the schema marks them all written. A poll that finds a row unwritten sets a bit of
+the ``error`` word instead of hanging; the wrapper raises on its next host check.
+
+References: every rank's rows are complete when the poll runs (the simulated TP group
+runs ranks phase by phase), so a poll is a bit check of the rows, then the read.
+"""
+
+import torch
+
+from ..checks import check_range, check_same_device, check_tensor, fail
+from ..mailbox import (
+    ROUTE_POLL,
+    TAIL_LATENT_POLL,
+    TAIL_SHARED_POLL,
+    TAKE_POLL,
+    arm_,
+    flag_missing,
+    no_neg_zero,
+)
+from ..numerics import bf16, f32, matmul_f32, rank_sum
+from . import front, oproj, route, tail
+
+
+def check_box(op, name, box, parity=None, batch=None) -> None:
+    """A BF16 box [parities, sources, CAP, width]; parity and batch within it."""
+    check_tensor(op, name, box, torch.bfloat16, (None, None, None, None))
+    if parity is not None:
+        check_range(op, "parity", parity, 0, box.shape[0] - 1)
+    if batch is not None:
+        check_range(op, "batch (over the mailbox capacity?)", batch, 1, box.shape[2])
+
+
+def check_boxes(op, name, boxes, rank, parity, batch, sources) -> int:
+    """One box per rank, all alike, on one device; returns TP."""
+    if len(boxes) == 0:
+        fail(op, name, "one box per rank", "an empty list")
+    for i, box in enumerate(boxes):
+        check_box(op, f"{name}[{i}]", box, parity, batch)
+        if box.shape != boxes[0].shape or box.device != boxes[0].device:
+            fail(op, f"{name}[{i}]", f"like {name}[0] {list(boxes[0].shape)}", list(box.shape))
+    check_range(op, "rank", rank, 0, len(boxes) - 1)
+    if boxes[0].shape[1] != sources:
+        fail(op, name, f"boxes with {sources} source slots", list(boxes[0].shape))
+    return len(boxes)
+
+
+def check_error(op, error) -> None:
+    check_tensor(op, "error", error, torch.int32, (1,))
+
+
+def check_mailbox_arm(box) -> None:
+    check_box("mailbox_arm", "box", box)
+
+
+def mailbox_arm(box) -> None:
+    """Arm every word of ``box`` with the sentinel."""
+    check_mailbox_arm(box)
+    arm_(box)
+
+
+def check_mailbox_rearm(box, parity, batch) -> None:
+    check_box("mailbox_rearm", "box", box, parity, batch)
+
+
+def mailbox_rearm(box, parity: int, batch: int) -> None:
+    """Re-arm the rows [:batch] of every source of one parity."""
+    check_mailbox_rearm(box, parity, batch)
+    arm_(box[parity, :, :batch])
+
+
+def check_mailbox_take(box, parity, batch, error) -> None:
+    check_box("mailbox_take", "box", box, parity, batch)
+    check_error("mailbox_take", error)
+
+
+def mailbox_take(box, parity: int, batch: int, error):
+    """Poll rows [:batch] of every source of one parity, return them [sources, batch,
+    width] and re-arm them (the AttnRes consumer of o-proj partials and tail rows)."""
+    check_mailbox_take(box, parity, batch, error)
+    rows = box[parity, :, :batch].clone()
+    flag_missing(error, rows, TAKE_POLL)
+    arm_(box[parity, :, :batch])
+    return rows
+
+
+def mailbox_take_fake(box, parity, batch, error):
+    check_mailbox_take(box, parity, batch, error)
+    return box.new_empty((box.shape[1], batch, box.shape[3]))
+
+
+def check_oproj_publish(x, w, boxes, rank) -> int:
+    batch, _ = oproj.check_oproj(x, w)
+    check_boxes("oproj_publish", "boxes", boxes, rank, 0, batch, len(boxes))
+    if boxes[0].shape[3] != w.shape[0]:
+        fail("oproj_publish", "boxes", f"rows of width N = {w.shape[0]}", boxes[0].shape[3])
+    return batch
+
+
+def oproj_publish(x, w, boxes, rank: int) -> None:
+    """The o-proj producer: partial = BF16(x @ w.T) (this rank's K shard), stored as
+    source ``rank`` of every rank's AttnRes box [1, TP, CAP, H]."""
+    batch = check_oproj_publish(x, w, boxes, rank)
+    partial = no_neg_zero(oproj.oproj(x, w))
+    for box in boxes:
+        box[0, rank, :batch].copy_(partial)
+
+
+def check_moe_front_publish(x, w, n_logits, boxes, parity, rank) -> tuple[int, int]:
+    """Returns (B, L/TP)."""
+    op = "moe_front_publish"
+    batch, latent_shard = front.check_moe_front(x, w, n_logits)
+    tp = check_boxes(op, "boxes", boxes, rank, parity, batch, 1)
+    width = tp * (latent_shard + 2 * n_logits)
+    if boxes[0].shape[3] != width:
+        fail(op, "boxes", f"rows of width L + 2E = {width}", boxes[0].shape[3])
+    return batch, latent_shard
+
+
+def moe_front_publish(x, w, n_logits: int, boxes, parity: int, rank: int) -> None:
+    """The front GEMM over this rank's [router shard; down shard]: its E/TP logits (FP32
+    words) and L/TP latent columns go into the row of every rank's front box
+    [3, 1, CAP, L + 2E], latent at columns [rank·L/TP, …), logits at L + 2·rank·E/TP."""
+    batch, latent_shard = check_moe_front_publish(x, w, n_logits, boxes, parity, rank)
+    logits, latent = front.moe_front(x, w, n_logits)
+    latent_at = rank * latent_shard
+    logits_at = len(boxes) * latent_shard + 2 * rank * n_logits
+    words = no_neg_zero(logits).view(torch.bfloat16)
+    for box in boxes:
+        box[parity, 0, :batch, latent_at : latent_at + latent_shard].copy_(no_neg_zero(latent))
+        box[parity, 0, :batch, logits_at : logits_at + 2 * n_logits].copy_(words)
+
+
+def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error) -> int:
+    """Returns L."""
+    op = "moe_route_poll"
+    check_box(op, "box", box, parity, batch)
+    check_tensor(op, "bias", bias, torch.float32, (None,))
+    check_error(op, error)
+    check_same_device(op, box=box, bias=bias, error=error)
+    latent = box.shape[3] - 2 * bias.shape[0]
+    if latent <= 0:
+        fail(op, "box", f"rows wider than 2E = {2 * bias.shape[0]}", box.shape[3])
+    return latent
+
+
+def moe_route_poll(box, bias, scale: float, renorm: bool, parity: int, batch: int, error):
+    """The routing kernel's polled roles: poll the front row [L latent | E FP32 logits],
+    route (:func:`~kimi_ops.ops.route.moe_route`), copy the latent and re-arm the row.
+    Returns (ids [B, 16] int32, weights [B, 16] bf16, latent [B, L] bf16)."""
+    latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
+    rows = box[parity, 0, :batch]
+    flag_missing(error, rows, ROUTE_POLL)
+    latent = rows[:, :latent_width].clone()
+    logits = rows[:, latent_width:].contiguous().view(torch.float32)
+    ids, weights = route.moe_route(logits, bias, scale, renorm)
+    arm_(box[parity, :, :batch])
+    return ids, weights, latent
+
+
+def moe_route_poll_fake(box, bias, scale, renorm, parity, batch, error):
+    latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
+    return (
+        box.new_empty((batch, route.TOP_K), dtype=torch.int32),
+        box.new_empty((batch, route.TOP_K)),
+        box.new_empty((batch, latent_width)),
+    )
+
+
+def check_moe_tail_push(shared, rs_boxes, parity, rank) -> int:
+    op = "moe_tail_push"
+    check_tensor(op, "shared", shared, torch.bfloat16, (None, None))
+    tp = check_boxes(op, "rs_boxes", rs_boxes, rank, parity, shared.shape[0], len(rs_boxes))
+    if rs_boxes[0].shape[3] * tp != shared.shape[1]:
+        fail(op, "rs_boxes", f"rows of width H/TP = {shared.shape[1]}/{tp}", rs_boxes[0].shape[3])
+    return tp
+
+
+def moe_tail_push(shared, rs_boxes, parity: int, rank: int) -> None:
+    """The shared expert's reduce-scatter stores: column shard d of this rank's partial
+    shared output [B, H] goes to source ``rank`` of rank d's box [3, TP, CAP, H/TP]."""
+    tp = check_moe_tail_push(shared, rs_boxes, parity, rank)
+    for box, columns in zip(rs_boxes, no_neg_zero(shared).chunk(tp, dim=1)):
+        box[parity, rank, : shared.shape[0]].copy_(columns)
+
+
+def check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank) -> None:
+    op = "moe_tail_publish"
+    check_tensor(op, "expanded", expanded, torch.bfloat16, (None, route.TOP_K, None))
+    check_tensor(op, "weights", weights, torch.bfloat16, (expanded.shape[0], route.TOP_K))
+    check_boxes(op, "latent_boxes", latent_boxes, rank, parity, expanded.shape[0], len(latent_boxes))
+    if latent_boxes[0].shape[3] != expanded.shape[2]:
+        fail(op, "latent_boxes", f"rows of width L = {expanded.shape[2]}", latent_boxes[0].shape[3])
+
+
+def moe_tail_publish(expanded, weights, latent_boxes, parity: int, rank: int) -> None:
+    """The tail's front: partial = BF16(Σ_r row_r · w_r) (:func:`~kimi_ops.ops.tail.finalize`)
+    as source ``rank`` of every rank's latent box [3, TP, CAP, L]."""
+    check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank)
+    partial = no_neg_zero(tail.finalize(expanded, weights))
+    for box in latent_boxes:
+        box[parity, rank, : expanded.shape[0]].copy_(partial)
+
+
+def check_moe_tail_poll(
+    latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank, batch
+) -> None:
+    op = "moe_tail_poll"
+    check_box(op, "latent_box", latent_box, parity, batch)
+    check_box(op, "rs_box", rs_box, parity, batch)
+    check_range(op, "rearm_batch", rearm_batch, 1, latent_box.shape[2])
+    check_range(op, "rearm_parity", rearm_parity, 0, latent_box.shape[0] - 1)
+    if rearm_parity == parity:
+        fail(op, "rearm_parity", f"not the published parity {parity}", rearm_parity)
+    tp, latent = latent_box.shape[1], latent_box.shape[3]
+    check_tensor(op, "gamma", gamma, torch.bfloat16, (latent,))
+    check_tensor(op, "w_up", w_up, torch.bfloat16, (rs_box.shape[3], latent))
+    check_boxes(op, "out_boxes", out_boxes, rank, 0, batch, 1)
+    if len(out_boxes) != tp or out_boxes[0].shape[3] != tp * rs_box.shape[3]:
+        fail(op, "out_boxes", f"{tp} boxes of rows of width H = {tp * rs_box.shape[3]}", list(out_boxes[0].shape))
+    check_error(op, error)
+
+
+def moe_tail_poll(
+    latent_box, rs_box, gamma, w_up, eps: float, out_boxes, error,
+    parity: int, rearm_parity: int, rearm_batch: int, rank: int, batch: int,
+) -> None:
+    """The tail's polled half on one rank: latent = BF16(Σ of the TP sources in rank
+    order); the RMSNorm of :func:`~kimi_ops.ops.tail.tail_norm`; up = BF16(xn @ w_up.T)
+    over this rank's H/TP rows; out = BF16(up + BF16(Σ of the shared reduce-scatter
+    sources)); out goes to columns [rank·H/TP, …) of every rank's output box
+    [1, 1, CAP, H]. Then the previous MoE layer's parity (rows [:rearm_batch]) of the
+    latent and shared boxes is re-armed."""
+    check_moe_tail_poll(
+        latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank, batch
+    )
+    latent_rows, shared_rows = latent_box[parity, :, :batch], rs_box[parity, :, :batch]
+    flag_missing(error, latent_rows, TAIL_LATENT_POLL)
+    flag_missing(error, shared_rows, TAIL_SHARED_POLL)
+    xn = tail.tail_norm(rank_sum(latent_rows), gamma, eps)
+    out = bf16(f32(bf16(matmul_f32(xn, w_up))) + f32(rank_sum(shared_rows)))
+    columns = slice(rank * w_up.shape[0], (rank + 1) * w_up.shape[0])
+    for box in out_boxes:
+        box[0, 0, :batch, columns].copy_(no_neg_zero(out))
+    arm_(latent_box[rearm_parity, :, :rearm_batch])
+    arm_(rs_box[rearm_parity, :, :rearm_batch])
+
+
+def fake_of(check):
+    """The fake of a mutating op: its checks (metadata only), no result."""
+
+    def fake(*args) -> None:
+        check(*args)
+
+    return fake
+
+
+OPS = {
+    "mailbox_arm": (mailbox_arm, fake_of(check_mailbox_arm)),
+    "mailbox_rearm": (mailbox_rearm, fake_of(check_mailbox_rearm)),
+    "mailbox_take": (mailbox_take, mailbox_take_fake),
+    "oproj_publish": (oproj_publish, fake_of(check_oproj_publish)),
+    "moe_front_publish": (moe_front_publish, fake_of(check_moe_front_publish)),
+    "moe_route_poll": (moe_route_poll, moe_route_poll_fake),
+    "moe_tail_push": (moe_tail_push, fake_of(check_moe_tail_push)),
+    "moe_tail_publish": (moe_tail_publish, fake_of(check_moe_tail_publish)),
+    "moe_tail_poll": (moe_tail_poll, fake_of(check_moe_tail_poll)),
+}

@@ -1,0 +1,1 @@
+"""The stateful layer of DESIGN §4: mailboxes, TP groups, parities and the decoder."""
