@@ -19,4 +19,11 @@ for _stub in glob.glob(os.path.join(os.path.dirname(__file__), "_stubs*.so")):
     torch.ops.load_library(_stub)
 registry.register()
 
-__all__ = ["SCHEMAS", "KimiArgumentError", "load_stub_library", "registry"]
+from .config import KimiConfig  # noqa: E402  (after registration: they call the ops)
+from .mailbox import KimiMailboxError  # noqa: E402
+from .runtime.decoder import KimiDecoder  # noqa: E402
+
+__all__ = [
+    "SCHEMAS", "KimiArgumentError", "KimiConfig", "KimiDecoder", "KimiMailboxError",
+    "load_stub_library", "registry",
+]

@@ -17,6 +17,8 @@ class KimiConfig:
     renorm: bool = True
     eps: float = 1e-6
     capacity: int = 64  # CAP: the largest decode batch
+    attn_res_block: int = 2  # layers per AttnRes block
+    index_slots: int = 256  # rows of each layer's DSA index key cache
 
     @classmethod
     def kimi_k3(cls, expert_intermediate: int = 16, **overrides) -> "KimiConfig":

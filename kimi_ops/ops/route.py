@@ -37,7 +37,7 @@ def moe_route(logits, bias, scale: float, renorm: bool):
     rank_key = ordered_key(score + bias) * MAX_EXPERTS + lower_first
     top = rank_key.topk(TOP_K, dim=1, sorted=True).indices
     picked = score.gather(1, top)
-    weights = picked * torch.tensor(scale, dtype=torch.float32, device=logits.device)
+    weights = picked * scale  # a Python scalar enters FP32 math as FP32(scale)
     if renorm:
         weights = weights / (pairwise_sum(picked) + 1e-20).unsqueeze(1)
     return top.to(torch.int32), bf16(weights)

@@ -1,0 +1,54 @@
+"""The model-owned box set of one TP group (the seeds' ``MoeTailBox``, widened to the
+whole decode layer)."""
+
+import torch
+from torch import nn
+
+from ..config import KimiConfig
+from .groups import Boxes
+
+
+class DecodeBoxes(nn.Module):
+    """Every mailbox of the decode path, allocated once (before any capture) and armed:
+
+    - ``attn`` [1, TP, CAP, H]: o-proj partial rows, slot = rank (AttnRes input);
+    - ``front`` [3, 1, CAP, L + 2E]: the front row, latent then logits as FP32 words;
+    - ``latent`` [3, TP, CAP, L]: the tail's latent partials (all-reduce sources);
+    - ``rs`` [3, TP, CAP, H/TP]: the shared expert's reduce-scatter shards;
+    - ``out`` [1, 1, CAP, H]: the tail's output rows (the next AttnRes input);
+    - ``error`` [1] int32 per rank: bits of the polls that found nothing.
+
+    The boxes this process owns are buffers (``{kind}_{rank}``); ``peers(kind, rank)`` is
+    the ``boxes`` argument of a publishing op on that rank.
+    """
+
+    KINDS = ("attn", "front", "latent", "rs", "out")
+
+    def __init__(self, group, config: KimiConfig, device):
+        super().__init__()
+        tp, cap = group.tp, config.capacity
+        h, l, e = config.hidden, config.latent, config.experts
+        shapes = {
+            "attn": (1, tp, cap, h),
+            "front": (3, 1, cap, l + 2 * e),
+            "latent": (3, tp, cap, l),
+            "rs": (3, tp, cap, h // tp),
+            "out": (1, 1, cap, h),
+        }
+        self._peers: dict[str, dict[int, list[torch.Tensor]]] = {}
+        for kind, shape in shapes.items():
+            boxes: Boxes = group.allocate(shape, device)
+            for rank, box in zip(group.ranks, boxes.owned):
+                self.register_buffer(f"{kind}_{rank}", box)
+            self._peers[kind] = boxes.peers
+        for rank in group.ranks:
+            self.register_buffer(f"error_{rank}", torch.zeros(1, dtype=torch.int32, device=device))
+
+    def own(self, kind: str, rank: int) -> torch.Tensor:
+        return getattr(self, f"{kind}_{rank}")
+
+    def peers(self, kind: str, rank: int) -> list[torch.Tensor]:
+        return self._peers[kind][rank]
+
+    def error(self, rank: int) -> torch.Tensor:
+        return getattr(self, f"error_{rank}")

@@ -1,0 +1,243 @@
+"""A Kimi-K3 decode stack over the ``kimi`` ops and the model's mailboxes.
+
+Per layer and rank: the DSA index front (its keys into the layer's index cache), a
+stand-in attention core, the o-proj producer publishing partial rows, AttnRes over them,
+the MoE front publishing the front row, routing polling it, the shared expert pushing its
+reduce-scatter shards, the routed experts, and the tail publishing, polling and writing
+the output rows that the next AttnRes consumes.
+
+The attention core is a documented stand-in (not a seed kernel): attn = BF16(q_c @
+w_core.T), fed by q_c, the DSA index front's input rows; each rank computes its K/TP
+columns. Routed experts are plain torch in the latent space (:func:`kimi_ops.moe.routed_experts`);
+rank r serves experts [r·E/TP, (r+1)·E/TP) and zeroes the rows of the others.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import KimiConfig
+from ..mailbox import parities, raise_if_error
+from ..moe import MoeWeights, routed_experts
+from .boxes import DecodeBoxes
+from .groups import make_group
+
+kimi = torch.ops.kimi
+
+
+def weight(gen, *shape, scale=None):
+    """BF16 [out, in] with unit-variance outputs (scale defaults to in^-0.5)."""
+    return (torch.randn(*shape, generator=gen) * (scale or shape[-1] ** -0.5)).bfloat16()
+
+
+def norm_weight(gen, n):
+    return (1 + 0.1 * torch.randn(n, generator=gen)).bfloat16()
+
+
+def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
+    return w.chunk(tp, dim)[rank].contiguous()
+
+
+@dataclass
+class AttnResWeights:
+    query: torch.Tensor  # [H]
+    key_norm_w: torch.Tensor  # [H]
+    out_norm_w: torch.Tensor  # [H]
+
+    @classmethod
+    def random(cls, config: KimiConfig, gen):
+        h = config.hidden
+        return cls(weight(gen, h, scale=h**-0.5), norm_weight(gen, h), norm_weight(gen, h))
+
+
+@dataclass
+class AttentionWeights:
+    wq_a: torch.Tensor  # [q_lora, H]: q_c, the index front's raw rows
+    q_norm_w: torch.Tensor  # [q_lora]
+    wq_b: torch.Tensor  # [32·128, q_lora]
+    w_head: torch.Tensor  # [32, H]: the indexer's per-head weight inputs
+    wk: torch.Tensor  # [128, H]: indexer keys
+    k_norm_w: torch.Tensor  # [128]
+    k_norm_b: torch.Tensor  # [128]
+    w_core: torch.Tensor  # [K, q_lora]: the stand-in attention core
+    w_o: torch.Tensor  # [H, K]
+
+    @classmethod
+    def random(cls, config: KimiConfig, gen):
+        h, q, k = config.hidden, config.q_lora, config.attn_out
+        return cls(
+            weight(gen, q, h), norm_weight(gen, q), weight(gen, 4096, q), weight(gen, 32, h),
+            weight(gen, 128, h), norm_weight(gen, 128), weight(gen, 128, scale=0.1),
+            weight(gen, k, q), weight(gen, h, k),
+        )
+
+
+class RankLayer(nn.Module):
+    """One layer's prepared parts on one rank: its weight shards (buffers) and the
+    parities its MoE ordinal gives it."""
+
+    def __init__(self, config, attention: AttentionWeights, moe: MoeWeights, tp, rank, ordinal, count):
+        super().__init__()
+        e, l, s = config.experts, config.latent, config.shared_intermediate
+        self.rank, self.tp, self.config = rank, tp, config
+        self.parity, self.rearm = parities(ordinal, count)
+        # The first MoE layer re-arms the largest batch the last layer may have published.
+        self.wrap = ordinal == 0
+        buffers = {
+            # DSA index front (replicated) and its key cache.
+            "wq_a": attention.wq_a, "q_norm_w": attention.q_norm_w, "wq_b": attention.wq_b,
+            "w_head": attention.w_head, "wk": attention.wk,
+            "k_norm_w": attention.k_norm_w, "k_norm_b": attention.k_norm_b,
+            "index_cache": torch.zeros(config.index_slots, 132, dtype=torch.uint8),
+            # The attention stand-in's K/TP columns and the o-proj shard [H, K/TP].
+            "w_core": shard(attention.w_core, tp, rank),
+            "w_o": shard(attention.w_o, tp, rank, dim=1),
+            # The front [router shard; down shard] and the routing bias.
+            "front": torch.cat([shard(moe.front[:e], tp, rank), shard(moe.front[e:], tp, rank)]),
+            "bias": moe.bias,
+            # The shared expert: [gate shard; up shard] and the down shard [H, S/TP].
+            "shared_gate_up": torch.cat(
+                [shard(moe.shared_gate_up[:s], tp, rank), shard(moe.shared_gate_up[s:], tp, rank)]
+            ),
+            "shared_down": shard(moe.shared_down, tp, rank, dim=1),
+            "expert_gate_up": moe.expert_gate_up, "expert_down": moe.expert_down,
+            # The tail: this rank's H/TP up-projection rows and the RMS weight.
+            "w_up": shard(moe.w_up, tp, rank), "gamma": moe.gamma,
+        }
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor)
+        self.latent_width = l
+
+    def attention(self, x, slots, boxes: DecodeBoxes):
+        """Index front + key insert, the stand-in core, and the o-proj publish."""
+        config = self.config
+        q_c = kimi.oproj(x, self.wq_a)
+        kimi.dsa_index_front(q_c, self.wq_b, kimi.oproj(x, self.w_head), self.q_norm_w, config.eps)
+        k_in = kimi.oproj(x, self.wk)
+        kimi.dsa_index_key_insert(k_in, self.k_norm_w, self.k_norm_b, config.eps, self.index_cache, slots)
+        attn = kimi.oproj(q_c, self.w_core)
+        kimi.oproj_publish(attn, self.w_o, boxes.peers("attn", self.rank), self.rank)
+
+    def front_publish(self, x, boxes: DecodeBoxes):
+        n_logits = self.config.experts // self.tp
+        kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
+
+    def experts_and_shared(self, x, boxes: DecodeBoxes):
+        """Route (polled), push the shared expert's shards, run this rank's experts and
+        publish the tail's latent partial."""
+        config, rank, batch = self.config, self.rank, x.shape[0]
+        front_box, error = boxes.own("front", rank), boxes.error(rank)
+        ids, weights, latent = kimi.moe_route_poll(
+            front_box, self.bias, config.routed_scale, config.renorm, self.parity, batch, error
+        )
+        shared = kimi.oproj(kimi.situ(kimi.oproj(x, self.shared_gate_up), 1.0, 0.0), self.shared_down)
+        kimi.moe_tail_push(shared, boxes.peers("rs", rank), self.parity, rank)
+        expanded = routed_experts(latent, ids, self.expert_gate_up, self.expert_down)
+        mine = (ids // (config.experts // self.tp) == rank).unsqueeze(-1)
+        expanded = torch.where(mine, expanded, torch.zeros_like(expanded))
+        kimi.moe_tail_publish(expanded, weights, boxes.peers("latent", rank), self.parity, rank)
+
+    def tail(self, batch: int, boxes: DecodeBoxes):
+        rank = self.rank
+        kimi.moe_tail_poll(
+            boxes.own("latent", rank), boxes.own("rs", rank), self.gamma, self.w_up,
+            self.config.eps, boxes.peers("out", rank), boxes.error(rank), self.parity,
+            self.rearm, self.config.capacity if self.wrap else batch, rank, batch,
+        )
+
+
+class KimiDecoder(nn.Module):
+    """``num_layers`` Kimi-K3 decode layers (every layer MoE) over one TP group.
+
+    ``tp``: 1, a rank count (a simulated group: all ranks in this process, run phase by
+    phase) or a group object (:class:`~kimi_ops.runtime.groups.SymmMemGroup`). Weights are
+    drawn from ``seed`` at TP1 and sharded, so decoders of any TP share them. AttnRes
+    blocks hold ``config.attn_res_block`` layers; the embedding opens the first one.
+
+    ``forward(hidden [B, H] bf16, slots [B] int64 = arange(B))`` returns the last
+    AttnRes aggregate h [B, H] of rank ``group.ranks[0]``. All state lives in buffers
+    allocated here; eager calls check the error words and raise
+    :class:`~kimi_ops.mailbox.KimiMailboxError`; compiled and graph-replaying callers
+    call :meth:`check` (a host sync) when they choose.
+    """
+
+    def __init__(self, config: KimiConfig, num_layers: int, tp=1, seed: int = 0, device=None):
+        super().__init__()
+        self.config, self.num_layers = config, num_layers
+        self.group = group = make_group(tp)
+        for name, size in (("hidden", config.hidden), ("latent", config.latent),
+                           ("experts", config.experts), ("shared_intermediate", config.shared_intermediate),
+                           ("attn_out", config.attn_out)):
+            if size % group.tp:
+                raise ValueError(f"KimiDecoder: config.{name} = {size} is not divisible by TP = {group.tp}")
+        for ordinal in range(num_layers):  # reject parity collisions before allocating
+            parities(ordinal, num_layers)
+        gen = torch.Generator().manual_seed(seed)
+        self.embed_res = self.res_buffers(AttnResWeights.random(config, gen))
+        self.layers = nn.ModuleList()
+        self.attn_res = nn.ModuleList()
+        for i in range(num_layers):
+            attention = AttentionWeights.random(config, gen)
+            moe = MoeWeights.random(config, gen)
+            res = nn.ModuleList([self.res_buffers(AttnResWeights.random(config, gen)) for _ in range(2)])
+            ranks = [RankLayer(config, attention, moe, group.tp, r, i, num_layers) for r in group.ranks]
+            self.layers.append(nn.ModuleList(ranks))
+            self.attn_res.append(res)
+        self.to(device)
+        self.boxes = DecodeBoxes(group, config, device)  # after .to(): static addresses
+
+    @staticmethod
+    def res_buffers(weights: AttnResWeights) -> nn.Module:
+        module = nn.Module()
+        for name, tensor in vars(weights).items():
+            module.register_buffer(name, tensor)
+        return module
+
+    def residual(self, res, blocks, partial, rows):
+        return kimi.attn_res(blocks, partial, rows, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
+
+    def forward(self, hidden: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        config, group, boxes = self.config, self.group, self.boxes
+        batch = hidden.shape[0]
+        if batch > config.capacity:
+            raise ValueError(f"KimiDecoder: batch {batch} is over the mailbox capacity {config.capacity}")
+        if slots is None:
+            slots = torch.arange(batch, device=hidden.device)
+        ranks = group.ranks
+        empty = hidden.new_empty((0, batch, config.hidden))
+        # The embedding is the first sublayer output of the first block.
+        blocks, partial, x, h = {}, {}, {}, {}
+        for r in ranks:
+            blocks[r] = empty
+            partial[r], h[r], x[r] = self.residual(self.embed_res, empty, torch.zeros_like(hidden), hidden[None])
+        for i, (layer, (attn_res, moe_res)) in enumerate(zip(self.layers, self.attn_res)):
+            for r, part in zip(ranks, layer):
+                part.attention(x[r], slots, boxes)
+            group.sync()
+            for r, part in zip(ranks, layer):
+                rows = kimi.mailbox_take(boxes.own("attn", r), 0, batch, boxes.error(r))
+                partial[r], h[r], x[r] = self.residual(attn_res, blocks[r], partial[r], rows)
+                part.front_publish(x[r], boxes)
+            group.sync()
+            for r, part in zip(ranks, layer):
+                part.experts_and_shared(x[r], boxes)
+            group.sync()
+            for part in layer:
+                part.tail(batch, boxes)
+            group.sync()
+            for r in ranks:
+                rows = kimi.mailbox_take(boxes.own("out", r), 0, batch, boxes.error(r))
+                partial[r], h[r], x[r] = self.residual(moe_res, blocks[r], partial[r], rows)
+                if (i + 1) % config.attn_res_block == 0:  # a block boundary (static)
+                    blocks[r] = torch.cat([blocks[r], partial[r][None]])
+                    partial[r] = torch.zeros_like(partial[r])
+        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not (torch.compiler.is_compiling() or capturing):
+            self.check()
+        return h[ranks[0]]
+
+    def check(self) -> None:
+        """Raise KimiMailboxError if any poll of this process's ranks found nothing (syncs)."""
+        for r in self.group.ranks:
+            raise_if_error(self.boxes.error(r))

@@ -1,0 +1,93 @@
+"""TP groups (DESIGN §4): who owns which boxes, and how a rank addresses its peers'.
+
+One interface, three implementations. ``allocate`` returns, for every rank this process
+drives, the list of every rank's box as that rank addresses it (its own one at its rank):
+the ``boxes`` argument of the publishing ops. ``owned`` are the buffers this process
+allocated (registered as module buffers: static addresses for CUDA graphs).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..mailbox import arm_
+
+
+@dataclass
+class Boxes:
+    owned: list[torch.Tensor]  # one per local rank
+    peers: dict[int, list[torch.Tensor]]  # local rank → every rank's box, rank order
+
+
+class LocalGroup:
+    """TP1: one rank, one box."""
+
+    tp, ranks = 1, (0,)
+
+    def allocate(self, shape, device) -> Boxes:
+        box = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        arm_(box)
+        return Boxes([box], {0: [box]})
+
+    def sync(self) -> None:
+        """Between a publishing phase and its polls: nothing to wait for."""
+
+
+class SimulatedGroup:
+    """N ranks in one process (reference backend): every box is a local tensor and the
+    decoder runs the ranks phase by phase, so TP2/TP8/TP16 semantics run on the CPU."""
+
+    def __init__(self, tp: int):
+        if tp < 1:
+            raise ValueError(f"SimulatedGroup: tp must be ≥ 1, got {tp}")
+        self.tp, self.ranks = tp, tuple(range(tp))
+
+    def allocate(self, shape, device) -> Boxes:
+        boxes = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in self.ranks]
+        for box in boxes:
+            arm_(box)
+        return Boxes(boxes, {rank: boxes for rank in self.ranks})
+
+    def sync(self) -> None:
+        """Phases run one after the other: every rank's stores are done."""
+
+
+class SymmMemGroup:
+    """One rank per process over torch.distributed symmetric memory: boxes from
+    ``symm_mem.empty``, peers' boxes from ``rendezvous`` (``get_buffer``). Multicast is
+    used only when the handle's ``multicast_ptr`` is non-zero; otherwise (and always in
+    the reference backend) a multicast store is one peer store per rank."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self.group = group or dist.group.WORLD
+        self.tp = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.ranks = (self.rank,)
+        self.handles = []
+
+    def allocate(self, shape, device) -> Boxes:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        box = symm_mem.empty(shape, dtype=torch.bfloat16, device=device)
+        arm_(box)
+        handle = symm_mem.rendezvous(box, self.group.group_name)
+        self.handles.append(handle)
+        peers = [handle.get_buffer(p, tuple(shape), torch.bfloat16) for p in range(self.tp)]
+        return Boxes([box], {self.rank: peers})
+
+    @property
+    def multicast(self) -> bool:
+        return bool(self.handles) and self.handles[0].multicast_ptr != 0
+
+    def sync(self) -> None:
+        """Reference backend only: wait for every rank's stores (kernels poll instead)."""
+        self.handles[0].barrier()
+
+
+def make_group(tp) -> LocalGroup | SimulatedGroup | SymmMemGroup:
+    """``tp``: 1, a rank count (simulated in this process), or a group object."""
+    if isinstance(tp, int):
+        return LocalGroup() if tp == 1 else SimulatedGroup(tp)
+    return tp
