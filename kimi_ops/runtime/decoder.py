@@ -232,8 +232,10 @@ class KimiDecoder(nn.Module):
                 if (i + 1) % config.attn_res_block == 0:  # a block boundary (static)
                     blocks[r] = torch.cat([blocks[r], partial[r][None]])
                     partial[r] = torch.zeros_like(partial[r])
-        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not (torch.compiler.is_compiling() or capturing):
+        # Host checks sync: not while tracing (short-circuits) nor capturing.
+        if not torch.compiler.is_compiling() and not (
+            hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
             self.check()
         return h[ranks[0]]
 
