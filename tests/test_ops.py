@@ -99,10 +99,11 @@ def test_moe_tail(gen, device, batch):
     got = kimi.moe_tail(*args, 1e-6)
     want = oracle.tail(*(a.cpu() for a in args), 1e-6)
     # out = up + shared: count ulps at the larger term's size (CUDA's rsqrt may flip an xn,
-    # and so a row of up, by one ulp: many ulps of a cancelled out).
+    # and so a row of up, by one ulp: many ulps of a cancelled out); that flip plus out's
+    # own rounding make two.
     shared = args[2].cpu().double()
     terms = torch.maximum((want.double() - shared).abs(), shared.abs()) * (1 + 2**-7)
-    assert_bf16_close(got, want, magnitude=terms)
+    assert_bf16_close(got, want, max_ulps=2, magnitude=terms)
 
 
 def test_moe_tail_kimi_shapes(gen):
