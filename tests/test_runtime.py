@@ -28,13 +28,13 @@ def concentrate(decoder: KimiDecoder, tp: int) -> KimiDecoder:
     for layer in decoder.layers:
         for part in layer:
             if decoder.group.tp == 1:
-                part.w_o[:, c.attn_out // tp :] = 0
-                part.shared_down[:, c.shared_intermediate // tp :] = 0
+                part.oproj.w_o[:, c.attn_out // tp :] = 0
+                part.front.shared_down[:, c.shared_intermediate // tp :] = 0
             elif part.rank != 0:
-                part.w_o.zero_()
-                part.shared_down.zero_()
-            part.expert_gate_up[c.experts // tp :] = 0
-            part.expert_down[c.experts // tp :] = 0
+                part.oproj.w_o.zero_()
+                part.front.shared_down.zero_()
+            part.front.expert_gate_up[c.experts // tp :] = 0
+            part.front.expert_down[c.experts // tp :] = 0
     return decoder
 
 

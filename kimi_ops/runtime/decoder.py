@@ -19,9 +19,10 @@ from torch import nn
 
 from ..config import KimiConfig
 from ..mailbox import parities, raise_if_error
-from ..moe import MoeWeights, routed_experts
+from ..moe import MoeWeights
 from .boxes import DecodeBoxes
 from .groups import make_group
+from .prepared import PreparedFront, PreparedIndexFront, PreparedOproj, PreparedTail
 
 kimi = torch.ops.kimi
 
@@ -33,10 +34,6 @@ def weight(gen, *shape, scale=None):
 
 def norm_weight(gen, n):
     return (1 + 0.1 * torch.randn(n, generator=gen)).bfloat16()
-
-
-def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
-    return w.chunk(tp, dim)[rank].contiguous()
 
 
 @dataclass
@@ -74,77 +71,28 @@ class AttentionWeights:
 
 
 class RankLayer(nn.Module):
-    """One layer's prepared parts on one rank: its weight shards (buffers) and the
-    parities its MoE ordinal gives it."""
+    """One layer on one rank: its prepared parts, in the order the decoder drives them."""
 
     def __init__(self, config, attention: AttentionWeights, moe: MoeWeights, tp, rank, ordinal, count):
         super().__init__()
-        e, l, s = config.experts, config.latent, config.shared_intermediate
-        self.rank, self.tp, self.config = rank, tp, config
-        self.parity, self.rearm = parities(ordinal, count)
-        # The first MoE layer re-arms the largest batch the last layer may have published.
-        self.wrap = ordinal == 0
-        buffers = {
-            # DSA index front (replicated) and its key cache.
-            "wq_a": attention.wq_a, "q_norm_w": attention.q_norm_w, "wq_b": attention.wq_b,
-            "w_head": attention.w_head, "wk": attention.wk,
-            "k_norm_w": attention.k_norm_w, "k_norm_b": attention.k_norm_b,
-            "index_cache": torch.zeros(config.index_slots, 132, dtype=torch.uint8),
-            # The attention stand-in's K/TP columns and the o-proj shard [H, K/TP].
-            "w_core": shard(attention.w_core, tp, rank),
-            "w_o": shard(attention.w_o, tp, rank, dim=1),
-            # The front [router shard; down shard] and the routing bias.
-            "front": torch.cat([shard(moe.front[:e], tp, rank), shard(moe.front[e:], tp, rank)]),
-            "bias": moe.bias,
-            # The shared expert: [gate shard; up shard] and the down shard [H, S/TP].
-            "shared_gate_up": torch.cat(
-                [shard(moe.shared_gate_up[:s], tp, rank), shard(moe.shared_gate_up[s:], tp, rank)]
-            ),
-            "shared_down": shard(moe.shared_down, tp, rank, dim=1),
-            "expert_gate_up": moe.expert_gate_up, "expert_down": moe.expert_down,
-            # The tail: this rank's H/TP up-projection rows and the RMS weight.
-            "w_up": shard(moe.w_up, tp, rank), "gamma": moe.gamma,
-        }
-        for name, tensor in buffers.items():
-            self.register_buffer(name, tensor)
-        self.latent_width = l
+        parity, rearm = parities(ordinal, count)
+        self.rank = rank
+        self.index = PreparedIndexFront(config, tp, rank, attention)
+        self.oproj = PreparedOproj(config, tp, rank, attention)
+        self.front = PreparedFront(config, tp, rank, moe, parity)
+        self.tail = PreparedTail(config, tp, rank, moe, parity, rearm, wrap=ordinal == 0)
 
     def attention(self, x, slots, boxes: DecodeBoxes):
-        """Index front + key insert, the stand-in core, and the o-proj publish."""
-        config = self.config
-        q_c = kimi.oproj(x, self.wq_a)
-        kimi.dsa_index_front(q_c, self.wq_b, kimi.oproj(x, self.w_head), self.q_norm_w, config.eps)
-        k_in = kimi.oproj(x, self.wk)
-        kimi.dsa_index_key_insert(k_in, self.k_norm_w, self.k_norm_b, config.eps, self.index_cache, slots)
-        attn = kimi.oproj(q_c, self.w_core)
-        kimi.oproj_publish(attn, self.w_o, boxes.peers("attn", self.rank), self.rank)
+        """The index front (keys into the cache), the stand-in core and the o-proj publish."""
+        q_c, _, _ = self.index.run(x, slots)
+        self.oproj.run(q_c, boxes)
 
     def front_publish(self, x, boxes: DecodeBoxes):
-        n_logits = self.config.experts // self.tp
-        kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
+        self.front.publish(x, boxes)
 
-    def experts_and_shared(self, x, boxes: DecodeBoxes):
-        """Route (polled), push the shared expert's shards, run this rank's experts and
-        publish the tail's latent partial."""
-        config, rank, batch = self.config, self.rank, x.shape[0]
-        front_box, error = boxes.own("front", rank), boxes.error(rank)
-        ids, weights, latent = kimi.moe_route_poll(
-            front_box, self.bias, config.routed_scale, config.renorm, self.parity, batch, error
-        )
-        shared = kimi.oproj(kimi.situ(kimi.oproj(x, self.shared_gate_up), 1.0, 0.0), self.shared_down)
-        kimi.moe_tail_push(shared, boxes.peers("rs", rank), self.parity, rank)
-        expanded = routed_experts(latent, ids, self.expert_gate_up, self.expert_down)
-        mine = (ids // (config.experts // self.tp) == rank).unsqueeze(-1)
-        expanded = torch.where(mine, expanded, torch.zeros_like(expanded))
-        kimi.moe_tail_publish(expanded, weights, boxes.peers("latent", rank), self.parity, rank)
-
-    def tail(self, batch: int, boxes: DecodeBoxes):
-        rank = self.rank
-        kimi.moe_tail_poll(
-            boxes.own("latent", rank), boxes.own("rs", rank), self.gamma, self.w_up,
-            self.config.eps, boxes.peers("out", rank), boxes.error(rank), self.parity,
-            self.rearm, self.config.capacity if self.wrap else batch, rank, batch,
-        )
+    def experts(self, x, boxes: DecodeBoxes):
+        """Routing, the shared expert's push, the routed experts and the tail's publish."""
+        self.tail.publish(*self.front.run(x, boxes), boxes)
 
 
 class KimiDecoder(nn.Module):
@@ -221,10 +169,10 @@ class KimiDecoder(nn.Module):
                 part.front_publish(x[r], boxes)
             group.sync()
             for r, part in zip(ranks, layer):
-                part.experts_and_shared(x[r], boxes)
+                part.experts(x[r], boxes)
             group.sync()
             for part in layer:
-                part.tail(batch, boxes)
+                part.tail.run(batch, boxes)
             group.sync()
             for r in ranks:
                 rows = kimi.mailbox_take(boxes.own("out", r), 0, batch, boxes.error(r))

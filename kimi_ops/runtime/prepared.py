@@ -1,0 +1,116 @@
+"""One rank's prepared parts of a decode layer (the seeds' ``Prepared*`` runtime objects):
+weight shards as buffers, the layer's parities, and the op calls of each kernel family.
+CuTe kernels slot in under the ops; the parts stay as they are."""
+
+import torch
+from torch import nn
+
+from ..config import KimiConfig
+from ..moe import routed_experts
+from .boxes import DecodeBoxes
+
+kimi = torch.ops.kimi
+
+
+def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
+    return w.chunk(tp, dim)[rank].contiguous()
+
+
+class Prepared(nn.Module):
+    def __init__(self, config: KimiConfig, tp: int, rank: int, **buffers: torch.Tensor):
+        super().__init__()
+        self.config, self.tp, self.rank = config, tp, rank
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor)
+
+
+class PreparedIndexFront(Prepared):
+    """The DSA index front (replicated on every rank) and the layer's key cache."""
+
+    def __init__(self, config, tp, rank, attention):
+        super().__init__(
+            config, tp, rank, wq_a=attention.wq_a, q_norm_w=attention.q_norm_w,
+            wq_b=attention.wq_b, w_head=attention.w_head, wk=attention.wk,
+            k_norm_w=attention.k_norm_w, k_norm_b=attention.k_norm_b,
+            index_cache=torch.zeros(config.index_slots, 132, dtype=torch.uint8),
+        )
+
+    def run(self, x, slots):
+        """q_c (the raw rows the front normalizes), the FP8 query and head weights; the
+        keys go into the cache at ``slots``."""
+        eps = self.config.eps
+        q_c = kimi.oproj(x, self.wq_a)
+        q, head_w = kimi.dsa_index_front(q_c, self.wq_b, kimi.oproj(x, self.w_head), self.q_norm_w, eps)
+        kimi.dsa_index_key_insert(kimi.oproj(x, self.wk), self.k_norm_w, self.k_norm_b, eps, self.index_cache, slots)
+        return q_c, q, head_w
+
+
+class PreparedOproj(Prepared):
+    """The stand-in attention core's K/TP columns, attn = BF16(q_c @ w_core.T), and the
+    o-proj producer over this rank's shard [H, K/TP]."""
+
+    def __init__(self, config, tp, rank, attention):
+        super().__init__(
+            config, tp, rank, w_core=shard(attention.w_core, tp, rank), w_o=shard(attention.w_o, tp, rank, dim=1)
+        )
+
+    def run(self, q_c, boxes: DecodeBoxes):
+        kimi.oproj_publish(kimi.oproj(q_c, self.w_core), self.w_o, boxes.peers("attn", self.rank), self.rank)
+
+
+class PreparedFront(Prepared):
+    """The MoE front [router shard; down shard], routing, the shared expert
+    ([gate shard; up shard], down shard [H, S/TP]) and this rank's routed experts
+    (experts [rank·E/TP, (rank+1)·E/TP); the others' rows are zero)."""
+
+    def __init__(self, config, tp, rank, moe, parity):
+        e, s = config.experts, config.shared_intermediate
+        super().__init__(
+            config, tp, rank,
+            front=torch.cat([shard(moe.front[:e], tp, rank), shard(moe.front[e:], tp, rank)]),
+            bias=moe.bias,
+            shared_gate_up=torch.cat([shard(moe.shared_gate_up[:s], tp, rank), shard(moe.shared_gate_up[s:], tp, rank)]),
+            shared_down=shard(moe.shared_down, tp, rank, dim=1),
+            expert_gate_up=moe.expert_gate_up, expert_down=moe.expert_down,
+        )
+        self.parity = parity
+
+    def publish(self, x, boxes: DecodeBoxes):
+        n_logits = self.config.experts // self.tp
+        kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
+
+    def run(self, x, boxes: DecodeBoxes):
+        """Route (polled), push the shared expert's reduce-scatter shards; returns this
+        rank's expert rows [B, 16, L] and the routing weights."""
+        config, rank = self.config, self.rank
+        ids, weights, latent = kimi.moe_route_poll(
+            boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
+            self.parity, x.shape[0], boxes.error(rank),
+        )
+        shared = kimi.oproj(kimi.situ(kimi.oproj(x, self.shared_gate_up), 1.0, 0.0), self.shared_down)
+        kimi.moe_tail_push(shared, boxes.peers("rs", rank), self.parity, rank)
+        expanded = routed_experts(latent, ids, self.expert_gate_up, self.expert_down)
+        mine = (ids // (config.experts // self.tp) == rank).unsqueeze(-1)
+        return torch.where(mine, expanded, torch.zeros_like(expanded)), weights
+
+
+class PreparedTail(Prepared):
+    """The MoE tail: this rank's H/TP up-projection rows, the RMS weight, and the parities
+    of its MoE ordinal (publish into ``parity``; re-arm ``rearm``, the previous MoE
+    layer's, for the batch it ran — the first layer re-arms the whole capacity, the
+    largest batch the last layer may have published)."""
+
+    def __init__(self, config, tp, rank, moe, parity, rearm, wrap):
+        super().__init__(config, tp, rank, w_up=shard(moe.w_up, tp, rank), gamma=moe.gamma)
+        self.parity, self.rearm, self.wrap = parity, rearm, wrap
+
+    def publish(self, expanded, weights, boxes: DecodeBoxes):
+        kimi.moe_tail_publish(expanded, weights, boxes.peers("latent", self.rank), self.parity, self.rank)
+
+    def run(self, batch: int, boxes: DecodeBoxes):
+        rank, config = self.rank, self.config
+        kimi.moe_tail_poll(
+            boxes.own("latent", rank), boxes.own("rs", rank), self.gamma, self.w_up, config.eps,
+            boxes.peers("out", rank), boxes.error(rank), self.parity, self.rearm,
+            config.capacity if self.wrap else batch, rank, batch,
+        )
