@@ -144,3 +144,15 @@ def test_compiled_decoder_equals_eager_and_reinplaces_boxes():
         if name in ("mailbox_take", "moe_route_poll", "moe_tail_poll"):
             assert re.match(r"arg\d+_1,", args), (name, args)
     assert ".copy_(" not in code and "clone" not in code
+
+
+def test_recompiles_are_bounded_by_batch_buckets():
+    """One graph per decode batch bucket; repeated buckets reuse theirs."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = torch.compile(KimiDecoder(CONFIG, 2, seed=9), fullgraph=True, dynamic=False)
+    for batch in (1, 8, 1, 8, 8):
+        compiled(hidden_states(batch))
+    assert counters["stats"]["unique_graphs"] == 2
