@@ -18,6 +18,10 @@ from .schemas import SCHEMAS
 for _stub in glob.glob(os.path.join(os.path.dirname(__file__), "_stubs*.so")):
     torch.ops.load_library(_stub)
 registry.register()
+if torch.cuda.is_available():  # CuTe kernels under the CUDA dispatch, where CuTe DSL is installed
+    from . import kernels
+
+    kernels.register()
 
 from .config import KimiConfig  # noqa: E402  (after registration: they call the ops)
 from .mailbox import KimiMailboxError  # noqa: E402

@@ -1,0 +1,39 @@
+"""CUDA-graph timing shared by the benchmarks (DESIGN §7)."""
+
+import torch
+
+HBM_READ_BYTES_PER_US = 4.26e6  # 4.26 TB/s, measured on the H200
+
+
+def graph_us(fn, calls: int = 20, replays: int = 30) -> float:
+    """Median µs per call of ``fn`` replayed from a CUDA graph of ``calls`` back-to-back
+    calls (launch gaps included, host cost excluded)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def floor_us(nbytes: int) -> float:
+    return nbytes / HBM_READ_BYTES_PER_US
+
+
+def print_table(rows, columns) -> None:
+    print(" ".join(f"{c:>10s}" for c in columns))
+    for row in rows:
+        print(" ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v!s:>10s}" for v in row))

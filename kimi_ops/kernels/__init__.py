@@ -1,0 +1,13 @@
+"""CuTe DSL kernels (Hopper first). Importing this package needs ``nvidia-cutlass-dsl``;
+:func:`register` puts the kernels under the ``kimi`` ops' CUDA dispatch."""
+
+
+def register() -> bool:
+    """Register every kernel family's ops in :data:`kimi_ops.backend.KERNELS`; False if
+    CuTe DSL is not installed."""
+    try:
+        from . import route
+    except ImportError:
+        return False
+    route.register()
+    return True

@@ -1,0 +1,104 @@
+"""CuTe kernels: every variant compiles for sm_90a without a GPU; on a Hopper GPU each
+matches the reference backend on the same device."""
+
+import os
+
+import pytest
+import torch
+
+cute_dsl = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
+
+from kimi_ops.kernels import route  # noqa: E402
+
+from conftest import bf16_ulps  # noqa: E402
+
+on_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU"
+)
+ROUTE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("experts", [16, 64, 896, 1024])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_route_compiles(experts, renorm):
+    assert route.compile_route.build(experts, renorm) is not None
+
+
+@pytest.mark.parametrize("width", [768, 6144])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_situ_compiles(width, dtype):
+    assert route.compile_situ.build(width, dtype) is not None
+
+
+def reference(op, *args):
+    os.environ["KIMI_OPS_BACKEND"] = "reference"
+    try:
+        return op(*args)
+    finally:
+        del os.environ["KIMI_OPS_BACKEND"]
+
+
+def assert_route_matches(logits, bias, renorm):
+    ids, weights = torch.ops.kimi.moe_route(logits, bias, 2.827, renorm)
+    want_ids, want_weights = reference(torch.ops.kimi.moe_route, logits, bias, 2.827, renorm)
+    assert torch.equal(ids, want_ids)
+    assert int(bf16_ulps(weights.cpu(), want_weights.cpu()).max()) <= 1
+
+
+@on_hopper
+@pytest.mark.parametrize("experts", [64, 896, 1024])
+@pytest.mark.parametrize("batch", ROUTE_BATCHES)
+def test_route_kernel(experts, batch):
+    gen = torch.Generator().manual_seed(batch * experts)
+    logits = (torch.randn(batch, experts, generator=gen) * 3).cuda()
+    bias = (torch.randn(experts, generator=gen) * 0.1).cuda()
+    for renorm in (True, False):
+        assert_route_matches(logits, bias, renorm)
+
+
+@on_hopper
+def test_route_kernel_ties_nan_and_many_candidates():
+    experts = 896
+    logits = torch.randn(6, experts, generator=torch.Generator().manual_seed(0))
+    logits[0] = 0.5  # every key tied: 896 candidates, the 16 lowest ids win
+    logits[1, ::3] = float("nan")
+    logits[2] = float("nan")
+    logits[3, 100:140] = 4.0  # 40 tied leaders
+    logits[4] = float("-inf")
+    logits[5, 7] = float("inf")
+    assert_route_matches(logits.cuda(), torch.zeros(experts, device="cuda"), True)
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", ROUTE_BATCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_situ_kernel(batch, dtype):
+    gate_up = (torch.randn(batch, 2 * 6144, generator=torch.Generator().manual_seed(batch)) * 3).to(dtype).cuda()
+    got = torch.ops.kimi.situ(gate_up, 1.0, 0.0)
+    want = reference(torch.ops.kimi.situ, gate_up, 1.0, 0.0)
+    ulps = bf16_ulps(got.cpu(), want.cpu())
+    assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 0.01
+
+
+@on_hopper
+def test_route_and_situ_in_compile_and_cuda_graph():
+    logits = torch.randn(8, 896, device="cuda")
+    bias = torch.randn(896, device="cuda") * 0.1
+    gate_up = torch.randn(8, 2 * 6144, device="cuda")
+
+    def step(logits, bias, gate_up):
+        ids, weights = torch.ops.kimi.moe_route(logits, bias, 2.827, True)
+        return ids, weights, torch.ops.kimi.situ(gate_up, 1.0, 0.0)
+
+    want = step(logits, bias, gate_up)
+    compiled = torch.compile(step, fullgraph=True)
+    for got, expected in zip(compiled(logits, bias, gate_up), want):
+        assert torch.equal(got, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(logits, bias, gate_up)
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    for got, expected in zip(outs, step(logits, bias, gate_up)):
+        assert torch.equal(got, expected)
