@@ -1,5 +1,5 @@
 """Routing and the shared expert's activation on Hopper (the seeds' ``RouteSitu`` route
-and situ roles): one CTA of 256 threads per token.
+and situ roles). Route: one CTA of 256 threads per token.
 
 Route (exact top-16 of E ≤ 1024): thread t owns experts t + 256·i. Each expert's rank key
 is the 64-bit word ordered(sigmoid(logit) + bias) << 32 | ~expert, so larger words rank
@@ -11,7 +11,7 @@ larger ones (many candidates, e.g. all keys tied, only loop longer). Warp 0 publ
 butterfly sum of the 16 scores + 1e-20, one BF16 rounding.
 
 Situ: gate and up each rounded to BF16, g · sigmoid(beta · g) · (u + linear_beta) in FP32,
-BF16 out.
+BF16 out; 1024 columns of one token per CTA.
 
 PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; dependents are
 released at the end, so they cannot take SMs from a tail still routing.
@@ -127,31 +127,38 @@ class Route:
 
 
 class Situ:
+    """Grid (B, chunks): a CTA covers COLUMNS_PER_CTA columns of one token, so a small
+    batch still spreads over many SMs; each thread issues all its loads first."""
+
+    COLUMNS_PER_CTA = 4 * THREADS
+
     def __init__(self, width: int):
         self.width = width
+        self.chunks = (width + self.COLUMNS_PER_CTA - 1) // self.COLUMNS_PER_CTA
 
     @cute.jit
     def __call__(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32, stream):
         self.kernel(gate_up, out, beta, linear_beta).launch(
-            grid=[gate_up.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
+            grid=[gate_up.shape[0], self.chunks, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
     def kernel(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32):
         tid, _, _ = cute.arch.thread_idx()
-        token, _, _ = cute.arch.block_idx()
-        rounds = (self.width + THREADS - 1) // THREADS
+        token, chunk, _ = cute.arch.block_idx()
+        first = chunk * self.COLUMNS_PER_CTA + tid
+        rounds = self.COLUMNS_PER_CTA // THREADS
         cute.arch.griddepcontrol_wait()
         pair = cute.make_rmem_tensor((rounds, 2), Float32)
         for i in cutlass.range_constexpr(rounds):  # issue every load first
-            if tid + THREADS * i < self.width:
-                pair[i, 0] = Float32(gate_up[token, tid + THREADS * i])
-                pair[i, 1] = Float32(gate_up[token, self.width + tid + THREADS * i])
+            if first + THREADS * i < self.width:
+                pair[i, 0] = Float32(gate_up[token, first + THREADS * i])
+                pair[i, 1] = Float32(gate_up[token, self.width + first + THREADS * i])
         for i in cutlass.range_constexpr(rounds):
-            if tid + THREADS * i < self.width:
+            if first + THREADS * i < self.width:
                 gate = Float32(BFloat16(pair[i, 0]))
                 up = Float32(BFloat16(pair[i, 1]))
-                out[token, tid + THREADS * i] = BFloat16(gate * sigmoid(gate * beta) * (up + linear_beta))
+                out[token, first + THREADS * i] = BFloat16(gate * sigmoid(gate * beta) * (up + linear_beta))
         cute.arch.griddepcontrol_launch_dependents()
 
 
