@@ -10,6 +10,7 @@ cute_dsl = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
 
 from kimi_ops.kernels import route  # noqa: E402
+from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 
 from conftest import bf16_ulps  # noqa: E402
 
@@ -21,8 +22,15 @@ ROUTE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 @pytest.mark.parametrize("experts", [16, 64, 896, 1024])
 @pytest.mark.parametrize("renorm", [True, False])
-def test_route_compiles(experts, renorm):
-    assert route.compile_route.build(experts, renorm) is not None
+@pytest.mark.parametrize("lean", [True, False])
+def test_route_compiles(experts, renorm, lean):
+    assert route.compile_route.build(experts, renorm, lean) is not None
+
+
+@pytest.mark.parametrize("experts, latent", [(64, 128), (896, 3584), (1024, 3584)])
+@pytest.mark.parametrize("lean", [True, False])
+def test_route_poll_compiles(experts, latent, lean):
+    assert route.compile_route_poll.build(experts, latent, True, lean) is not None
 
 
 @pytest.mark.parametrize("width", [768, 6144])
@@ -102,3 +110,44 @@ def test_route_and_situ_in_compile_and_cuda_graph():
     graph.replay()
     for got, expected in zip(outs, step(logits, bias, gate_up)):
         assert torch.equal(got, expected)
+
+
+def published_front_box(batch, experts, latent, parity, capacity=64, seed=0):
+    """A TP2 front box whose row ``parity`` holds both ranks' published shards."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 512, generator=gen).bfloat16().cuda()
+    boxes = [torch.empty(3, 1, capacity, latent + 2 * experts, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    for box in boxes:
+        torch.ops.kimi.mailbox_arm(box)
+    for rank in range(2):
+        w = (torch.randn(experts // 2 + latent // 2, 512, generator=gen) * 0.05).bfloat16().cuda()
+        torch.ops.kimi.moe_front_publish(x, w, experts // 2, boxes, parity, rank)
+    return boxes[0]
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", ROUTE_BATCHES)
+def test_route_poll_kernel(batch):
+    experts, latent, parity = 896, 3584, 1
+    box = published_front_box(batch, experts, latent, parity, seed=batch)
+    bias = (torch.randn(experts, generator=torch.Generator().manual_seed(1)) * 0.1).cuda()
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    want_box, want_error = box.clone(), error.clone()
+    want = reference(torch.ops.kimi.moe_route_poll, want_box, bias, 2.827, True, parity, batch, want_error)
+    got = torch.ops.kimi.moe_route_poll(box, bias, 2.827, True, parity, batch, error)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert int(bf16_ulps(got[1].cpu(), want[1].cpu()).max()) <= 1
+    assert torch.equal(box.view(torch.int32), want_box.view(torch.int32))  # re-armed alike
+    assert int(error) == 0
+
+
+@on_hopper
+def test_route_poll_kernel_times_out_into_the_error_word():
+    box = torch.empty(3, 1, 64, 3584 + 2 * 896, dtype=torch.bfloat16, device="cuda")
+    torch.ops.kimi.mailbox_arm(box)  # nothing ever published
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.ops.kimi.moe_route_poll(box, torch.zeros(896, device="cuda"), 1.0, True, 0, 4, error)
+    torch.cuda.synchronize()  # returns: the poll is bounded
+    assert int(error) == 1
+    with pytest.raises(KimiMailboxError, match="front row"):
+        raise_if_error(error)

@@ -99,3 +99,64 @@ def sigmoid(x: Float32) -> Float32:
     """1 / (1 + exp(−x)) with the accurate exp and an IEEE reciprocal, as torch's CUDA
     sigmoid computes it."""
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+
+@cute.jit
+def bits_float(x: Uint32) -> Float32:
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x])
+
+
+SENTINEL = 0x80000000  # the armed word (kimi_ops.mailbox.SENTINEL as uint32)
+POLL_TIMEOUT_NS = 50_000_000  # a poll that sees nothing for 50 ms gives up and reports
+
+
+@cute.jit
+def load_packet(address):
+    """One 16-byte packet, four words, read as one vector load (relaxed, system scope)."""
+    return cute.arch.inline_ptx(
+        "ld.relaxed.sys.global.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[address],
+    )
+
+
+@cute.jit
+def store_words(address, words):
+    """Four words as one 16-byte vector store."""
+    cute.arch.inline_ptx(
+        "st.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+        read_only_args=[address, words[0], words[1], words[2], words[3]],
+    )
+
+
+@cute.jit
+def rearm(address):
+    """Write the sentinel over a consumed packet (relaxed, system scope)."""
+    armed = Uint32(SENTINEL)
+    cute.arch.inline_ptx(
+        "st.relaxed.sys.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+        read_only_args=[address, armed, armed, armed, armed],
+    )
+
+
+@cute.jit
+def poll(address, error: cute.Tensor, code: cutlass.Constexpr[int]):
+    """Lamport poll of one packet until no word holds the sentinel, bounded by the global
+    timer: past POLL_TIMEOUT_NS it sets ``code`` in the error word and returns what it
+    read (the wrapper raises on its next host check)."""
+    start = cute.arch.globaltimer()
+    words = load_packet(address)
+    waiting = arrived(words) == cutlass.Boolean(False)
+    while waiting:
+        cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
+        words = load_packet(address)
+        waiting = arrived(words) == cutlass.Boolean(False)
+        if waiting & (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS):
+            cute.arch.atomic_or(error.iterator, cutlass.Int32(code))
+            waiting = cutlass.Boolean(False)
+    return words
+
+
+@cute.jit
+def arrived(words):
+    sentinel = Uint32(SENTINEL)
+    return (words[0] != sentinel) & (words[1] != sentinel) & (words[2] != sentinel) & (words[3] != sentinel)

@@ -24,17 +24,28 @@ from cutlass import BFloat16, Float32, Int32, Uint32, Uint64
 from cutlass.memory import SmemAllocator
 
 from .. import backend
+from ..ops import mailbox_ops
 from ..ops import route as route_op
-from .common import compiled, fake, fake_stream, ordered, sigmoid
+from ..mailbox import ROUTE_POLL
+from .common import bits_float, compiled, fake, fake_stream, ordered, poll, rearm, sigmoid, store_words
 
 THREADS = 256
 TOP_K = route_op.TOP_K
+LEAN_ABOVE = 8  # batches above this route with the lean ranking
 
 
 class Route:
-    def __init__(self, experts: int, renorm: bool):
-        self.experts, self.renorm = experts, renorm
-        self.slots = (experts + THREADS - 1) // THREADS  # experts per thread
+    """``lean`` (B > 8): candidates rank with 8 threads each (4 past 32 candidates), so
+    few registers stay live; else one thread per candidate. Either falls back to one
+    thread per candidate, looping over all of them, past 64 candidates (ties).
+    ``polled``: thread t owns experts 4t..4t+3, one 16-byte packet of FP32 logit words."""
+
+    def __init__(self, experts: int, renorm: bool, lean: bool, polled: bool = False):
+        self.experts, self.renorm, self.lean, self.polled = experts, renorm, lean, polled
+        self.slots = 4 if polled else (experts + THREADS - 1) // THREADS  # experts per thread
+
+    def expert(self, tid, i):
+        return tid * 4 + i if self.polled else tid + THREADS * i
 
     @cute.jit
     def __call__(self, logits: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, scale: Float32, stream):
@@ -46,6 +57,29 @@ class Route:
     def kernel(self, logits: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, scale: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
+        offsets = self.load_bias(bias, tid)
+        cute.arch.griddepcontrol_wait()
+        raw = cute.make_rmem_tensor(self.slots, Float32)
+        for i in cutlass.range_constexpr(self.slots):
+            raw[i] = Float32(0.0)
+            if self.expert(tid, i) < self.experts:
+                raw[i] = logits[token, self.expert(tid, i)]
+        self.route(raw, offsets, ids, weights, scale, token, tid)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def load_bias(self, bias: cute.Tensor, tid):
+        """This thread's experts' bias (a weight: callers load it before the PDL wait)."""
+        offsets = cute.make_rmem_tensor(self.slots, Float32)
+        for i in cutlass.range_constexpr(self.slots):
+            offsets[i] = Float32(0.0)
+            if self.expert(tid, i) < self.experts:
+                offsets[i] = bias[self.expert(tid, i)]
+        return offsets
+
+    @cute.jit
+    def route(self, raw, offsets, ids: cute.Tensor, weights: cute.Tensor, scale: Float32, token, tid):
+        """Top-16 of this thread's raw logits (all 256 threads), published by warp 0."""
         warp, lane = tid // 32, tid % 32
         smem = SmemAllocator()
         maxima = smem.allocate_tensor(Uint64, cute.make_layout((8, 32), stride=(32, 1)), 16)
@@ -56,20 +90,13 @@ class Route:
         found = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
         cutoff = smem.allocate_tensor(Uint64, cute.make_layout(1), 16)
 
-        offsets = cute.make_rmem_tensor(self.slots, Float32)
-        for i in cutlass.range_constexpr(self.slots):  # the bias is a weight: before the wait
-            offsets[i] = Float32(0.0)
-            if tid + THREADS * i < self.experts:
-                offsets[i] = bias[tid + THREADS * i]
-        cute.arch.griddepcontrol_wait()
-
         keys = cute.make_rmem_tensor(self.slots, Uint64)
         top = Uint64(0)
         for i in cutlass.range_constexpr(self.slots):
-            expert = tid + THREADS * i
+            expert = self.expert(tid, i)
             keys[i] = Uint64(0)
             if expert < self.experts:
-                score = sigmoid(logits[token, expert])
+                score = sigmoid(raw[i])
                 scores[expert] = score
                 keys[i] = (Uint64(ordered(score + offsets[i])) << Uint64(32)) | Uint64(~Uint32(expert))
             top = cutlass.max(top, keys[i])
@@ -93,24 +120,64 @@ class Route:
         cute.arch.sync_threads()
 
         threshold = cutoff[0]
-        for i in cutlass.range_constexpr(self.slots):
+        for i in cutlass.range_constexpr(self.slots):  # candidates append at a shared count
             if keys[i] >= threshold:
                 dense[cute.arch.atomic_add(found.iterator, Int32(1))] = keys[i]
         cute.arch.sync_threads()
 
         count = found[0]
+        if cutlass.const_expr(self.lean):
+            if count <= 32:
+                self.rank_shared(dense, scores, chosen, picked, count, tid, 8)
+            elif count <= 64:
+                self.rank_shared(dense, scores, chosen, picked, count, tid, 4)
+            else:
+                self.rank_each(dense, scores, chosen, picked, count, tid)
+        else:
+            self.rank_each(dense, scores, chosen, picked, count, tid)
+        cute.arch.sync_threads()
+        self.publish(chosen, picked, ids, weights, scale, token, tid)
+
+    @cute.jit
+    def rank_each(self, dense, scores, chosen, picked, count, tid):
+        """One thread per candidate counts the candidates above it."""
         for index in cutlass.range(tid, count, THREADS, unroll=1):
             mine = dense[index]
             rank = Int32(0)
-            for j in cutlass.range(count, unroll=4):
+            for j in cutlass.range(count, unroll=8):
                 rank += Int32(dense[j] > mine)
-            if rank < TOP_K:
-                expert = Int32(~Uint32(mine & Uint64(0xFFFFFFFF)))
-                chosen[rank] = expert
-                picked[rank] = scores[expert]
-        cute.arch.sync_threads()
+            self.place(dense[index], rank, scores, chosen, picked)
 
-        if warp == 0:  # lane r publishes rank r; every lane sums in the same order
+    @cute.jit
+    def rank_shared(self, dense, scores, chosen, picked, count, tid, share: cutlass.Constexpr[int]):
+        """``share`` threads per candidate (count ≤ 256 / share) each count a share of the
+        candidates above it; a butterfly adds the shares."""
+        part, index = tid % share, tid // share
+        mine = Uint64(0)
+        if index < count:
+            mine = dense[index]
+        rank = Int32(0)
+        for k in cutlass.range_constexpr(THREADS // share // share):
+            j = part + share * k
+            if j < count:
+                rank += Int32(dense[j] > mine)
+        for shift in cutlass.range_constexpr(share.bit_length() - 1):
+            rank += cute.arch.shuffle_sync_bfly(rank, offset=1 << shift)
+        if (part == 0) & (index < count):
+            self.place(mine, rank, scores, chosen, picked)
+
+    @cute.jit
+    def place(self, key, rank, scores, chosen, picked):
+        if rank < TOP_K:
+            expert = Int32(~Uint32(key & Uint64(0xFFFFFFFF)))
+            chosen[rank] = expert
+            picked[rank] = scores[expert]
+
+    @cute.jit
+    def publish(self, chosen, picked, ids: cute.Tensor, weights: cute.Tensor, scale: Float32, token, tid):
+        """Warp 0: lane r publishes rank r; every lane sums the scores in the same order."""
+        lane = tid % 32
+        if tid < 32:
             value = Float32(0.0)
             if lane < TOP_K:
                 ids[token, lane] = chosen[lane]
@@ -123,6 +190,55 @@ class Route:
                 if cutlass.const_expr(self.renorm):
                     value = value / (total + Float32(1e-20))
                 weights[token, lane] = BFloat16(value)
+
+
+class RoutePoll(Route):
+    """``kimi::moe_route_poll``: CTAs [0, B) route from the logit words of the front row,
+    CTAs [B, 2B) copy its latent; both poll their 16-byte packets (Lamport, bounded),
+    re-arm them, and wait for the previous grid only before writing outputs."""
+
+    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool):
+        super().__init__(experts, renorm, lean, polled=True)
+        self.latent = latent
+        self.packets = latent // 8  # 16-byte packets of the latent
+
+    @cute.jit
+    def __call__(self, rows: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+                 latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32, stream):
+        self.kernel(rows, bias, ids, weights, latent, error, scale, first_row).launch(
+            grid=[2 * ids.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
+        )
+
+    @cute.kernel
+    def kernel(self, rows: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+               latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        batch = ids.shape[0]
+        token = cta % batch
+        row = rows.iterator + (first_row + token) * rows.stride[0]
+        if cta < batch:
+            offsets = self.load_bias(bias, tid)
+            raw = cute.make_rmem_tensor(4, Float32)
+            for i in cutlass.range_constexpr(4):
+                raw[i] = Float32(0.0)
+            if tid * 4 < self.experts:
+                packet = row + self.latent + tid * 8
+                words = poll(packet, error, ROUTE_POLL)
+                rearm(packet)
+                for i in cutlass.range_constexpr(4):
+                    raw[i] = bits_float(words[i])
+            cute.arch.griddepcontrol_wait()
+            self.route(raw, offsets, ids, weights, scale, token, tid)
+        else:
+            for p in cutlass.range_constexpr((self.packets + THREADS - 1) // THREADS):
+                packet_index = tid + THREADS * p
+                if packet_index < self.packets:
+                    packet = row + packet_index * 8
+                    words = poll(packet, error, ROUTE_POLL)
+                    rearm(packet)
+                    cute.arch.griddepcontrol_wait()
+                    store_words(latent.iterator + token * latent.stride[0] + packet_index * 8, words)
         cute.arch.griddepcontrol_launch_dependents()
 
 
@@ -163,13 +279,24 @@ class Situ:
 
 
 @compiled
-def compile_route(experts: int, renorm: bool):
+def compile_route(experts: int, renorm: bool, lean: bool):
     batch = cute.sym_int()
     return cute.compile(
-        Route(experts, renorm),
+        Route(experts, renorm, lean),
         fake(Float32, (batch, experts), align=4), fake(Float32, (experts,), align=4),
         fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), Float32(1.0), fake_stream(),
         options="--enable-tvm-ffi",
+    )
+
+
+@compiled
+def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool):
+    rows, batch = cute.sym_int(), cute.sym_int()
+    return cute.compile(
+        RoutePoll(experts, latent, renorm, lean),
+        fake(BFloat16, (rows, latent + 2 * experts)), fake(Float32, (experts,), align=4),
+        fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), fake(BFloat16, (batch, latent)),
+        fake(Int32, (1,), align=4), Float32(1.0), Int32(0), fake_stream(), options="--enable-tvm-ffi",
     )
 
 
@@ -200,7 +327,7 @@ class RouteKernel:
         ids = logits.new_empty((batch, TOP_K), dtype=torch.int32)
         weights = logits.new_empty((batch, TOP_K), dtype=torch.bfloat16)
         if batch:
-            compile_route(logits.shape[1], bool(renorm))(logits, bias, ids, weights, scale)
+            compile_route(logits.shape[1], bool(renorm), batch > LEAN_ABOVE)(logits, bias, ids, weights, scale)
         return ids, weights
 
 
@@ -219,6 +346,27 @@ class SituKernel:
         return out
 
 
+class RoutePollKernel:
+    """``kimi::moe_route_poll`` on CUDA."""
+
+    def unsupported(self, box, bias, scale, renorm, parity, batch, error):
+        latent = box.shape[3] - 2 * bias.shape[0]
+        if bias.shape[0] % 4 or latent % 8:
+            return f"the polled kernel needs E % 4 == 0 and L % 8 == 0 (E={bias.shape[0]}, L={latent})"
+        return hopper(box)
+
+    def __call__(self, box, bias, scale, renorm, parity, batch, error):
+        latent_width = mailbox_ops.check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
+        ids = box.new_empty((batch, TOP_K), dtype=torch.int32)
+        weights = box.new_empty((batch, TOP_K))
+        latent = box.new_empty((batch, latent_width))
+        kernel = compile_route_poll(bias.shape[0], latent_width, bool(renorm), batch > LEAN_ABOVE)
+        capacity = box.shape[2]
+        kernel(box.view(-1, box.shape[3]), bias, ids, weights, latent, error, scale, parity * capacity)
+        return ids, weights, latent
+
+
 def register() -> None:
     backend.KERNELS["moe_route"] = RouteKernel()
+    backend.KERNELS["moe_route_poll"] = RoutePollKernel()
     backend.KERNELS["situ"] = SituKernel()
