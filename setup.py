@@ -25,7 +25,7 @@ setup(
     install_requires=["torch>=2.11,<2.15"],
     extras_require={
         "test": ["pytest", "expecttest", "numpy"],
-        "cute": ["nvidia-cutlass-dsl>=4.8.1", "cuda-python", "apache-tvm-ffi"],
+        "cute": ["nvidia-cutlass-dsl==4.8.1", "cuda-python", "apache-tvm-ffi>=0.1.15"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -18,6 +18,9 @@ class Kernel(Protocol):
     def unsupported(self, *args) -> str | None:
         """Why this kernel cannot serve these arguments, or None."""
 
+    def prepare(self, *key) -> None:
+        """Compile (or load) every variant the op's shapes ``key`` need."""
+
     def __call__(self, *args): ...
 
 
@@ -30,6 +33,14 @@ def selected() -> str:
     if backend not in BACKENDS:
         raise ValueError(f"KIMI_OPS_BACKEND must be one of {BACKENDS}, got {backend!r}")
     return backend
+
+
+def prepare(name: str, *key) -> None:
+    """Compile op ``name``'s kernel for shapes ``key`` now (wrapper construction), never
+    during capture; nothing to do without a kernel or under the reference backend."""
+    kernel = KERNELS.get(name)
+    if kernel is not None and selected() != "reference":
+        kernel.prepare(*key)
 
 
 def cuda_impl(name: str, reference: Callable) -> Callable:

@@ -61,6 +61,11 @@ def compiled(build):
         key = (arch(), *key)
         if key in memory:
             return memory[key]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{build.__name__}{key[1:]} was not compiled before CUDA-graph capture: "
+                "prepare the kernels first (kimi_ops.backend.prepare, or run once outside capture)"
+            )
         name = hashlib.sha256(repr((build.__qualname__, key)).encode()).hexdigest()[:24]
         path = cache_dir() / f"{name}.o"
         if path.exists():
@@ -111,21 +116,39 @@ POLL_TIMEOUT_NS = 50_000_000  # a poll that sees nothing for 50 ms gives up and 
 
 
 @cute.jit
-def load_packet(address):
-    """One 16-byte packet, four words, read as one vector load (relaxed, system scope)."""
+def load_words(address, polled: cutlass.Constexpr[bool] = False):
+    """One 16-byte packet, four words, as one vector load; ``polled``: relaxed at system
+    scope (a mailbox), else a plain load."""
+    order = "relaxed.sys." if polled else ""
     return cute.arch.inline_ptx(
-        "ld.relaxed.sys.global.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+        f"ld.{order}global.v4.b32 {{ {{$w0}}, {{$w1}}, {{$w2}}, {{$w3}} }}, [{{$r0}}];",
         write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[address],
     )
 
 
 @cute.jit
 def store_words(address, words):
-    """Four words as one 16-byte vector store."""
-    cute.arch.inline_ptx(
-        "st.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
-        read_only_args=[address, words[0], words[1], words[2], words[3]],
+    """Two or four words as one 8- or 16-byte vector store."""
+    if cutlass.const_expr(len(words) == 2):
+        cute.arch.inline_ptx("st.global.v2.b32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, *words])
+    else:
+        cute.arch.inline_ptx(
+            "st.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words]
+        )
+
+
+@cute.jit
+def pack_bf16(low: Float32, high: Float32) -> Uint32:
+    """Two FP32 values rounded (RNE) into one BF16x2 word, ``low`` in the low half."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[high, low]
     )
+
+
+@cute.jit
+def unpack_bf16(word: Uint32):
+    """The two BF16 values of a word as FP32 (low half first)."""
+    return bits_float(word << Uint32(16)), bits_float(word & Uint32(0xFFFF0000))
 
 
 @cute.jit
@@ -144,11 +167,11 @@ def poll(address, error: cute.Tensor, code: cutlass.Constexpr[int]):
     timer: past POLL_TIMEOUT_NS it sets ``code`` in the error word and returns what it
     read (the wrapper raises on its next host check)."""
     start = cute.arch.globaltimer()
-    words = load_packet(address)
+    words = load_words(address, polled=True)
     waiting = arrived(words) == cutlass.Boolean(False)
     while waiting:
         cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
-        words = load_packet(address)
+        words = load_words(address, polled=True)
         waiting = arrived(words) == cutlass.Boolean(False)
         if waiting & (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS):
             cute.arch.atomic_or(error.iterator, cutlass.Int32(code))

@@ -11,7 +11,7 @@ larger ones (many candidates, e.g. all keys tied, only loop longer). Warp 0 publ
 butterfly sum of the 16 scores + 1e-20, one BF16 rounding.
 
 Situ: gate and up each rounded to BF16, g · sigmoid(beta · g) · (u + linear_beta) in FP32,
-BF16 out; 1024 columns of one token per CTA.
+BF16 out; 16-byte packets, 256 of them of one token per CTA.
 
 PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; dependents are
 released at the end, so they cannot take SMs from a tail still routing.
@@ -27,7 +27,10 @@ from .. import backend
 from ..ops import mailbox_ops
 from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
-from .common import bits_float, compiled, fake, fake_stream, ordered, poll, rearm, sigmoid, store_words
+from .common import (
+    bits_float, compiled, fake, fake_stream, load_words, ordered, pack_bf16, poll, rearm, sigmoid,
+    store_words, unpack_bf16,
+)
 
 THREADS = 256
 TOP_K = route_op.TOP_K
@@ -243,14 +246,14 @@ class RoutePoll(Route):
 
 
 class Situ:
-    """Grid (B, chunks): a CTA covers COLUMNS_PER_CTA columns of one token, so a small
-    batch still spreads over many SMs; each thread issues all its loads first."""
+    """Grid (B, chunks): each thread reads one 16-byte packet of gate and one of up
+    (4 FP32 or 8 BF16 columns), so a CTA covers 256 packets of one token and a small batch
+    still spreads over many SMs. The BF16 outputs leave as one 8- or 16-byte store."""
 
-    COLUMNS_PER_CTA = 4 * THREADS
-
-    def __init__(self, width: int):
-        self.width = width
-        self.chunks = (width + self.COLUMNS_PER_CTA - 1) // self.COLUMNS_PER_CTA
+    def __init__(self, width: int, source):
+        self.width, self.source = width, source
+        self.columns = 128 // source.width  # per thread: one 16-byte packet
+        self.chunks = (width + self.columns * THREADS - 1) // (self.columns * THREADS)
 
     @cute.jit
     def __call__(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32, stream):
@@ -262,20 +265,22 @@ class Situ:
     def kernel(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, chunk, _ = cute.arch.block_idx()
-        first = chunk * self.COLUMNS_PER_CTA + tid
-        rounds = self.COLUMNS_PER_CTA // THREADS
+        first = (chunk * THREADS + tid) * self.columns
         cute.arch.griddepcontrol_wait()
-        pair = cute.make_rmem_tensor((rounds, 2), Float32)
-        for i in cutlass.range_constexpr(rounds):  # issue every load first
-            if first + THREADS * i < self.width:
-                pair[i, 0] = Float32(gate_up[token, first + THREADS * i])
-                pair[i, 1] = Float32(gate_up[token, self.width + first + THREADS * i])
-        for i in cutlass.range_constexpr(rounds):
-            if first + THREADS * i < self.width:
-                gate = Float32(BFloat16(pair[i, 0]))
-                up = Float32(BFloat16(pair[i, 1]))
-                out[token, first + THREADS * i] = BFloat16(gate * sigmoid(gate * beta) * (up + linear_beta))
+        if first < self.width:
+            row = gate_up.iterator + token * gate_up.stride[0] + first
+            gate, up = self.unpack(load_words(row)), self.unpack(load_words(row + self.width))
+            values = [g * sigmoid(g * beta) * (u + linear_beta) for g, u in zip(gate, up)]
+            words = [pack_bf16(values[i], values[i + 1]) for i in range(0, self.columns, 2)]
+            store_words(out.iterator + token * out.stride[0] + first, words)
         cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def unpack(self, words):
+        """A packet's columns as FP32, each first rounded to BF16 (as RouteSitu loads them)."""
+        if cutlass.const_expr(self.source is Float32):
+            return [Float32(BFloat16(bits_float(word))) for word in words]
+        return [value for word in words for value in unpack_bf16(word)]
 
 
 @compiled
@@ -305,7 +310,7 @@ def compile_situ(width: int, dtype: str):
     batch = cute.sym_int()
     source = Float32 if dtype == "float32" else BFloat16
     return cute.compile(
-        Situ(width), fake(source, (batch, 2 * width), align=4), fake(BFloat16, (batch, width), align=4),
+        Situ(width, source), fake(source, (batch, 2 * width)), fake(BFloat16, (batch, width)),
         Float32(1.0), Float32(0.0), fake_stream(), options="--enable-tvm-ffi",
     )
 
@@ -318,6 +323,10 @@ def hopper(tensor: torch.Tensor) -> str | None:
 
 class RouteKernel:
     """``kimi::moe_route`` on CUDA."""
+
+    def prepare(self, experts: int, renorm: bool) -> None:
+        for lean in (False, True):
+            compile_route(experts, renorm, lean)
 
     def unsupported(self, logits, bias, scale, renorm):
         return hopper(logits)
@@ -334,20 +343,28 @@ class RouteKernel:
 class SituKernel:
     """``kimi::situ`` on CUDA."""
 
+    def prepare(self, width: int, dtype: str) -> None:
+        compile_situ(width, dtype)
+
     def unsupported(self, gate_up, beta, linear_beta):
+        if gate_up.shape[1] % 16:
+            return f"the kernel reads 16-byte packets: S must be a multiple of 8, got {gate_up.shape[1] // 2}"
         return hopper(gate_up)
 
     def __call__(self, gate_up, beta, linear_beta):
         batch, width = route_op.check_situ(gate_up, beta, linear_beta)
         out = gate_up.new_empty((batch, width), dtype=torch.bfloat16)
         if batch:
-            dtype = str(gate_up.dtype).removeprefix("torch.")
-            compile_situ(width, dtype)(gate_up, out, beta, linear_beta)
+            compile_situ(width, str(gate_up.dtype).removeprefix("torch."))(gate_up, out, beta, linear_beta)
         return out
 
 
 class RoutePollKernel:
     """``kimi::moe_route_poll`` on CUDA."""
+
+    def prepare(self, experts: int, latent: int, renorm: bool) -> None:
+        for lean in (False, True):
+            compile_route_poll(experts, latent, renorm, lean)
 
     def unsupported(self, box, bias, scale, renorm, parity, batch, error):
         latent = box.shape[3] - 2 * bias.shape[0]

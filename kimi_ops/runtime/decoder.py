@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import backend
 from ..config import KimiConfig
 from ..mailbox import parities, raise_if_error
 from ..moe import MoeWeights
@@ -134,6 +135,10 @@ class KimiDecoder(nn.Module):
             self.attn_res.append(res)
         self.to(device)
         self.boxes = DecodeBoxes(group, config, device)  # after .to(): static addresses
+        if torch.device(device or "cpu").type == "cuda":  # compile kernels now, not in a capture
+            backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
+            backend.prepare("situ", config.shared_intermediate // group.tp, "bfloat16")
+            backend.prepare("situ", config.expert_intermediate, "float32")
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:
