@@ -82,6 +82,25 @@ def compiled(build):
     return get
 
 
+class Release:
+    """PDL release of the dependent grid: ``early`` at entry (for dependents that must
+    start at once, e.g. persistent ones that first drain other work), else late, once
+    this grid's outputs are written (dependents cannot take its SMs)."""
+
+    def __init__(self, early: bool):
+        self.early = early
+
+    @cute.jit
+    def release_early(self):
+        if cutlass.const_expr(self.early):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def release_late(self):
+        if cutlass.const_expr(not self.early):
+            cute.arch.griddepcontrol_launch_dependents()
+
+
 @cute.jit
 def float_bits(x: Float32) -> Uint32:
     return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Uint32], read_only_args=[x])

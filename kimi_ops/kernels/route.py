@@ -13,8 +13,9 @@ butterfly sum of the 16 scores + 1e-20, one BF16 rounding.
 Situ: gate and up each rounded to BF16, g · sigmoid(beta · g) · (u + linear_beta) in FP32,
 BF16 out; 16-byte packets, 256 of them of one token per CTA.
 
-PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; dependents are
-released at the end, so they cannot take SMs from a tail still routing.
+PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; dependents are released
+late (once outputs are written) by the ops, early (at entry) in the ``early`` variants
+(:class:`~kimi_ops.kernels.common.Release`).
 """
 
 import cutlass
@@ -28,7 +29,7 @@ from ..ops import mailbox_ops
 from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
 from .common import (
-    bits_float, compiled, fake, fake_stream, load_words, ordered, pack_bf16, poll, rearm, sigmoid,
+    Release, bits_float, compiled, fake, fake_stream, load_words, ordered, pack_bf16, poll, rearm, sigmoid,
     store_words, unpack_bf16,
 )
 
@@ -37,13 +38,14 @@ TOP_K = route_op.TOP_K
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
 
 
-class Route:
+class Route(Release):
     """``lean`` (B > 8): candidates rank with 8 threads each (4 past 32 candidates), so
     few registers stay live; else one thread per candidate. Either falls back to one
     thread per candidate, looping over all of them, past 64 candidates (ties).
     ``polled``: thread t owns experts 4t..4t+3, one 16-byte packet of FP32 logit words."""
 
-    def __init__(self, experts: int, renorm: bool, lean: bool, polled: bool = False):
+    def __init__(self, experts: int, renorm: bool, lean: bool, polled: bool = False, early: bool = False):
+        super().__init__(early)
         self.experts, self.renorm, self.lean, self.polled = experts, renorm, lean, polled
         self.slots = 4 if polled else (experts + THREADS - 1) // THREADS  # experts per thread
 
@@ -60,6 +62,7 @@ class Route:
     def kernel(self, logits: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, scale: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
+        self.release_early()
         offsets = self.load_bias(bias, tid)
         cute.arch.griddepcontrol_wait()
         raw = cute.make_rmem_tensor(self.slots, Float32)
@@ -68,7 +71,7 @@ class Route:
             if self.expert(tid, i) < self.experts:
                 raw[i] = logits[token, self.expert(tid, i)]
         self.route(raw, offsets, ids, weights, scale, token, tid)
-        cute.arch.griddepcontrol_launch_dependents()
+        self.release_late()
 
     @cute.jit
     def load_bias(self, bias: cute.Tensor, tid):
@@ -200,8 +203,8 @@ class RoutePoll(Route):
     CTAs [B, 2B) copy its latent; both poll their 16-byte packets (Lamport, bounded),
     re-arm them, and wait for the previous grid only before writing outputs."""
 
-    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool):
-        super().__init__(experts, renorm, lean, polled=True)
+    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool, early: bool = False):
+        super().__init__(experts, renorm, lean, polled=True, early=early)
         self.latent = latent
         self.packets = latent // 8  # 16-byte packets of the latent
 
@@ -217,6 +220,7 @@ class RoutePoll(Route):
                latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        self.release_early()
         batch = ids.shape[0]
         token = cta % batch
         row = rows.iterator + (first_row + token) * rows.stride[0]
@@ -242,15 +246,16 @@ class RoutePoll(Route):
                     rearm(packet)
                     cute.arch.griddepcontrol_wait()
                     store_words(latent.iterator + token * latent.stride[0] + packet_index * 8, words)
-        cute.arch.griddepcontrol_launch_dependents()
+        self.release_late()
 
 
-class Situ:
+class Situ(Release):
     """Grid (B, chunks): each thread reads one 16-byte packet of gate and one of up
     (4 FP32 or 8 BF16 columns), so a CTA covers 256 packets of one token and a small batch
     still spreads over many SMs. The BF16 outputs leave as one 8- or 16-byte store."""
 
-    def __init__(self, width: int, source):
+    def __init__(self, width: int, source, early: bool = False):
+        super().__init__(early)
         self.width, self.source = width, source
         self.columns = 128 // source.width  # per thread: one 16-byte packet
         self.chunks = (width + self.columns * THREADS - 1) // (self.columns * THREADS)
@@ -265,6 +270,7 @@ class Situ:
     def kernel(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, chunk, _ = cute.arch.block_idx()
+        self.release_early()
         first = (chunk * THREADS + tid) * self.columns
         cute.arch.griddepcontrol_wait()
         if first < self.width:
@@ -273,7 +279,7 @@ class Situ:
             values = [g * sigmoid(g * beta) * (u + linear_beta) for g, u in zip(gate, up)]
             words = [pack_bf16(values[i], values[i + 1]) for i in range(0, self.columns, 2)]
             store_words(out.iterator + token * out.stride[0] + first, words)
-        cute.arch.griddepcontrol_launch_dependents()
+        self.release_late()
 
     @cute.jit
     def unpack(self, words):
@@ -284,10 +290,10 @@ class Situ:
 
 
 @compiled
-def compile_route(experts: int, renorm: bool, lean: bool):
+def compile_route(experts: int, renorm: bool, lean: bool, early: bool = False):
     batch = cute.sym_int()
     return cute.compile(
-        Route(experts, renorm, lean),
+        Route(experts, renorm, lean, early=early),
         fake(Float32, (batch, experts), align=4), fake(Float32, (experts,), align=4),
         fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), Float32(1.0), fake_stream(),
         options="--enable-tvm-ffi",
@@ -295,10 +301,10 @@ def compile_route(experts: int, renorm: bool, lean: bool):
 
 
 @compiled
-def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool):
+def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool, early: bool = False):
     rows, batch = cute.sym_int(), cute.sym_int()
     return cute.compile(
-        RoutePoll(experts, latent, renorm, lean),
+        RoutePoll(experts, latent, renorm, lean, early=early),
         fake(BFloat16, (rows, latent + 2 * experts)), fake(Float32, (experts,), align=4),
         fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), fake(BFloat16, (batch, latent)),
         fake(Int32, (1,), align=4), Float32(1.0), Int32(0), fake_stream(), options="--enable-tvm-ffi",
@@ -306,11 +312,11 @@ def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool):
 
 
 @compiled
-def compile_situ(width: int, dtype: str):
+def compile_situ(width: int, dtype: str, early: bool = False):
     batch = cute.sym_int()
     source = Float32 if dtype == "float32" else BFloat16
     return cute.compile(
-        Situ(width, source), fake(source, (batch, 2 * width)), fake(BFloat16, (batch, width)),
+        Situ(width, source, early=early), fake(source, (batch, 2 * width)), fake(BFloat16, (batch, width)),
         Float32(1.0), Float32(0.0), fake_stream(), options="--enable-tvm-ffi",
     )
 
