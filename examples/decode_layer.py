@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kimi_ops import KimiConfig, KimiDecoder
+from kimi_ops import KimiConfig, KimiDecoder, backend
 
 
 def median_ms(fn, steps: int, cuda: bool) -> float:
@@ -61,7 +61,8 @@ def main() -> None:
         graph.replay()
         rows.append(("CUDA graph replay", median_ms(graph.replay, args.steps, cuda), torch.equal(static_out, want)))
 
-    print(f"{args.config}, {args.layers} layers, TP{args.tp}, B={args.batch}, {device}, reference backend")
+    kernels = ", ".join(sorted(backend.KERNELS)) if cuda and backend.selected() != "reference" else "none"
+    print(f"{args.config}, {args.layers} layers, TP{args.tp}, B={args.batch}, {device}; CuTe kernels: {kernels}")
     print(f"{'mode':28s} {'ms/step':>9s}  equal to eager")
     for name, ms, equal in rows:
         print(f"{name:28s} {ms:9.2f}  {equal}")
