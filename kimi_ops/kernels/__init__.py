@@ -6,8 +6,9 @@ def register() -> bool:
     """Register every kernel family's ops in :data:`kimi_ops.backend.KERNELS`; False if
     CuTe DSL is not installed."""
     try:
-        from . import route
+        from . import route, tail
     except ImportError:
         return False
     route.register()
+    tail.register()
     return True

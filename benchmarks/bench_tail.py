@@ -1,0 +1,62 @@
+"""kimi::moe_tail at TP1 (L = 3584, H = 7168) on one GPU, CUDA-graph replayed with the
+weights L2-cold (each call of the graph reads its own copy of w_up; the copies exceed L2):
+the CuTe kernels vs the eager PyTorch composite (BF16 cuBLAS up projection), torch.compile
+of it, and the HBM floor (w_up + the expert rows + shared, at 4.26 TB/s).
+
+    python benchmarks/bench_tail.py
+"""
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import kimi_ops  # noqa: F401
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import floor_us, graph_us, print_table  # noqa: E402
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+LATENT, HIDDEN, COPIES = 3584, 7168, 5  # 5 × 51.4 MB > the H200's L2
+
+
+def composite(expanded, weights, shared, gamma, w_up, eps):
+    """What a serving engineer writes in PyTorch: the same rounding points, BF16 GEMM."""
+    partial = (expanded.float() * weights.float().unsqueeze(-1)).sum(1).bfloat16()
+    ss = partial.float().square().bfloat16().float().sum(-1, keepdim=True)
+    xn = (partial.float() * torch.rsqrt(ss / partial.shape[-1] + eps) * gamma.float()).bfloat16()
+    return (F.linear(xn, w_up).float() + shared.float()).bfloat16()
+
+
+def main() -> None:
+    compiled = torch.compile(composite, fullgraph=True)
+    w_ups = [torch.randn(HIDDEN, LATENT, device="cuda").bfloat16() * LATENT**-0.5 for _ in range(COPIES)]
+    gamma = torch.ones(LATENT, device="cuda").bfloat16()
+    rows = []
+    for batch in BATCHES:
+        expanded = torch.randn(batch, 16, LATENT, device="cuda").bfloat16()
+        weights = torch.rand(batch, 16, device="cuda").bfloat16()
+        shared = torch.randn(batch, HIDDEN, device="cuda").bfloat16()
+        turn = [0]
+
+        def rotating(fn):
+            def call():
+                fn(expanded, weights, shared, gamma, w_ups[turn[0] % COPIES], 1e-6)
+                turn[0] += 1
+            return call
+
+        nbytes = w_ups[0].nbytes + expanded.nbytes + 2 * shared.nbytes
+        rows.append((
+            batch,
+            graph_us(rotating(torch.ops.kimi.moe_tail), calls=COPIES * 4),
+            graph_us(rotating(composite), calls=COPIES * 4),
+            graph_us(rotating(compiled), calls=COPIES * 4),
+            floor_us(nbytes),
+        ))
+    print(f"{torch.cuda.get_device_name()}, moe_tail TP1, median µs per call, CUDA-graph replay, L2-cold w_up")
+    print_table(rows, ("B", "ours", "eager", "compiled", "floor"))
+
+
+if __name__ == "__main__":
+    main()
