@@ -13,7 +13,6 @@ import torch
 from cutlass import Float32, Uint32
 
 EXPORT_NAME = "func"
-TORCH_TO_CUTE = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16, torch.int32: cutlass.Int32}
 
 
 def fake(dtype, shape, align=16):

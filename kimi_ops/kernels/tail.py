@@ -17,8 +17,7 @@ PDL: the up projection waits for the norm only after its launch; both release la
 
 import cutlass
 import cutlass.cute as cute
-import torch
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
 from .. import backend
