@@ -6,9 +6,9 @@ of the latent; partial = BF16(Σ_r row_r · w_r) as an FP32 FMA chain in rank or
 ss = Σ BF16(partial²) (thread partials, then the warps' butterfly, then the 8 warps in
 order); inv = rsqrt(ss / L + eps); xn = BF16((partial · inv) · gamma) into a scratch row.
 
-``UpProjection`` (H/64 CTAs of 8 warps, a warp per 8 output rows): each lane walks its
+``UpProjection`` (H/32 CTAs of 8 warps, a warp per 4 output rows): each lane walks its
 share of K in 16-byte packets, holds the packets of up to 8 tokens in registers and
-streams the 8 weight rows past them; a butterfly sums the lanes; out = BF16(BF16(up) +
+streams the 4 weight rows past them; a butterfly sums the lanes; out = BF16(BF16(up) +
 shared). Batches above 8 loop over groups of 8 tokens (the weights come again), so the
 op serves B ≤ 8 only (28–44 µs on the H200, L2-cold, vs 24–26 µs for the compiled
 composite: the tensor-core, cluster and TMA-prefetch version is still to come).
@@ -27,7 +27,7 @@ from .route import hopper
 
 THREADS = 256
 WARPS = THREADS // 32
-ROWS_PER_WARP = 8
+ROWS_PER_WARP = 4
 ROWS_PER_CTA = WARPS * ROWS_PER_WARP
 TOKENS_PER_GROUP = 8
 MAX_BATCH = 8  # served here; larger batches fall back (see TailKernel.unsupported)
@@ -118,12 +118,12 @@ class UpProjection(Release):
 
     @cute.jit
     def group(self, xn, w_up, shared, out, first, tokens: cutlass.Constexpr[int], first_row, lane):
-        """Tokens [first, first + tokens) against this warp's 8 rows."""
+        """Tokens [first, first + tokens) against this warp's ROWS_PER_WARP rows."""
         acc = cute.make_rmem_tensor((ROWS_PER_WARP, tokens), Float32)
         for n in cutlass.range_constexpr(ROWS_PER_WARP):
             for t in cutlass.range_constexpr(tokens):
                 acc[n, t] = Float32(0.0)
-        for step in cutlass.range(self.steps, unroll=2):
+        for step in cutlass.range(self.steps, unroll=4):
             k = (lane + 32 * step) * 8
             x = [unpack_words(load_words(xn.iterator + (first + t) * xn.stride[0] + k)) for t in range(tokens)]
             for n in cutlass.range_constexpr(ROWS_PER_WARP):
