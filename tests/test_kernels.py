@@ -196,7 +196,6 @@ def assert_tail_close(got, want, shared):
 @on_hopper
 @pytest.mark.parametrize("batch", ROUTE_BATCHES)
 def test_tail_kernel(batch):
-    """B ≤ 8 runs the kernel; above that the op falls back (tested the same way)."""
     args = tail_args(batch, seed=batch)
     out = torch.ops.kimi.moe_tail(*args, 1e-6)
     assert_tail_close(out, reference(torch.ops.kimi.moe_tail, *args, 1e-6), args[2])
