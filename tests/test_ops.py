@@ -103,7 +103,7 @@ def test_moe_tail(gen, device, batch):
     # own rounding make two.
     shared = args[2].cpu().double()
     terms = torch.maximum((want.double() - shared).abs(), shared.abs()) * (1 + 2**-7)
-    assert_bf16_close(got, want, max_ulps=2, magnitude=terms)
+    assert_bf16_close(got, want, max_ulps=2, max_flipped=0.03, magnitude=terms)  # DESIGN §7, issue 5
 
 
 def test_moe_tail_kimi_shapes(gen):
