@@ -1,0 +1,68 @@
+"""The CUDA dispatch (DESIGN §5), exercised on the CPU through ``backend.cuda_impl``."""
+
+import warnings
+
+import pytest
+import torch
+
+from kimi_ops import backend
+
+
+class FakeKernel:
+    def __init__(self, reason=None):
+        self.reason, self.calls, self.prepared = reason, 0, []
+
+    def unsupported(self, x):
+        return self.reason
+
+    def prepare(self, *key):
+        self.prepared.append(key)
+
+    def __call__(self, x):
+        self.calls += 1
+        return x + 1
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    monkeypatch.setattr(backend, "KERNELS", {})
+    monkeypatch.setattr(backend, "_warned", set())
+    monkeypatch.delenv("KIMI_OPS_BACKEND", raising=False)
+    return backend.KERNELS
+
+
+def reference(x):
+    return x * 2
+
+
+def test_no_kernel_falls_back_with_one_warning(kernels):
+    impl = backend.cuda_impl("op", reference)
+    with pytest.warns(UserWarning, match="kimi::op: using the reference backend on CUDA"):
+        assert impl(torch.tensor(3)) == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert impl(torch.tensor(3)) == 6  # once only
+
+
+def test_supported_kernel_is_used_and_unsupported_falls_back(kernels):
+    kernels["op"] = FakeKernel()
+    assert backend.cuda_impl("op", reference)(torch.tensor(3)) == 4
+    kernels["other"] = FakeKernel(reason="L must be a multiple of 8")
+    with pytest.warns(UserWarning, match="L must be a multiple of 8"):
+        assert backend.cuda_impl("other", reference)(torch.tensor(3)) == 6
+
+
+def test_forced_backends(kernels, monkeypatch):
+    kernels["op"] = FakeKernel()
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
+    assert backend.cuda_impl("op", reference)(torch.tensor(3)) == 6
+    backend.prepare("op", 896)
+    assert kernels["op"].prepared == []
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "cute")
+    with pytest.raises(NotImplementedError, match="kimi::missing: KIMI_OPS_BACKEND=cute but no CuTe kernel"):
+        backend.cuda_impl("missing", reference)(torch.tensor(3))
+    backend.prepare("op", 896)
+    assert kernels["op"].prepared == [(896,)]
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "triton")
+    with pytest.raises(ValueError, match="KIMI_OPS_BACKEND must be one of"):
+        backend.cuda_impl("op", reference)(torch.tensor(3))
