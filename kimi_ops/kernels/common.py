@@ -13,6 +13,7 @@ import torch
 from cutlass import Float32, Uint32
 
 EXPORT_NAME = "func"
+THREADS = 256  # every kernel's CTA
 
 
 def fake(dtype, shape, align=16):
@@ -79,6 +80,12 @@ def compiled(build):
 
     get.build = build  # compile only, no cache (CI compiles every variant on the CPU)
     return get
+
+
+def launch(kernel, grid, stream) -> None:
+    """Launch a traced ``kernel(...)`` call over ``grid`` CTAs of THREADS threads, with
+    programmatic dependent launch."""
+    kernel.launch(grid=[*grid, *[1] * (3 - len(grid))], block=[THREADS, 1, 1], stream=stream, use_pdl=True)
 
 
 class Release:

@@ -29,11 +29,10 @@ from ..ops import mailbox_ops
 from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
 from .common import (
-    Release, bits_float, compiled, fake, fake_stream, load_words, ordered, pack_bf16, poll, rearm, sigmoid,
-    store_words, unpack_bf16,
+    THREADS, Release, bits_float, compiled, fake, fake_stream, launch, load_words, ordered, pack_bf16, poll,
+    rearm, sigmoid, store_words, unpack_bf16,
 )
 
-THREADS = 256
 TOP_K = route_op.TOP_K
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
 
@@ -54,9 +53,7 @@ class Route(Release):
 
     @cute.jit
     def __call__(self, logits: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, scale: Float32, stream):
-        self.kernel(logits, bias, ids, weights, scale).launch(
-            grid=[logits.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
-        )
+        launch(self.kernel(logits, bias, ids, weights, scale), [logits.shape[0]], stream)
 
     @cute.kernel
     def kernel(self, logits: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, scale: Float32):
@@ -211,9 +208,7 @@ class RoutePoll(Route):
     @cute.jit
     def __call__(self, rows: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
                  latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32, stream):
-        self.kernel(rows, bias, ids, weights, latent, error, scale, first_row).launch(
-            grid=[2 * ids.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
-        )
+        launch(self.kernel(rows, bias, ids, weights, latent, error, scale, first_row), [2 * ids.shape[0]], stream)
 
     @cute.kernel
     def kernel(self, rows: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
@@ -262,9 +257,7 @@ class Situ(Release):
 
     @cute.jit
     def __call__(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32, stream):
-        self.kernel(gate_up, out, beta, linear_beta).launch(
-            grid=[gate_up.shape[0], self.chunks, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
-        )
+        launch(self.kernel(gate_up, out, beta, linear_beta), [gate_up.shape[0], self.chunks], stream)
 
     @cute.kernel
     def kernel(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32):

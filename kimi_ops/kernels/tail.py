@@ -24,10 +24,11 @@ from cutlass.memory import SmemAllocator
 
 from .. import backend
 from ..ops import tail as tail_op
-from .common import Release, compiled, fake, fake_stream, load_words, pack_bf16, store_words, unpack_bf16
+from .common import (
+    THREADS, Release, compiled, fake, fake_stream, launch, load_words, pack_bf16, store_words, unpack_bf16,
+)
 from .route import hopper
 
-THREADS = 256
 WARPS = THREADS // 32
 ROWS_PER_WARP = 4
 ROWS_PER_CTA = WARPS * ROWS_PER_WARP
@@ -44,9 +45,7 @@ class TailNorm(Release):
     @cute.jit
     def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, xn: cute.Tensor,
                  eps: Float32, stream):
-        self.kernel(expanded, weights, gamma, xn, eps).launch(
-            grid=[xn.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
-        )
+        launch(self.kernel(expanded, weights, gamma, xn, eps), [xn.shape[0]], stream)
 
     @cute.kernel
     def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, xn: cute.Tensor, eps: Float32):
@@ -98,9 +97,7 @@ class UpProjection(Release):
 
     @cute.jit
     def __call__(self, xn: cute.Tensor, w_up: cute.Tensor, shared: cute.Tensor, out: cute.Tensor, stream):
-        self.kernel(xn, w_up, shared, out).launch(
-            grid=[self.hidden // ROWS_PER_CTA, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
-        )
+        launch(self.kernel(xn, w_up, shared, out), [self.hidden // ROWS_PER_CTA], stream)
 
     @cute.kernel
     def kernel(self, xn: cute.Tensor, w_up: cute.Tensor, shared: cute.Tensor, out: cute.Tensor):
