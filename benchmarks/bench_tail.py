@@ -1,7 +1,8 @@
 """kimi::moe_tail at TP1 (L = 3584, H = 7168) on one GPU, CUDA-graph replayed with the
 weights L2-cold (each call of the graph reads its own copy of w_up; the copies exceed L2):
 the CuTe kernels vs the eager PyTorch composite (BF16 cuBLAS up projection), torch.compile
-of it, and the HBM floor (w_up + the expert rows + shared, at 4.26 TB/s).
+of it, the library peer (cuBLAS: the up projection GEMM alone, a lower bound for any
+cuBLAS-based tail) and the HBM floor (w_up + the expert rows + shared, at 4.26 TB/s).
 
     python benchmarks/bench_tail.py
 """
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kimi_ops  # noqa: F401
+from kimi_ops.mailbox import parities
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import floor_us, graph_us, print_table  # noqa: E402
@@ -27,6 +29,28 @@ def composite(expanded, weights, shared, gamma, w_up, eps):
     ss = partial.float().square().bfloat16().float().sum(-1, keepdim=True)
     xn = (partial.float() * torch.rsqrt(ss / partial.shape[-1] + eps) * gamma.float()).bfloat16()
     return (F.linear(xn, w_up).float() + shared.float()).bfloat16()
+
+
+def mailbox_chain(expanded, weights, shared, gamma, w_ups, calls):
+    """The decoder's tail (push, publish, polled tail) over TP1 boxes, ``calls`` MoE
+    layers with rotating parities; returns one call per layer."""
+    batch = expanded.shape[0]
+    box = lambda width, parities=3: torch.empty(parities, 1, 64, width, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    latent, rs, out = box(LATENT), box(HIDDEN), box(HIDDEN, 1)
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for b in (latent, rs, out):
+        torch.ops.kimi.mailbox_arm(b)
+    kimi = torch.ops.kimi
+    turn = [0]
+
+    def call():
+        parity, rearm = parities(turn[0] % calls, calls)
+        kimi.moe_tail_push(shared, [rs], parity, 0)
+        kimi.moe_tail_publish(expanded, weights, [latent], parity, 0)
+        kimi.moe_tail_poll(latent, rs, gamma, w_ups[turn[0] % COPIES], 1e-6, [out], error, parity, rearm, batch, 0, batch)
+        turn[0] += 1
+
+    return call
 
 
 def main() -> None:
@@ -50,12 +74,15 @@ def main() -> None:
         rows.append((
             batch,
             graph_us(rotating(torch.ops.kimi.moe_tail), calls=COPIES * 4),
+            graph_us(mailbox_chain(expanded, weights, shared, gamma, w_ups, COPIES * 4), calls=COPIES * 4),
             graph_us(rotating(composite), calls=COPIES * 4),
             graph_us(rotating(compiled), calls=COPIES * 4),
+            graph_us(rotating(lambda e, w, s, g, w_up, eps: F.linear(s[:, : w_up.shape[1]], w_up)), calls=COPIES * 4),
             floor_us(nbytes),
         ))
     print(f"{torch.cuda.get_device_name()}, moe_tail TP1, median µs per call, CUDA-graph replay, L2-cold w_up")
-    print_table(rows, ("B", "ours", "eager", "compiled", "floor"))
+    print("ours: kimi::moe_tail; ours boxes: moe_tail_push + moe_tail_publish + moe_tail_poll (TP1 mailboxes)")
+    print_table(rows, ("B", "ours", "ours boxes", "eager", "compiled", "cuBLAS", "floor"))
 
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -43,3 +45,17 @@ def gen():
 
 def randn(gen, *shape, dtype=torch.float32, device="cpu", scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+
+on_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU"
+)
+
+
+def reference(op, *args):
+    """``op(*args)`` under the reference backend (the oracle on the same device)."""
+    os.environ["KIMI_OPS_BACKEND"] = "reference"
+    try:
+        return op(*args)
+    finally:
+        del os.environ["KIMI_OPS_BACKEND"]

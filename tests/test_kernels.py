@@ -1,4 +1,4 @@
-"""CuTe kernels: every variant compiles for sm_90a without a GPU; on a Hopper GPU each
+"""CuTe routing and situ kernels (the tail: test_tail_kernels.py): every variant compiles for sm_90a without a GPU; on a Hopper GPU each
 matches the reference backend on the same device."""
 
 import os
@@ -9,14 +9,11 @@ import torch
 cute_dsl = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
 
-from kimi_ops.kernels import route, tail  # noqa: E402
+from kimi_ops.kernels import route  # noqa: E402
 from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 
-from conftest import bf16_ulps  # noqa: E402
+from conftest import bf16_ulps, on_hopper, reference  # noqa: E402
 
-on_hopper = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU"
-)
 ROUTE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -43,14 +40,6 @@ def test_route_poll_compiles(experts, latent, lean):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_situ_compiles(width, dtype):
     assert route.compile_situ.build(width, dtype) is not None
-
-
-def reference(op, *args):
-    os.environ["KIMI_OPS_BACKEND"] = "reference"
-    try:
-        return op(*args)
-    finally:
-        del os.environ["KIMI_OPS_BACKEND"]
 
 
 def assert_route_matches(logits, bias, renorm):
@@ -157,58 +146,3 @@ def test_route_poll_kernel_times_out_into_the_error_word():
     assert int(error) == 1
     with pytest.raises(KimiMailboxError, match="front row"):
         raise_if_error(error)
-
-
-@pytest.mark.parametrize("latent", [512, 3584])
-def test_tail_norm_compiles(latent):
-    assert tail.compile_norm.build(latent) is not None
-
-
-@pytest.mark.parametrize("tp", [1, 2, 8])
-@pytest.mark.parametrize("batch", [1, 4, 8, 64])
-def test_tail_up_projection_compiles(tp, batch):
-    assert tail.compile_up.build(3584, 7168 // tp, batch) is not None
-
-
-def tail_args(batch, seed, hidden=7168, latent=3584):
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
-    return (
-        rand(batch, 16, latent), rand(batch, 16, scale=0.2), rand(batch, hidden),
-        rand(latent, scale=0.1) + 1, rand(hidden, latent, scale=latent**-0.5),
-    )
-
-
-def assert_tail_close(got, want, shared):
-    """2 BF16 ulps at the size of the larger term of up + shared, ≤ 3% not bit-equal."""
-    shared = shared.cpu().double()
-    got, want = got.cpu(), want.cpu()
-    terms = torch.maximum((want.double() - shared).abs(), shared.abs()) * (1 + 2**-7)
-    exponent = torch.floor(torch.log2(terms.clamp_min(1e-30)))
-    term_ulps = ((got.double() - want.double()).abs() / torch.exp2(exponent - 7)).ceil()
-    ulps = torch.minimum(bf16_ulps(got, want).double(), term_ulps)
-    both_nan = torch.isnan(got) & torch.isnan(want)
-    ulps = torch.where(both_nan, torch.zeros_like(ulps), ulps)
-    assert float(ulps.max()) <= 2, float(ulps.max())
-    assert float((ulps > 0).double().mean()) <= 0.03
-
-
-@on_hopper
-@pytest.mark.parametrize("batch", ROUTE_BATCHES)
-def test_tail_kernel(batch):
-    args = tail_args(batch, seed=batch)
-    out = torch.ops.kimi.moe_tail(*args, 1e-6)
-    assert_tail_close(out, reference(torch.ops.kimi.moe_tail, *args, 1e-6), args[2])
-
-
-@on_hopper
-def test_tail_kernel_negative_zero_and_nan_rows():
-    expanded, weights, shared, gamma, w_up = tail_args(4, seed=9)
-    expanded[1] = -0.0
-    expanded[2, 3] = float("nan")
-    got = torch.ops.kimi.moe_tail(expanded, weights, shared, gamma, w_up, 1e-6)
-    want = reference(torch.ops.kimi.moe_tail, expanded, weights, shared, gamma, w_up, 1e-6)
-    assert torch.isnan(got[2]).all() and not torch.isnan(got[[0, 1, 3]]).any()
-    assert_tail_close(got, want, shared)
-    again = torch.ops.kimi.moe_tail(*tail_args(4, seed=10), 1e-6)  # later calls unaffected
-    assert_tail_close(again, reference(torch.ops.kimi.moe_tail, *tail_args(4, seed=10), 1e-6), tail_args(4, seed=10)[2])

@@ -82,6 +82,21 @@ def compiled(build):
     return get
 
 
+_addresses: dict[tuple, torch.Tensor] = {}
+
+
+def addresses(tensors) -> torch.Tensor:
+    """The tensors' base addresses as a device int64 tensor (the peers' boxes), built
+    once per address tuple: boxes are allocated once, and their owner registers them
+    (``prepare``) before any capture or cudagraph-tree recording."""
+    key = tuple(t.data_ptr() for t in tensors)
+    if key not in _addresses:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the mailbox addresses were not registered before CUDA-graph capture: run once first")
+        _addresses[key] = torch.tensor(key, dtype=torch.int64, device=tensors[0].device)
+    return _addresses[key]
+
+
 def launch(kernel, grid, stream) -> None:
     """Launch a traced ``kernel(...)`` call over ``grid`` CTAs of THREADS threads, with
     programmatic dependent launch."""
@@ -177,6 +192,23 @@ def unpack_bf16(word: Uint32):
 
 
 @cute.jit
+def no_neg_zero(word: Uint32) -> Uint32:
+    """A BF16 pair made unable to equal the sentinel: −0 halves become +0 and NaN halves
+    the canonical NaN (kimi_ops.mailbox.no_neg_zero)."""
+    return clean_half(word & Uint32(0xFFFF)) | (clean_half(word >> Uint32(16)) << Uint32(16))
+
+
+@cute.jit
+def clean_half(half: Uint32) -> Uint32:
+    result = half
+    if half == Uint32(0x8000):
+        result = Uint32(0)
+    if (half & Uint32(0x7FFF)) > Uint32(0x7F80):
+        result = Uint32(0x7FC0)
+    return result
+
+
+@cute.jit
 def rearm(address):
     """Write the sentinel over a consumed packet (relaxed, system scope)."""
     armed = Uint32(SENTINEL)
@@ -188,20 +220,35 @@ def rearm(address):
 
 @cute.jit
 def poll(address, error: cute.Tensor, code: cutlass.Constexpr[int]):
-    """Lamport poll of one packet until no word holds the sentinel, bounded by the global
-    timer: past POLL_TIMEOUT_NS it sets ``code`` in the error word and returns what it
-    read (the wrapper raises on its next host check)."""
+    """Lamport poll of one packet (see :func:`poll_all`)."""
+    return poll_all([address], error, code)[0]
+
+
+@cute.jit
+def poll_all(addresses, error: cute.Tensor, code: cutlass.Constexpr[int]):
+    """Lamport poll of several packets at once (their loads in flight together) until no
+    word holds the sentinel, bounded by the global timer: past POLL_TIMEOUT_NS it sets
+    ``code`` in the error word and returns what it read (the wrapper raises on its next
+    host check). Returns each packet's four words."""
+    count = len(addresses)
+    values = cute.make_rmem_tensor((count, 4), Uint32)
     start = cute.arch.globaltimer()
-    words = load_words(address, polled=True)
-    waiting = arrived(words) == cutlass.Boolean(False)
+    waiting = cutlass.Boolean(True)
+    first = cutlass.Boolean(True)
     while waiting:
-        cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
-        words = load_words(address, polled=True)
-        waiting = arrived(words) == cutlass.Boolean(False)
+        if not first:
+            cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
+        first = cutlass.Boolean(False)
+        waiting = cutlass.Boolean(False)
+        for i in cutlass.range_constexpr(count):
+            words = load_words(addresses[i], polled=True)
+            for k in cutlass.range_constexpr(4):
+                values[i, k] = words[k]
+            waiting = waiting | (arrived(words) == cutlass.Boolean(False))
         if waiting & (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS):
             cute.arch.atomic_or(error.iterator, cutlass.Int32(code))
             waiting = cutlass.Boolean(False)
-    return words
+    return [[values[i, k] for k in range(4)] for i in range(count)]
 
 
 @cute.jit

@@ -1,142 +1,432 @@
-"""The MoE tail at TP1 on Hopper (the seeds' ``moe/tail.py``), a first, two-kernel
-version: the rounding points of DESIGN §3.4 with plain FP32 FMA (no tensor cores yet).
+"""The MoE tail on Hopper (the seeds' ``moe/tail.py`` and ``moe/tail_runtime.py``), TP-general.
 
-``TailNorm`` (one CTA of 256 threads per token): thread t owns 16-byte packets t + 256·i
-of the latent; partial = BF16(Σ_r row_r · w_r) as an FP32 FMA chain in rank order;
-ss = Σ BF16(partial²) (thread partials, then the warps' butterfly, then the 8 warps in
-order); inv = rsqrt(ss / L + eps); xn = BF16((partial · inv) · gamma) into a scratch row.
+Two PDL-chained kernels, the seeds' front and tail halves:
 
-``UpProjection`` (H/32 CTAs of 8 warps, a warp per 4 output rows): each lane walks its
-share of K in 16-byte packets, holds the packets of up to 8 tokens in registers and
-streams the 4 weight rows past them; a butterfly sums the lanes; out = BF16(BF16(up) +
-shared). Batches above 8 loop over groups of 8 tokens and read the weights again per
-group. On the H200 (L2-cold) this takes 20 µs at B ≤ 2 (the compiled composite takes
-24 µs), 31–43 µs at B = 4–8, and about 80–300 µs above that. That is still 4× faster
-than the reference on CUDA at B ≥ 16 (364–404 µs), but short of the targets. The
-tensor-core, cluster and TMA-prefetch version is still to come.
-PDL: the up projection waits for the norm only after its launch; both release late.
+``TailFront`` (the publish half; grid B × L/2048 CTAs of 256 threads): thread t owns one
+16-byte packet (8 columns) of one token; partial = BF16(Σ_r row_r · w_r) as an FP32 FMA
+chain in rank order. It releases its dependent at entry and then waits for its own
+predecessor, so the tail's weight loads start at once. Functional mode writes the
+partial to a [B, L] tensor; publish mode stores it (−0 → +0, NaN canonical) as source
+``rank`` of every rank's latent box, one relaxed system-scope store per peer.
+
+``MoeTail`` (clusters of ``cluster`` CTAs, one CTA per SM, every cluster co-resident;
+CTA c of a cluster owns K columns [c·L/cluster, (c+1)·L/cluster)):
+
+1. Weights first: each warp owns two 16-row tiles and issues cp.async for the first
+   ``depth`` slots of its ring (``chunk`` K columns of its 32 rows per slot) before
+   ``griddepcontrol.wait`` (functional) or the mailbox polls (publish mode). A copy
+   runs along rows (128-256 contiguous bytes per row: measured 3.7 TB/s against 3.1 for
+   64-byte pieces) and each 16-byte piece lands where its MMA lane reads it, so a slot
+   costs wait_group and a warp barrier, no CTA barrier.
+2. Latent: a warp per token reads its K slice (plain loads after the wait, or Lamport
+   polls of every TP source bounded by the global timer), sums the sources in rank order
+   in FP32 and rounds to BF16. ss = Σ BF16(latent²) is summed in FP64 — exact for these
+   BF16 squares, so every order gives the reference's float64 sum — and the slices' sums
+   meet in every CTA through DSMEM. inv = rsqrt.approx(ss / L + eps), the instruction
+   torch.rsqrt runs on CUDA, so xn = BF16((latent · inv) · gamma) is bit-equal to the
+   reference on the same device.
+3. Up projection on the tensor cores: mma.sync m16n8k16 BF16 → FP32, weights as A (16
+   rows), xn as B (8 tokens). K is permuted inside each 32-column step so that A and B
+   fragments are single conflict-free 16-byte shared loads (lane (g, t) holds columns
+   8t..8t+7 of rows g and g + 8; k16 MMA j uses columns 8t + 4j ..+3); the order of the
+   FP32 accumulation is the MMA's, which DESIGN §3.4 leaves free.
+4. The CTA releases its dependents once its weights are consumed (the next launch may
+   prefetch during this epilogue; every dependent waits before reading what follows).
+5. K-split reduction: each warp stores its FP32 partial sums into the owning CTA's shared
+   memory (DSMEM, over the xn and ring space once the cluster has passed a barrier); the
+   owner of rows [c·R/cluster, (c+1)·R/cluster) adds the parts in K order:
+   up = BF16(Σ), out = BF16(up + BF16(Σ shared sources)), shared from a tensor or polled
+   from the reduce-scatter box; written to ``out`` or, publish mode, to columns
+   [rank·N, …) of every rank's output box.
+6. Publish mode also re-arms the previous MoE layer's parity (rows [0, rearm_batch) of
+   the latent and reduce-scatter boxes) while the weights stream.
+
+Batches compile per 8-token group count (the MMA's N); the batch is a runtime argument.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+import torch
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
 from .. import backend
+from ..ops import mailbox_ops
 from ..ops import tail as tail_op
 from .common import (
-    THREADS, Release, compiled, fake, fake_stream, launch, load_words, pack_bf16, store_words, unpack_bf16,
+    THREADS, addresses, bits_float, compiled, fake, fake_stream, launch, load_words, no_neg_zero, pack_bf16,
+    poll, poll_all, rearm, store_words, unpack_bf16,
 )
 from .route import hopper
 
-WARPS = THREADS // 32
-ROWS_PER_WARP = 4
-ROWS_PER_CTA = WARPS * ROWS_PER_WARP
-TOKENS_PER_GROUP = 8
 TOP_K = tail_op.TOP_K
+CLUSTERS = (4,)  # CTAs per cluster (each owns 1/cluster of K), by preference
+# Co-resident clusters of each size on an H200 at one CTA per SM (cuOccupancyMaxActiveClusters;
+# clusters are placed within a GPC: 30 of 4, not 33).
+ONE_WAVE_CLUSTERS = {2: 66, 4: 30, 8: 15}
+SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
+MIN_DEPTH = 3  # ring slots in flight per warp
+TILE_ROWS, STEP = 16, 32  # MMA rows per tile; K columns per fragment load (two k16 MMAs)
+CHUNKS = (64, 128, 32)  # K columns per ring slot, by preference: 128-256 byte row runs stream best
+TILES_PER_WARP = 2
+MAX_WARPS = 8
+FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
+LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
 
 
-class TailNorm(Release):
-    def __init__(self, latent: int):
-        super().__init__(early=False)
-        self.latent, self.packets = latent, latent // 8
-        self.rounds = (self.packets + THREADS - 1) // THREADS
+class Plan:
+    """Static partition of one rank's up projection [N, L] over clusters, CTAs and warps:
+    one CTA per SM, all clusters co-resident, the rest of shared memory for the weight
+    ring (measured: a deep ring beats two CTAs per SM with half the ring each)."""
+
+    def __init__(self, tp: int, shard: int, latent: int, groups: int):
+        self.tp, self.shard, self.latent, self.groups = tp, shard, latent, groups
+        self.total_tiles = shard // TILE_ROWS
+        tokens = 8 * groups
+        candidates = [(cluster, chunk) for cluster in CLUSTERS for chunk in CHUNKS if latent % (cluster * chunk) == 0]
+        for cluster, chunk in candidates:
+            self.partition(cluster, chunk, ONE_WAVE_CLUSTERS[cluster])
+            if not self.split:
+                continue
+            self.xn_words = tokens * self.cols // 2
+            self.ss_words = 2 * cluster * tokens  # FP64 sums
+            slot_words = self.warps * TILES_PER_WARP * TILE_ROWS * chunk // 2
+            recv_words = cluster * self.split * tokens * self.owned
+            room = SMEM_BYTES // 4 - self.xn_words - self.ss_words - 64
+            self.depth = min(self.warp_chunks, room // slot_words)
+            self.ring_words = max(self.depth * slot_words, recv_words - self.xn_words)  # recv reuses xn + ring
+            if self.depth >= min(MIN_DEPTH, self.warp_chunks) and self.ring_words <= room:
+                return
+        raise ValueError(f"the tail does not fit shared memory at TP{tp}, {tokens} tokens")
+
+    def partition(self, cluster: int, chunk: int, max_clusters: int) -> None:
+        self.cluster, self.cols = cluster, self.latent // cluster  # CTAs per cluster, K columns per CTA
+        self.chunk, self.steps = chunk, chunk // STEP  # K columns per ring slot, MMA k32 steps in it
+        self.chunks = self.cols // chunk
+        multiple = max(TILES_PER_WARP, cluster // 2)  # whole warps, 8-row owner packets
+        per_cluster = -(-self.total_tiles // max_clusters)
+        self.tiles = -(-per_cluster // multiple) * multiple
+        self.clusters = -(-self.total_tiles // self.tiles)
+        row_groups = self.tiles // TILES_PER_WARP
+        self.split = max(
+            (s for s in range(1, self.chunks + 1) if self.chunks % s == 0 and row_groups * s <= MAX_WARPS), default=0
+        )
+        self.warps = row_groups * self.split
+        self.threads = 32 * self.warps
+        self.warp_chunks = self.chunks // self.split
+        self.owned = TILE_ROWS * self.tiles // cluster  # output rows per CTA
+        self.tokens_per_pass = max(1, 4 // self.tp)  # latent loads in flight per lane: 16 × this
+        self.row_lanes = chunk // 8  # lanes copying one row's 16-byte pieces of a slot
+
+
+class TailFront:
+    """partial = BF16(Σ_r row_r · w_r) per (token, packet); functional or publish mode."""
+
+    def __init__(self, latent: int, tp: int, publish: bool):
+        self.latent, self.tp, self.publish = latent, tp, publish
+        self.packets = latent // 8
 
     @cute.jit
-    def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, xn: cute.Tensor,
-                 eps: Float32, stream):
-        launch(self.kernel(expanded, weights, gamma, xn, eps), [xn.shape[0]], stream)
+    def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, rows: cute.Tensor, peers: cute.Tensor,
+                 row0: Int32, stream):
+        grid = [expanded.shape[0], -(-self.packets // FRONT_PACKETS)]
+        launch(self.kernel(expanded, weights, rows, peers, row0), grid, stream)
 
     @cute.kernel
-    def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, xn: cute.Tensor, eps: Float32):
+    def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, rows: cute.Tensor, peers: cute.Tensor, row0: Int32):
+        """``rows``: the [B, L] result (functional); ``peers``: the latent boxes' base
+        addresses, written at row ``row0 + token`` of rows of L (publish)."""
         tid, _, _ = cute.arch.thread_idx()
-        token, _, _ = cute.arch.block_idx()
-        warp, lane = tid // 32, tid % 32
-        sums = SmemAllocator().allocate_tensor(Float32, cute.make_layout(WARPS), 16)
+        token, part, _ = cute.arch.block_idx()
+        packet = part * FRONT_PACKETS + tid
+        # Release at once: our dependent (MoeTail) only prefetches weights before it waits
+        # for us, and we wait for our predecessor before anything else.
+        cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
-        partial = cute.make_rmem_tensor((self.rounds, 8), Float32)
-        squares = Float32(0.0)
-        for p in cutlass.range_constexpr(self.rounds):
-            packet = tid + THREADS * p
-            for i in cutlass.range_constexpr(8):
-                partial[p, i] = Float32(0.0)
-            if packet < self.packets:
-                for r in cutlass.range_constexpr(TOP_K):  # the FMA chain, rank order
-                    weight = Float32(weights[token, r])
-                    row = expanded.iterator + token * expanded.stride[0] + r * expanded.stride[1]
-                    values = unpack_words(load_words(row + packet * 8))
-                    for i in cutlass.range_constexpr(8):
-                        partial[p, i] = partial[p, i] + values[i] * weight
-                for i in cutlass.range_constexpr(8):
-                    partial[p, i] = Float32(BFloat16(partial[p, i]))
-                    squares += Float32(BFloat16(partial[p, i] * partial[p, i]))
-        for shift in cutlass.range_constexpr(5):
-            squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
-        if lane == 0:
-            sums[warp] = squares
-        cute.arch.sync_threads()
-        total = sums[0]
-        for w in cutlass.range_constexpr(1, WARPS):
-            total += sums[w]
-        inv = cute.math.rsqrt(total / Float32(self.latent) + eps)
-        for p in cutlass.range_constexpr(self.rounds):
-            packet = tid + THREADS * p
-            if packet < self.packets:
-                scale = unpack_words(load_words(gamma.iterator + packet * 8))
-                normed = [(partial[p, i] * inv) * scale[i] for i in range(8)]
-                words = [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)]
-                store_words(xn.iterator + token * xn.stride[0] + packet * 8, words)
-        self.release_late()
+        if packet < self.packets:
+            acc = [Float32(0.0)] * 8
+            for r in cutlass.range_constexpr(TOP_K):  # the FMA chain, rank order
+                weight = Float32(weights[token, r])
+                row = expanded.iterator + token * expanded.stride[0] + r * expanded.stride[1]
+                values = unpack_words(load_words(row + packet * 8))
+                acc = [acc[i] + values[i] * weight for i in range(8)]
+            words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
+            if cutlass.const_expr(self.publish):
+                clean = [no_neg_zero(w) for w in words]
+                offset = (Int64(row0 + token) * self.latent + packet * 8) * 2
+                for d in cutlass.range_constexpr(self.tp):
+                    store_words_at(Int64(peers[d]) + offset, clean)
+            else:
+                store_words(rows.iterator + token * rows.stride[0] + packet * 8, words)
 
 
-class UpProjection(Release):
-    def __init__(self, latent: int, hidden: int, batch: int):
-        super().__init__(early=False)
-        self.latent, self.hidden, self.batch = latent, hidden, batch
-        self.steps = latent // 8 // 32  # packets per lane
+class MoeTail:
+    """latent → RMSNorm → up projection + shared, one rank's N rows (see the module doc)."""
+
+    def __init__(self, plan: Plan, publish: bool):
+        self.plan, self.publish = plan, publish
 
     @cute.jit
-    def __call__(self, xn: cute.Tensor, w_up: cute.Tensor, shared: cute.Tensor, out: cute.Tensor, stream):
-        launch(self.kernel(xn, w_up, shared, out), [self.hidden // ROWS_PER_CTA], stream)
+    def __call__(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, w_up: cute.Tensor,
+                 out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32, batch: Int32,
+                 parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
+        """Functional: ``latent`` [B, L], ``shared`` and ``out`` [B, N]. Publish mode:
+        ``latent`` and ``shared`` are the boxes [3, TP, CAP, L or N], ``peers`` the output
+        boxes' base addresses, ``error`` the poll error word."""
+        plan = self.plan
+        self.kernel(latent, shared, gamma, w_up, out, peers, error, eps, batch, parity, rank, rearm_parity,
+                    rearm_batch).launch(
+            grid=[plan.clusters * plan.cluster, 1, 1], block=[plan.threads, 1, 1], cluster=[plan.cluster, 1, 1],
+            stream=stream, use_pdl=True,
+        )
 
     @cute.kernel
-    def kernel(self, xn: cute.Tensor, w_up: cute.Tensor, shared: cute.Tensor, out: cute.Tensor):
+    def kernel(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, w_up: cute.Tensor,
+               out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32, batch: Int32,
+               parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32):
+        plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tid // 32, tid % 32
-        first_row = cta * ROWS_PER_CTA + warp * ROWS_PER_WARP
-        cute.arch.griddepcontrol_wait()
-        full = self.batch // TOKENS_PER_GROUP
-        for group in cutlass.range(full, unroll=1):
-            self.group(xn, w_up, shared, out, group * TOKENS_PER_GROUP, TOKENS_PER_GROUP, first_row, lane)
-        if cutlass.const_expr(self.batch % TOKENS_PER_GROUP):
-            self.group(xn, w_up, shared, out, full * TOKENS_PER_GROUP, self.batch % TOKENS_PER_GROUP, first_row, lane)
-        self.release_late()
+        k_slice, cluster = cta % plan.cluster, cta // plan.cluster
+        smem = SmemAllocator()
+        ss = smem.allocate_tensor(Float64, cute.make_layout(plan.ss_words // 2), 16).iterator
+        # [xn | ring]; after the projection the cluster's partial sums land over both.
+        xn = smem.allocate_tensor(Uint32, cute.make_layout(plan.xn_words + plan.ring_words), 16).iterator
+        ring = xn + plan.xn_words
 
+        cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
+
+        row_group, sub = warp // plan.split, warp % plan.split
+        tile = cluster * plan.tiles + row_group * TILES_PER_WARP
+        first_chunk = sub * plan.warp_chunks
+        for i in cutlass.range_constexpr(plan.depth):
+            self.fetch(w_up, ring, tile, k_slice * plan.cols + (first_chunk + i) * plan.chunk, warp, i, lane)
+            cute.arch.cp_async_commit_group()
+
+        scale = self.load_gamma(gamma, k_slice, lane)
+        if cutlass.const_expr(self.publish):
+            self.rearm_previous(latent, shared, rearm_parity, rearm_batch, cta, tid)
+        else:
+            cute.arch.griddepcontrol_wait()
+        cute.arch.cluster_wait()  # the peers have started: DSMEM stores are safe
+        self.load_latent(latent, xn, ss, error, batch, parity, k_slice, warp, lane)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        self.normalize(xn, ss, scale, eps, batch, warp, lane)
+        cute.arch.sync_threads()
+
+        acc = self.project(w_up, xn, ring, tile, k_slice, first_chunk, warp, lane)
+        # Our weights are read: the next launch may start its prefetch during our epilogue
+        # (every dependent waits for our completion before it reads what we write).
+        cute.arch.griddepcontrol_launch_dependents()
+
+        cute.arch.cluster_arrive()  # every CTA is done with its ring: it becomes the receive buffer
+        cute.arch.cluster_wait()
+        self.scatter(acc, xn, batch, tile, k_slice * plan.split + sub, lane)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        self.finish(xn, shared, out, peers, error, batch, parity, rank, cluster, k_slice, tid)
 
     @cute.jit
-    def group(self, xn, w_up, shared, out, first, tokens: cutlass.Constexpr[int], first_row, lane):
-        """Tokens [first, first + tokens) against this warp's ROWS_PER_WARP rows."""
-        acc = cute.make_rmem_tensor((ROWS_PER_WARP, tokens), Float32)
-        for n in cutlass.range_constexpr(ROWS_PER_WARP):
-            for t in cutlass.range_constexpr(tokens):
-                acc[n, t] = Float32(0.0)
-        for step in cutlass.range(self.steps, unroll=4):
-            k = (lane + 32 * step) * 8
-            x = [unpack_words(load_words(xn.iterator + (first + t) * xn.stride[0] + k)) for t in range(tokens)]
-            for n in cutlass.range_constexpr(ROWS_PER_WARP):
-                w = unpack_words(load_words(w_up.iterator + (first_row + n) * w_up.stride[0] + k))
-                for t in cutlass.range_constexpr(tokens):
-                    for i in cutlass.range_constexpr(8):
-                        acc[n, t] = acc[n, t] + w[i] * x[t][i]
-        for n in cutlass.range_constexpr(ROWS_PER_WARP):
-            for t in cutlass.range_constexpr(tokens):
+    def fetch(self, w_up, ring, tile, column, warp, i, lane):
+        """cp.async chunk ``i`` of this warp's rows (columns ``column`` ..+chunk) into ring
+        slot i % depth. The copy runs along rows (``row_lanes`` lanes per row: whole
+        128-256 byte runs); each piece lands where its MMA lane reads it: [step][tile]
+        [half][lane (g, t)], lane (g, t) holding columns 8t..8t+7 of rows g and g + 8."""
+        plan = self.plan
+        slot = i % plan.depth
+        rows_per_copy = 32 // plan.row_lanes
+        for m in cutlass.range_constexpr(TILES_PER_WARP * TILE_ROWS // rows_per_copy):
+            row = m * rows_per_copy + lane // plan.row_lanes  # of the warp's 32
+            piece = lane % plan.row_lanes  # 16-byte piece along the row
+            p, h, g = row // TILE_ROWS, row % TILE_ROWS // 8, row % 8
+            step, t = piece // 4, piece % 4
+            if tile + p < plan.total_tiles:
+                unit = ((((warp * plan.depth + slot) * plan.steps + step) * TILES_PER_WARP + p) * 2 + h) * 32 + g * 4 + t
+                source = w_up.iterator + ((tile + p) * TILE_ROWS + 8 * h + g) * w_up.stride[0] + column + piece * 8
+                copy_async(ring + unit * 4, source)
+
+    @cute.jit
+    def load_latent(self, latent, xn, ss, error, batch, parity, k_slice, warp, lane):
+        """latent = BF16(Σ sources, rank order) of this CTA's K k_slice into ``xn``; each
+        token's Σ BF16(latent²) over the k_slice into slot ``k_slice`` of every CTA's ss.
+        A warp per token, ``tokens_per_pass`` tokens' loads (or polls) in flight at once."""
+        plan = self.plan
+        packets, rounds = plan.cols // 8, -(-plan.cols // 8 // 32)
+        sources = plan.tp if self.publish else 1
+        per_pass = plan.tokens_per_pass
+        for base in cutlass.range(warp, batch, plan.warps * per_pass, unroll=1):
+            addresses = []
+            for u in cutlass.range_constexpr(per_pass):
+                token = clamp(base + u * plan.warps, batch - 1)  # past the batch: read a valid row, unused
+                for q in cutlass.range_constexpr(rounds):
+                    column = k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8
+                    for source in cutlass.range_constexpr(sources):
+                        if cutlass.const_expr(self.publish):
+                            row = (parity * plan.tp + source) * latent.shape[2] + token
+                            addresses.append(latent.iterator + row * plan.latent + column)
+                        else:
+                            addresses.append(latent.iterator + token * latent.stride[0] + column)
+            if cutlass.const_expr(self.publish):
+                packets_in = poll_all(addresses, error, LATENT_POLL)
+            else:
+                packets_in = [load_words(a) for a in addresses]
+            for u in cutlass.range_constexpr(per_pass):
+                token = base + u * plan.warps
+                squares = Float64(0.0)
+                for q in cutlass.range_constexpr(rounds):
+                    packet = lane + 32 * q
+                    acc = [Float32(0.0)] * 8
+                    for source in cutlass.range_constexpr(sources):
+                        values = unpack_words(packets_in[(u * rounds + q) * sources + source])
+                        acc = [acc[i] + values[i] for i in range(8)]
+                    rounded = [Float32(BFloat16(a)) for a in acc]
+                    if (packet < packets) & (token < batch):
+                        for v in rounded:
+                            squares += Float64(Float32(BFloat16(v * v)))
+                        words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
+                        store_shared(xn + self.xn_piece(token, packet) * 4, words)
                 for shift in cutlass.range_constexpr(5):
-                    acc[n, t] = acc[n, t] + cute.arch.shuffle_sync_bfly(acc[n, t], offset=1 << shift)
-                if lane == (n * tokens + t) % 32:  # spread the stores over the lanes
-                    row = first_row + n
-                    up = Float32(BFloat16(acc[n, t]))
-                    out[first + t, row] = BFloat16(up + Float32(shared[first + t, row]))
+                    squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
+                if (lane < plan.cluster) & (token < batch):
+                    store_cluster(ss + k_slice * 8 * plan.groups + token, squares, lane)
+
+    @cute.jit
+    def load_gamma(self, gamma, k_slice, lane):
+        """The lane's gamma packets of the K slice (a weight: loaded before the wait)."""
+        plan = self.plan
+        packets, rounds = plan.cols // 8, -(-plan.cols // 8 // 32)
+        return [unpack_words(load_words(gamma.iterator + k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8))
+                for q in range(rounds)]
+
+    @cute.jit
+    def normalize(self, xn, ss, scale, eps, batch, warp, lane):
+        """xn = BF16((latent · inv) · gamma) in place, inv from the cluster's ss in order."""
+        plan = self.plan
+        packets, rounds = plan.cols // 8, -(-plan.cols // 8 // 32)
+        for token in cutlass.range(warp, batch, plan.warps, unroll=1):
+            total = ss[token]
+            for c in cutlass.range_constexpr(1, plan.cluster):
+                total += ss[c * 8 * plan.groups + token]
+            inv = rsqrt_like_torch(divide(Float32(total), Float32(plan.latent)) + eps)
+            for q in cutlass.range_constexpr(rounds):
+                packet = lane + 32 * q
+                if packet < packets:
+                    address = xn + self.xn_piece(token, packet) * 4
+                    values = unpack_words(load_shared(address))
+                    normed = [(values[i] * inv) * scale[q][i] for i in range(8)]
+                    store_shared(address, [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)])
+
+    def xn_piece(self, token, packet):
+        """The 16-byte piece of (token, packet) in ``xn``: [chunk][group][lane (g, t)],
+        so that an MMA B fragment is one conflict-free 16-byte load per lane."""
+        return ((packet // 4 * self.plan.groups + token // 8) * 8 + token % 8) * 4 + packet % 4
+
+    @cute.jit
+    def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane):
+        """The warp's two tiles × all token groups over its chunks, FP32 accumulators in
+        the m16n8 C layout: acc[p, n, 2h + e] = (row 8h + g of tile p, token 8n + 2t + e)."""
+        plan = self.plan
+        acc = cute.make_rmem_tensor((TILES_PER_WARP, plan.groups, 4), Float32)
+        for p in cutlass.range_constexpr(TILES_PER_WARP):
+            for n in cutlass.range_constexpr(plan.groups):
+                for e in cutlass.range_constexpr(4):
+                    acc[p, n, e] = Float32(0.0)
+        for i in cutlass.range(plan.warp_chunks, unroll=1):
+            cute.arch.cp_async_wait_group(plan.depth - 1)
+            cute.arch.sync_warp()  # the slot was copied by the whole warp
+            slot = i % plan.depth
+            for step in cutlass.range_constexpr(plan.steps):
+                base = ((warp * plan.depth + slot) * plan.steps + step) * TILES_PER_WARP
+                a = [[load_shared(ring + (((base + p) * 2 + h) * 32 + lane) * 4) for h in range(2)]
+                     for p in range(TILES_PER_WARP)]
+                k32 = (first_chunk + i) * plan.steps + step
+                b = [load_shared(xn + ((k32 * plan.groups + n) * 32 + lane) * 4) for n in range(plan.groups)]
+                for j in cutlass.range_constexpr(2):  # k16 outer: consecutive MMAs are independent
+                    for n in cutlass.range_constexpr(plan.groups):
+                        for p in cutlass.range_constexpr(TILES_PER_WARP):
+                            d = mma_bf16(
+                                (a[p][0][2 * j], a[p][1][2 * j], a[p][0][2 * j + 1], a[p][1][2 * j + 1]),
+                                (b[n][2 * j], b[n][2 * j + 1]), (acc[p, n, 0], acc[p, n, 1], acc[p, n, 2], acc[p, n, 3]),
+                            )
+                            for e in cutlass.range_constexpr(4):
+                                acc[p, n, e] = d[e]
+            cute.arch.sync_warp()  # every lane has its fragments before the slot is refilled
+            if i + plan.depth < plan.warp_chunks:
+                self.fetch(w_up, ring, tile, k_slice * plan.cols + (first_chunk + i + plan.depth) * plan.chunk,
+                           warp, i + plan.depth, lane)
+            cute.arch.cp_async_commit_group()
+        return acc
+
+    @cute.jit
+    def scatter(self, acc, received, batch, tile, part, lane):
+        """Each partial sum to its row owner's receive buffer [part][token][owned row]."""
+        plan = self.plan
+        g, t = lane // 4, lane % 4
+        local_tile = tile - (tile // plan.tiles) * plan.tiles
+        for p in cutlass.range_constexpr(TILES_PER_WARP):
+            for h in cutlass.range_constexpr(2):
+                row = (local_tile + p) * TILE_ROWS + 8 * h + g
+                owner, index = row // plan.owned, row % plan.owned
+                for n in cutlass.range_constexpr(plan.groups):
+                    for e in cutlass.range_constexpr(2):
+                        token = 8 * n + 2 * t + e
+                        if token < batch:
+                            word = (part * 8 * plan.groups + token) * plan.owned + index
+                            store_cluster(bits_pointer(received, word), acc[p, n, 2 * h + e], owner)
+
+    @cute.jit
+    def finish(self, received, shared, out, peers, error, batch, parity, rank, cluster, k_slice, tid):
+        """Owner epilogue, 8 rows per item: up = BF16(Σ parts in K order); out =
+        BF16(up + shared), shared = BF16(Σ reduce-scatter sources) in publish mode."""
+        plan = self.plan
+        parts = plan.cluster * plan.split
+        per_token = plan.owned // 8
+        first_row = cluster * plan.tiles * TILE_ROWS + k_slice * plan.owned
+        for item in cutlass.range(tid, batch * per_token, plan.threads, unroll=1):
+            token, packet = item // per_token, item % per_token
+            row = first_row + packet * 8
+            if row < plan.shard:
+                acc = [Float32(0.0)] * 8
+                for part in cutlass.range_constexpr(parts):
+                    word = (part * 8 * plan.groups + token) * plan.owned + packet * 8
+                    sums = [bits_float(w) for h in range(2) for w in load_shared(received + word + 4 * h)]
+                    acc = [acc[i] + sums[i] for i in range(8)]
+                up = [Float32(BFloat16(a)) for a in acc]
+                if cutlass.const_expr(self.publish):
+                    total = [Float32(0.0)] * 8
+                    for source in cutlass.range_constexpr(plan.tp):
+                        box_row = (parity * plan.tp + source) * shared.shape[2] + token
+                        values = unpack_words(poll(shared.iterator + box_row * plan.shard + row, error, SHARED_POLL))
+                        total = [total[i] + values[i] for i in range(8)]
+                    extra = [Float32(BFloat16(v)) for v in total]
+                else:
+                    extra = unpack_words(load_words(shared.iterator + token * shared.stride[0] + row))
+                result = [up[i] + extra[i] for i in range(8)]
+                words = [pack_bf16(result[i], result[i + 1]) for i in range(0, 8, 2)]
+                if cutlass.const_expr(self.publish):
+                    clean = [no_neg_zero(w) for w in words]
+                    offset = (Int64(token) * plan.shard * plan.tp + rank * plan.shard + row) * 2
+                    for d in cutlass.range_constexpr(plan.tp):
+                        store_words_at(Int64(peers[d]) + offset, clean)
+                else:
+                    store_words(out.iterator + token * out.stride[0] + row, words)
+
+    @cute.jit
+    def rearm_previous(self, latent_box, shared_box, rearm_parity, rearm_batch, cta, tid):
+        """Sentinels over rows [0, rearm_batch) of every source at ``rearm_parity``, spread
+        over the grid (the previous MoE layer's boxes: consumed before we were launched)."""
+        plan = self.plan
+        threads = plan.clusters * plan.cluster * plan.threads
+        for box, width in ((latent_box, plan.latent), (shared_box, plan.shard)):
+            per_row = width // 8
+            rows = plan.tp * rearm_batch
+            for item in cutlass.range(cta * plan.threads + tid, rows * per_row, threads, unroll=1):
+                source, rest = item // (rearm_batch * per_row), item % (rearm_batch * per_row)
+                token, packet = rest // per_row, rest % per_row
+                row = (rearm_parity * plan.tp + source) * box.shape[2] + token
+                rearm(box.iterator + row * width + packet * 8)
 
 
 @cute.jit
@@ -145,49 +435,263 @@ def unpack_words(words):
     return [value for word in words for value in unpack_bf16(word)]
 
 
+@cute.jit
+def clamp(value: Int32, high: Int32) -> Int32:
+    result = value
+    if value > high:
+        result = high
+    return result
+
+
+@cute.jit
+def load_shared(address):
+    """Four words from shared memory, one 16-byte load."""
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[address],
+    )
+
+
+@cute.jit
+def store_shared(address, words):
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words])
+
+
+@cute.jit
+def store_cluster(address, value, cta):
+    """One FP32 or FP64 value into CTA ``cta``'s shared memory (DSMEM) at our ``address``."""
+    remote = cute.arch.map_dsmem_ptr(address, cta)
+    kind = "f64" if isinstance(value, Float64) else "f32"
+    cute.arch.inline_ptx(f"st.shared::cluster.{kind} [{{$r0}}], {{$r1}};", read_only_args=[remote, value])
+
+
+@cute.jit
+def divide(x: Float32, y: Float32) -> Float32:
+    """IEEE x / y (div.rn), as torch divides."""
+    return cute.arch.inline_ptx("div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[x, y])
+
+
+@cute.jit
+def rsqrt_like_torch(x: Float32) -> Float32:
+    """rsqrt.approx.f32 without flush-to-zero: what torch.rsqrt runs on CUDA, so that xn is
+    bit-equal to the reference on the same device."""
+    return cute.arch.inline_ptx("rsqrt.approx.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x])
+
+
+def bits_pointer(words, index):
+    """Word ``index`` of a Uint32 shared buffer as an FP32 pointer."""
+    return cute.recast_ptr(words + index, dtype=Float32)
+
+
+@cute.jit
+def copy_async(shared_address, global_address):
+    """16 bytes global → shared, cp.async.cg (L2 only: the weights are read once)."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[shared_address, global_address])
+
+
+@cute.jit
+def mma_bf16(a, b, c):
+    """D = A·B + C, mma.sync m16n8k16, BF16 inputs, FP32 accumulators."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { {$w0}, {$w1}, {$w2}, {$w3} },"
+        " { {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
+        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c],
+    )
+
+
+@cute.jit
+def store_words_at(address: Int64, words):
+    """A 16-byte packet to a raw (peer) address: relaxed, system scope (a mailbox)."""
+    cute.arch.inline_ptx(
+        "st.relaxed.sys.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words]
+    )
+
+
+class ShardPush:
+    """The shared expert's reduce-scatter stores (the seeds' ``WaveMoeTail.push``): packet
+    p of token b goes to rank p·8 // N's box, row ``row0 + b`` of rows of N."""
+
+    def __init__(self, hidden: int, tp: int):
+        self.hidden, self.tp, self.shard = hidden, tp, hidden // tp
+
+    @cute.jit
+    def __call__(self, shared: cute.Tensor, peers: cute.Tensor, row0: Int32, stream):
+        launch(self.kernel(shared, peers, row0), [shared.shape[0], -(-self.hidden // 8 // THREADS)], stream)
+
+    @cute.kernel
+    def kernel(self, shared: cute.Tensor, peers: cute.Tensor, row0: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        token, part, _ = cute.arch.block_idx()
+        column = (part * THREADS + tid) * 8
+        cute.arch.griddepcontrol_wait()
+        if column < self.hidden:
+            words = load_words(shared.iterator + token * shared.stride[0] + column)
+            destination, own = column // self.shard, column % self.shard
+            offset = (Int64(row0 + token) * self.shard + own) * 2
+            store_words_at(Int64(peers[destination]) + offset, [no_neg_zero(w) for w in words])
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+def groups_of(batch: int) -> int:
+    """8-token MMA groups (the N of m16n8k16) a batch needs: the compile key."""
+    return -(-batch // 8)
+
+
 @compiled
-def compile_norm(latent: int):
-    batch = cute.sym_int()
+def compile_front(latent: int, tp: int, publish: bool):
+    batch, rows = cute.sym_int(), cute.sym_int()
     return cute.compile(
-        TailNorm(latent), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
-        fake(BFloat16, (latent,)), fake(BFloat16, (batch, latent)), Float32(1e-6), fake_stream(),
+        TailFront(latent, tp, publish), fake(BFloat16, (batch, TOP_K, latent)),
+        fake(BFloat16, (batch, TOP_K), align=2), fake(BFloat16, (rows, latent)), fake(Int64, (tp,), align=8),
+        Int32(0), fake_stream(), options="--enable-tvm-ffi",
+    )
+
+
+@compiled
+def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool):
+    plan = Plan(tp, shard, latent, groups)
+    batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    if publish:
+        latent_in, shared_in = fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard))
+    else:
+        latent_in, shared_in = fake(BFloat16, (batch, latent)), fake(BFloat16, (batch, shard))
+    return cute.compile(
+        MoeTail(plan, publish), latent_in, shared_in, fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)),
+        fake(BFloat16, (batch, shard)), fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4),
+        Float32(1e-6), Int32(1), Int32(0), Int32(0), Int32(1), Int32(1), fake_stream(),
         options="--enable-tvm-ffi",
     )
 
 
 @compiled
-def compile_up(latent: int, hidden: int, batch: int):
+def compile_push(hidden: int, tp: int):
     return cute.compile(
-        UpProjection(latent, hidden, batch), fake(BFloat16, (batch, latent)), fake(BFloat16, (hidden, latent)),
-        fake(BFloat16, (batch, hidden), align=2), fake(BFloat16, (batch, hidden), align=2), fake_stream(),
-        options="--enable-tvm-ffi",
+        ShardPush(hidden, tp), fake(BFloat16, (cute.sym_int(), hidden)), fake(Int64, (tp,), align=8), Int32(0),
+        fake_stream(), options="--enable-tvm-ffi",
     )
+
+
+def placeholder(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One element of ``tensor`` viewed as ``dtype`` for an argument the kernel's mode
+    never touches (no allocation: nothing outlives the call, e.g. in a cudagraph-tree pool)."""
+    return tensor.view(-1).view(dtype)[:1]
+
+
+def aligned(*tensors) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def unsupported_shape(tp: int, shard: int, latent: int, batch: int) -> str | None:
+    if latent % (max(CLUSTERS) * STEP) or shard % (TILE_ROWS * 2) or tp > 16:
+        return (f"the tail kernel needs L % {max(CLUSTERS) * STEP} == 0, N % {TILE_ROWS * 2} == 0 and "
+                f"TP <= 16 (L={latent}, N={shard}, TP={tp})")
+    try:
+        Plan(tp, shard, latent, groups_of(batch))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 class TailKernel:
-    """``kimi::moe_tail`` on CUDA (TP1)."""
+    """``kimi::moe_tail`` on CUDA (TP1): TailFront then MoeTail."""
 
     def prepare(self, latent: int, hidden: int, batches) -> None:
-        compile_norm(latent)
-        for batch in batches:
-            compile_up(latent, hidden, batch)
+        compile_front(latent, 1, False)
+        for groups in sorted({groups_of(b) for b in batches}):
+            compile_tail(1, hidden, latent, groups, False)
 
     def unsupported(self, expanded, weights, shared, gamma, w_up, eps):
-        latent, hidden = expanded.shape[2], w_up.shape[0]
-        if latent % 256 or hidden % ROWS_PER_CTA:
-            return f"the tail kernel needs L % 256 == 0 and H % {ROWS_PER_CTA} == 0 (L={latent}, H={hidden})"
-        return hopper(expanded)
+        if not aligned(expanded, shared, gamma, w_up):
+            return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
+        return unsupported_shape(1, w_up.shape[0], expanded.shape[2], expanded.shape[0]) or hopper(expanded)
 
     def __call__(self, expanded, weights, shared, gamma, w_up, eps):
         batch, hidden = tail_op.check_moe_tail(expanded, weights, shared, gamma, w_up, eps)
         latent = expanded.shape[2]
         out = shared.new_empty((batch, hidden))
         if batch:
-            xn = expanded.new_empty((batch, latent))
-            compile_norm(latent)(expanded, weights, gamma, xn, eps)
-            compile_up(latent, hidden, batch)(xn, w_up, shared, out)
+            partial = expanded.new_empty((batch, latent))
+            no_peers, no_error = placeholder(out, torch.int64), placeholder(out, torch.int32)
+            compile_front(latent, 1, False)(expanded, weights, partial, no_peers, 0)
+            compile_tail(1, hidden, latent, groups_of(batch), False)(
+                partial, shared, gamma, w_up, out, no_peers, no_error, eps, batch, 0, 0, 0, 1
+            )
         return out
+
+
+class TailPublishKernel:
+    """``kimi::moe_tail_publish`` on CUDA."""
+
+    def prepare(self, latent: int, tp: int, peer_lists=()) -> None:
+        compile_front(latent, tp, True)
+        for boxes in peer_lists:
+            addresses(boxes)
+
+    def unsupported(self, expanded, weights, latent_boxes, parity, rank):
+        if expanded.shape[2] % 8 or not aligned(expanded, *latent_boxes):
+            return "the publish kernel stores 16-byte packets: L % 8 == 0 and 16-byte aligned tensors"
+        return hopper(expanded)
+
+    def __call__(self, expanded, weights, latent_boxes, parity, rank):
+        mailbox_ops.check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank)
+        batch, _, latent = expanded.shape
+        tp, capacity = len(latent_boxes), latent_boxes[0].shape[2]
+        rows = latent_boxes[rank][parity, rank]  # placeholder: publish mode writes through ``peers``
+        compile_front(latent, tp, True)(
+            expanded, weights, rows, addresses(latent_boxes), (parity * tp + rank) * capacity
+        )
+
+
+class TailPushKernel:
+    """``kimi::moe_tail_push`` on CUDA."""
+
+    def prepare(self, hidden: int, tp: int, peer_lists=()) -> None:
+        compile_push(hidden, tp)
+        for boxes in peer_lists:
+            addresses(boxes)
+
+    def unsupported(self, shared, rs_boxes, parity, rank):
+        if rs_boxes[0].shape[3] % 8 or not aligned(shared, *rs_boxes):
+            return "the push kernel stores 16-byte packets: H/TP % 8 == 0 and 16-byte aligned tensors"
+        return hopper(shared)
+
+    def __call__(self, shared, rs_boxes, parity, rank):
+        tp = mailbox_ops.check_moe_tail_push(shared, rs_boxes, parity, rank)
+        capacity = rs_boxes[0].shape[2]
+        compile_push(shared.shape[1], tp)(shared, addresses(rs_boxes), (parity * tp + rank) * capacity)
+
+
+class TailPollKernel:
+    """``kimi::moe_tail_poll`` on CUDA: MoeTail in publish mode."""
+
+    def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=()) -> None:
+        for groups in sorted({groups_of(b) for b in batches}):
+            compile_tail(tp, shard, latent, groups, True)
+        for boxes in peer_lists:
+            addresses(boxes)
+
+    def unsupported(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
+                    rearm_batch, rank, batch):
+        if not aligned(latent_box, rs_box, gamma, w_up, *out_boxes):
+            return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
+        tp, latent = latent_box.shape[1], latent_box.shape[3]
+        return unsupported_shape(tp, rs_box.shape[3], latent, batch) or hopper(latent_box)
+
+    def __call__(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
+                 rearm_batch, rank, batch):
+        mailbox_ops.check_moe_tail_poll(
+            latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank, batch
+        )
+        tp, shard, latent = latent_box.shape[1], rs_box.shape[3], latent_box.shape[3]
+        out = rs_box[parity, rank]  # placeholder: publish mode writes through ``peers``
+        compile_tail(tp, shard, latent, groups_of(batch), True)(
+            latent_box, rs_box, gamma, w_up, out, addresses(out_boxes), error, eps, batch, parity, rank,
+            rearm_parity, rearm_batch,
+        )
 
 
 def register() -> None:
     backend.KERNELS["moe_tail"] = TailKernel()
+    backend.KERNELS["moe_tail_publish"] = TailPublishKernel()
+    backend.KERNELS["moe_tail_push"] = TailPushKernel()
+    backend.KERNELS["moe_tail_poll"] = TailPollKernel()

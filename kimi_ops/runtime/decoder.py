@@ -139,6 +139,10 @@ class KimiDecoder(nn.Module):
             backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
             backend.prepare("situ", config.shared_intermediate // group.tp, "bfloat16")
             backend.prepare("situ", config.expert_intermediate, "float32")
+            batches = range(8, config.capacity + 8, 8)  # one compile per 8-token MMA group count
+            backend.prepare("moe_tail_publish", config.latent, group.tp)
+            backend.prepare("moe_tail_push", config.hidden, group.tp)
+            backend.prepare("moe_tail_poll", group.tp, config.hidden // group.tp, config.latent, batches)
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:

@@ -1,0 +1,193 @@
+"""The CuTe MoE tail (kernels/tail.py): every variant compiles for sm_90a without a GPU;
+on a Hopper GPU the functional op and the mailbox ops match the reference backend, polls
+are bounded, and a 6-layer tail stack replays from a CUDA graph 1000 times."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
+
+from kimi_ops.kernels import tail  # noqa: E402
+from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
+
+from conftest import bf16_ulps, on_hopper, reference  # noqa: E402
+
+kimi = torch.ops.kimi
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+LATENT, HIDDEN, CAPACITY = 3584, 7168, 64
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("batch", [1, 4, 8, 64])
+@pytest.mark.parametrize("publish", [False, True])
+def test_tail_compiles(tp, batch, publish):
+    assert tail.compile_tail.build(tp, HIDDEN // tp, LATENT, tail.groups_of(batch), publish) is not None
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_front_and_push_compile(tp):
+    assert tail.compile_front.build(LATENT, tp, True) is not None
+    assert tail.compile_push.build(HIDDEN, tp) is not None
+    if tp == 1:
+        assert tail.compile_front.build(LATENT, 1, False) is not None
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
+def test_plan_covers_every_row_once_in_one_wave(tp):
+    for groups in range(1, 9):
+        plan = tail.Plan(tp, HIDDEN // tp, LATENT, groups)
+        assert plan.clusters * plan.tiles * tail.TILE_ROWS >= plan.shard
+        assert (plan.clusters - 1) * plan.tiles * tail.TILE_ROWS < plan.shard
+        assert plan.clusters <= tail.ONE_WAVE_CLUSTERS[plan.cluster] and plan.warps <= tail.MAX_WARPS
+        assert (plan.xn_words + plan.ss_words + plan.ring_words) * 4 <= tail.SMEM_BYTES
+        assert plan.split * plan.warp_chunks * plan.chunk * plan.cluster == plan.latent
+
+
+def tail_args(batch, seed, hidden=HIDDEN, latent=LATENT):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
+    return (
+        rand(batch, 16, latent), rand(batch, 16, scale=0.2), rand(batch, hidden),
+        rand(latent, scale=0.1) + 1, rand(hidden, latent, scale=latent**-0.5),
+    )
+
+
+def assert_tail_close(got, want, shared):
+    """2 BF16 ulps at the size of the larger term of up + shared, ≤ 3% not bit-equal."""
+    shared = shared.cpu().double()
+    got, want = got.cpu(), want.cpu()
+    terms = torch.maximum((want.double() - shared).abs(), shared.abs()) * (1 + 2**-7)
+    exponent = torch.floor(torch.log2(terms.clamp_min(1e-30)))
+    term_ulps = ((got.double() - want.double()).abs() / torch.exp2(exponent - 7)).ceil()
+    ulps = torch.minimum(bf16_ulps(got, want).double(), term_ulps)
+    both_nan = torch.isnan(got) & torch.isnan(want)
+    ulps = torch.where(both_nan, torch.zeros_like(ulps), ulps)
+    assert float(ulps.max()) <= 2, float(ulps.max())
+    assert float((ulps > 0).double().mean()) <= 0.03
+
+
+def poisoned(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", BATCHES)
+def test_tail_kernel(batch):
+    args = tail_args(batch, seed=batch)
+    out = kimi.moe_tail(*args, 1e-6)
+    assert_tail_close(out, reference(kimi.moe_tail, *args, 1e-6), args[2])
+
+
+@on_hopper
+def test_tail_kernel_negative_zero_and_nan_rows():
+    expanded, weights, shared, gamma, w_up = tail_args(4, seed=9)
+    expanded[1] = -0.0
+    expanded[2, 3] = float("nan")
+    got = kimi.moe_tail(expanded, weights, shared, gamma, w_up, 1e-6)
+    want = reference(kimi.moe_tail, expanded, weights, shared, gamma, w_up, 1e-6)
+    assert torch.isnan(got[2]).all() and not torch.isnan(got[[0, 1, 3]]).any()
+    assert_tail_close(got, want, shared)
+    again = tail_args(4, seed=10)  # later calls unaffected
+    assert_tail_close(kimi.moe_tail(*again, 1e-6), reference(kimi.moe_tail, *again, 1e-6), again[2])
+
+
+class Boxes:
+    """One rank's (TP1) tail boxes: latent [3, 1, CAP, L], shared RS [3, 1, CAP, H], the
+    output box [1, 1, CAP, H] and the error word, all armed."""
+
+    def __init__(self):
+        self.latent = torch.empty(3, 1, CAPACITY, LATENT, dtype=torch.bfloat16, device="cuda")
+        self.rs = torch.empty(3, 1, CAPACITY, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        self.out = torch.empty(1, 1, CAPACITY, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        self.error = torch.zeros(1, dtype=torch.int32, device="cuda")
+        for box in (self.latent, self.rs, self.out):
+            kimi.mailbox_arm(box)
+
+    def layer(self, expanded, weights, shared, gamma, w_up, parity, rearm_parity, rearm_batch):
+        """push, publish, poll, take: one MoE tail; returns the taken output rows."""
+        batch = expanded.shape[0]
+        kimi.moe_tail_push(shared, [self.rs], parity, 0)
+        kimi.moe_tail_publish(expanded, weights, [self.latent], parity, 0)
+        kimi.moe_tail_poll(
+            self.latent, self.rs, gamma, w_up, 1e-6, [self.out], self.error, parity, rearm_parity, rearm_batch, 0, batch
+        )
+        return kimi.mailbox_take(self.out, 0, batch, self.error)[0]
+
+
+def armed(rows):
+    return bool((rows.contiguous().view(torch.int32) == torch.tensor(SENTINEL, dtype=torch.int32)).all())
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", BATCHES)
+def test_tail_mailbox_ops_match_the_reference(batch):
+    expanded, weights, shared, gamma, w_up = tail_args(batch, seed=100 + batch)
+    ours, theirs = Boxes(), Boxes()
+    for boxes in (ours, theirs):  # the previous layer's parity 2 holds a published batch
+        boxes.latent[2, :, :batch].normal_()
+        boxes.rs[2, :, :batch].normal_()
+    got = ours.layer(expanded, weights, shared, gamma, w_up, 0, 2, batch)
+    want = reference(theirs.layer, expanded, weights, shared, gamma, w_up, 0, 2, batch)
+    assert_tail_close(got, want, shared)
+    assert torch.equal(ours.latent, theirs.latent)  # the published partial, bit for bit
+    assert torch.equal(ours.rs, theirs.rs)
+    assert armed(ours.latent[2]) and armed(ours.rs[2]) and armed(ours.out)
+    assert int(ours.error) == 0
+
+
+@on_hopper
+def test_tail_poll_times_out_into_the_error_word():
+    boxes = Boxes()  # nothing published
+    _, _, _, gamma, w_up = tail_args(1, seed=3)
+    kimi.moe_tail_poll(boxes.latent, boxes.rs, gamma, w_up, 1e-6, [boxes.out], boxes.error, 0, 2, 4, 0, 4)
+    torch.cuda.synchronize()  # returns: the polls are bounded
+    assert int(boxes.error) == 2 | 4
+    with pytest.raises(KimiMailboxError, match="latent"):
+        raise_if_error(boxes.error)
+
+
+@on_hopper
+def test_tail_stack_graph_replays_1000_times():
+    """6 MoE tails chained through their outputs (layer i's shared input is layer i−1's
+    output), parities rotating by ordinal, captured once: 1000 replays over changing
+    inputs equal eager runs of the same stack; every box ends armed except the last
+    layer's published parity, which the next step's first layer re-arms."""
+    layers, batch = 6, 4
+    gen = torch.Generator().manual_seed(7)
+    gamma = [(torch.randn(LATENT, generator=gen) * 0.1 + 1).bfloat16().cuda() for _ in range(layers)]
+    w_up = [(torch.randn(HIDDEN, LATENT, generator=gen) * LATENT**-0.5).bfloat16().cuda() for _ in range(layers)]
+    static = [tail_args(batch, seed=200 + i)[:2] for i in range(layers)]
+    shared0 = tail_args(batch, seed=300)[2]
+    boxes = Boxes()
+
+    def stack():
+        shared = shared0
+        for i in range(layers):
+            parity, rearm = parities(i, layers)
+            expanded, weights = static[i]
+            shared = boxes.layer(expanded, weights, shared, gamma[i], w_up[i], parity, rearm,
+                                 CAPACITY if i == 0 else batch)
+        return shared
+
+    stack()  # warm up: compiles, address tables
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = stack()
+    fresh = torch.Generator().manual_seed(8)
+    for replay in range(1000):
+        for expanded, weights in static:
+            expanded.copy_(torch.randn(expanded.shape, generator=fresh).bfloat16())
+        shared0.copy_(torch.randn(shared0.shape, generator=fresh).bfloat16())
+        graph.replay()
+        got = static_out.clone()
+        assert torch.equal(got, stack()), replay
+    torch.cuda.synchronize()
+    assert int(boxes.error) == 0
+    last = parities(layers - 1, layers)[0]
+    for parity in range(3):
+        rows = slice(batch, None) if parity == last else slice(None)
+        assert armed(boxes.latent[parity, :, rows]) and armed(boxes.rs[parity, :, rows])
+    assert armed(boxes.out)
