@@ -8,6 +8,13 @@ from ..config import KimiConfig
 from .groups import Boxes
 
 
+def static(box: torch.Tensor) -> torch.Tensor:
+    """Mark a box's address static for torch.compile: cudagraph trees must pass the box
+    itself to the ops, never a copy (peers and kernels hold its address)."""
+    torch._dynamo.mark_static_address(box)
+    return box
+
+
 class DecodeBoxes(nn.Module):
     """Every mailbox of the decode path, allocated once (before any capture) and armed:
 
@@ -40,9 +47,12 @@ class DecodeBoxes(nn.Module):
             boxes: Boxes = group.allocate(shape, device)
             for rank, box in zip(group.ranks, boxes.owned):
                 self.register_buffer(f"{kind}_{rank}", box)
+            for peers in boxes.peers.values():  # the owned boxes and the peers' views
+                for box in peers:
+                    static(box)
             self._peers[kind] = boxes.peers
         for rank in group.ranks:
-            self.register_buffer(f"error_{rank}", torch.zeros(1, dtype=torch.int32, device=device))
+            self.register_buffer(f"error_{rank}", static(torch.zeros(1, dtype=torch.int32, device=device)))
 
     def own(self, kind: str, rank: int) -> torch.Tensor:
         return getattr(self, f"{kind}_{rank}")
