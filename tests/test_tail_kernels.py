@@ -46,6 +46,62 @@ def test_plan_covers_every_row_once_in_one_wave(tp):
         assert plan.split * plan.warp_chunks * plan.chunk * plan.cluster == plan.latent
 
 
+def mma_m16n8k16(a_regs, b_regs):
+    """The PTX fragment layout of mma.sync.m16n8k16.row.col: ``a_regs[lane]`` the four A
+    registers and ``b_regs[lane]`` the two B registers of each lane, each register a pair
+    of values (low first). Returns D = A·B [16, 8] in float64."""
+    a, b = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for e in range(2):
+            a[g, 2 * t + e], a[g + 8, 2 * t + e] = a_regs[lane][0][e], a_regs[lane][1][e]
+            a[g, 2 * t + 8 + e], a[g + 8, 2 * t + 8 + e] = a_regs[lane][2][e], a_regs[lane][3][e]
+            b[2 * t + e, g], b[2 * t + 8 + e, g] = b_regs[lane][0][e], b_regs[lane][1][e]
+    return a @ b
+
+
+@pytest.mark.parametrize("tp, groups", [(1, 1), (1, 8), (2, 3), (8, 2)])
+def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
+    """CPU model of one warp and one ring slot through the kernel's own index maps: the
+    weight copies (Plan.copied, Plan.ring_piece), the xn stores (MoeTail.xn_packet) and the
+    fragment loads, into the PTX m16n8k16 fragment layout; the sums must be W · xnᵀ."""
+    plan = tail.Plan(tp, HIDDEN // tp, LATENT, groups)
+    kernel = tail.MoeTail(plan, publish=False)
+    gen = torch.Generator().manual_seed(tp * 10 + groups)
+    warp, chunk_index = plan.warps - 1, plan.warp_chunks - 1
+    slot, first_chunk = chunk_index % plan.depth, (plan.warp_chunks * (plan.split - 1))
+    k_chunk = first_chunk + chunk_index  # of the CTA's K slice
+    rows = torch.randn(tail.TILES_PER_WARP * tail.TILE_ROWS, plan.chunk, generator=gen, dtype=torch.float64)
+    xn = torch.randn(8 * groups, plan.cols, generator=gen, dtype=torch.float64)
+    ring, xn_pieces = {}, {}
+    for m in range(plan.copies):
+        for lane in range(32):
+            p, h, g, step, t, piece = plan.copied(m, lane)
+            ring[plan.ring_piece(warp, slot, step, p, h, g * 4 + t)] = rows[p * 16 + 8 * h + g, piece * 8 : piece * 8 + 8]
+    for token in range(8 * groups):
+        for packet in range(plan.cols // 8):
+            xn_pieces[kernel.xn_packet(token, packet)] = xn[token, packet * 8 : packet * 8 + 8]
+    words = lambda piece: [piece[2 * k : 2 * k + 2] for k in range(4)]  # noqa: E731  (registers of a 16-byte load)
+    acc = torch.zeros(tail.TILES_PER_WARP, groups, 16, 8, dtype=torch.float64)
+    for step in range(plan.steps):
+        k32 = k_chunk * plan.steps + step
+        for p in range(tail.TILES_PER_WARP):
+            for n in range(groups):
+                for j in range(2):
+                    a_regs, b_regs = [], []
+                    for lane in range(32):
+                        low, high = (words(ring[plan.ring_piece(warp, slot, step, p, h, lane)]) for h in range(2))
+                        b = words(xn_pieces[plan.xn_piece(k32, n, lane)])
+                        a_regs.append((low[2 * j], high[2 * j], low[2 * j + 1], high[2 * j + 1]))
+                        b_regs.append((b[2 * j], b[2 * j + 1]))
+                    acc[p, n] += mma_m16n8k16(a_regs, b_regs)
+    columns = slice(k_chunk * plan.chunk, (k_chunk + 1) * plan.chunk)
+    for p in range(tail.TILES_PER_WARP):
+        for n in range(groups):
+            want = rows[p * 16 : p * 16 + 16] @ xn[n * 8 : n * 8 + 8, columns].T
+            torch.testing.assert_close(acc[p, n], want, rtol=1e-12, atol=1e-12)
+
+
 def tail_args(batch, seed, hidden=HIDDEN, latent=LATENT):
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731

@@ -117,6 +117,27 @@ class Plan:
         self.owned = TILE_ROWS * self.tiles // cluster  # output rows per CTA
         self.tokens_per_pass = max(1, 4 // self.tp)  # latent loads in flight per lane: 16 × this
         self.row_lanes = chunk // 8  # lanes copying one row's 16-byte pieces of a slot
+        self.copies = TILES_PER_WARP * TILE_ROWS * self.row_lanes // 32  # cp.async per lane per slot
+
+    # The shared-memory layouts, in 16-byte pieces (kernel and CPU layout test alike).
+
+    def copied(self, m, lane):
+        """Copy ``m`` of a slot by ``lane``: the piece's (tile p, half h, row g of the
+        half, k32 step, lane column t) and its 16-byte index along the row. Lanes run
+        along rows: ``row_lanes`` lanes per row."""
+        row = m * (32 // self.row_lanes) + lane // self.row_lanes  # of the warp's 32
+        piece = lane % self.row_lanes
+        return row // TILE_ROWS, row % TILE_ROWS // 8, row % 8, piece // 4, piece % 4, piece
+
+    def ring_piece(self, warp, slot, step, p, h, lane):
+        """Where MMA lane (g, t) = ``lane`` finds columns 8t..8t+7 of row 8h + g of tile p
+        for k32 ``step`` of ring ``slot``: [warp][slot][step][tile][half][lane]."""
+        return ((((warp * self.depth + slot) * self.steps + step) * TILES_PER_WARP + p) * 2 + h) * 32 + lane
+
+    def xn_piece(self, k32, group, lane):
+        """Where MMA lane (g, t) = ``lane`` finds columns 8t..8t+7 of k32 step ``k32`` of
+        token 8·group + g: [k32][group][lane]."""
+        return (k32 * self.groups + group) * 32 + lane
 
 
 class TailFront:
@@ -236,16 +257,12 @@ class MoeTail:
         [half][lane (g, t)], lane (g, t) holding columns 8t..8t+7 of rows g and g + 8."""
         plan = self.plan
         slot = i % plan.depth
-        rows_per_copy = 32 // plan.row_lanes
-        for m in cutlass.range_constexpr(TILES_PER_WARP * TILE_ROWS // rows_per_copy):
-            row = m * rows_per_copy + lane // plan.row_lanes  # of the warp's 32
-            piece = lane % plan.row_lanes  # 16-byte piece along the row
-            p, h, g = row // TILE_ROWS, row % TILE_ROWS // 8, row % 8
-            step, t = piece // 4, piece % 4
+        for m in cutlass.range_constexpr(plan.copies):
+            p, h, g, step, t, piece = self.plan.copied(m, lane)
+            target = ring + self.plan.ring_piece(warp, slot, step, p, h, g * 4 + t) * 4
+            source = w_up.iterator + ((tile + p) * TILE_ROWS + 8 * h + g) * w_up.stride[0] + column + piece * 8
             if tile + p < plan.total_tiles:
-                unit = ((((warp * plan.depth + slot) * plan.steps + step) * TILES_PER_WARP + p) * 2 + h) * 32 + g * 4 + t
-                source = w_up.iterator + ((tile + p) * TILE_ROWS + 8 * h + g) * w_up.stride[0] + column + piece * 8
-                copy_async(ring + unit * 4, source)
+                copy_async(target, source)
 
     @cute.jit
     def load_latent(self, latent, xn, ss, error, batch, parity, k_slice, warp, lane):
@@ -286,7 +303,7 @@ class MoeTail:
                         for v in rounded:
                             squares += Float64(Float32(BFloat16(v * v)))
                         words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
-                        store_shared(xn + self.xn_piece(token, packet) * 4, words)
+                        store_shared(xn + self.xn_packet(token, packet) * 4, words)
                 for shift in cutlass.range_constexpr(5):
                     squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
                 if (lane < plan.cluster) & (token < batch):
@@ -313,15 +330,14 @@ class MoeTail:
             for q in cutlass.range_constexpr(rounds):
                 packet = lane + 32 * q
                 if packet < packets:
-                    address = xn + self.xn_piece(token, packet) * 4
+                    address = xn + self.xn_packet(token, packet) * 4
                     values = unpack_words(load_shared(address))
                     normed = [(values[i] * inv) * scale[q][i] for i in range(8)]
                     store_shared(address, [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)])
 
-    def xn_piece(self, token, packet):
-        """The 16-byte piece of (token, packet) in ``xn``: [chunk][group][lane (g, t)],
-        so that an MMA B fragment is one conflict-free 16-byte load per lane."""
-        return ((packet // 4 * self.plan.groups + token // 8) * 8 + token % 8) * 4 + packet % 4
+    def xn_packet(self, token, packet):
+        """The piece of xn holding 8-column ``packet`` of ``token`` (its MMA B fragment)."""
+        return self.plan.xn_piece(packet // 4, token // 8, token % 8 * 4 + packet % 4)
 
     @cute.jit
     def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane):
@@ -338,11 +354,10 @@ class MoeTail:
             cute.arch.sync_warp()  # the slot was copied by the whole warp
             slot = i % plan.depth
             for step in cutlass.range_constexpr(plan.steps):
-                base = ((warp * plan.depth + slot) * plan.steps + step) * TILES_PER_WARP
-                a = [[load_shared(ring + (((base + p) * 2 + h) * 32 + lane) * 4) for h in range(2)]
+                a = [[load_shared(ring + self.plan.ring_piece(warp, slot, step, p, h, lane) * 4) for h in range(2)]
                      for p in range(TILES_PER_WARP)]
                 k32 = (first_chunk + i) * plan.steps + step
-                b = [load_shared(xn + ((k32 * plan.groups + n) * 32 + lane) * 4) for n in range(plan.groups)]
+                b = [load_shared(xn + self.plan.xn_piece(k32, n, lane) * 4) for n in range(plan.groups)]
                 for j in cutlass.range_constexpr(2):  # k16 outer: consecutive MMAs are independent
                     for n in cutlass.range_constexpr(plan.groups):
                         for p in cutlass.range_constexpr(TILES_PER_WARP):
