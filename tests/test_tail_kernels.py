@@ -41,7 +41,7 @@ def test_plan_covers_every_row_once_in_one_wave(tp):
         plan = tail.Plan(tp, HIDDEN // tp, LATENT, groups)
         assert plan.clusters * plan.tiles * tail.TILE_ROWS >= plan.shard
         assert (plan.clusters - 1) * plan.tiles * tail.TILE_ROWS < plan.shard
-        assert plan.clusters <= tail.ONE_WAVE_CLUSTERS[plan.cluster] and plan.warps <= tail.MAX_WARPS
+        assert plan.clusters <= tail.ONE_WAVE_CLUSTERS and plan.warps <= tail.MAX_WARPS
         assert (plan.xn_words + plan.ss_words + plan.ring_words) * 4 <= tail.SMEM_BYTES
         assert plan.split * plan.warp_chunks * plan.chunk * plan.cluster == plan.latent
 

@@ -10,7 +10,7 @@ import tempfile
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Uint32
+from cutlass import Float32, Int64, Uint32
 
 EXPORT_NAME = "func"
 THREADS = 256  # every kernel's CTA
@@ -167,14 +167,27 @@ def load_words(address, polled: cutlass.Constexpr[bool] = False):
 
 
 @cute.jit
-def store_words(address, words):
-    """Two or four words as one 8- or 16-byte vector store."""
+def store_words(address, words, mailbox: cutlass.Constexpr[bool] = False):
+    """Two or four words as one 8- or 16-byte vector store; ``mailbox``: relaxed at system
+    scope (a packet a peer polls), else a plain store. ``address``: a pointer or a raw
+    (peer) address."""
+    order = "relaxed.sys." if mailbox else ""
     if cutlass.const_expr(len(words) == 2):
-        cute.arch.inline_ptx("st.global.v2.b32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, *words])
+        cute.arch.inline_ptx(f"st.{order}global.v2.b32 [{{$r0}}], {{ {{$r1}}, {{$r2}} }};", read_only_args=[address, *words])
     else:
         cute.arch.inline_ptx(
-            "st.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words]
+            f"st.{order}global.v4.b32 [{{$r0}}], {{ {{$r1}}, {{$r2}}, {{$r3}}, {{$r4}} }};",
+            read_only_args=[address, *words],
         )
+
+
+@cute.jit
+def store_to_peers(peers: cute.Tensor, count: cutlass.Constexpr[int], offset: Int64, words):
+    """One mailbox packet to byte ``offset`` of each of ``count`` peers' boxes (base
+    addresses ``peers``), made unable to equal the sentinel (:func:`no_neg_zero`)."""
+    clean = [no_neg_zero(w) for w in words]
+    for peer in cutlass.range_constexpr(count):
+        store_words(Int64(peers[peer]) + offset, clean, mailbox=True)
 
 
 @cute.jit
@@ -189,6 +202,12 @@ def pack_bf16(low: Float32, high: Float32) -> Uint32:
 def unpack_bf16(word: Uint32):
     """The two BF16 values of a word as FP32 (low half first)."""
     return bits_float(word << Uint32(16)), bits_float(word & Uint32(0xFFFF0000))
+
+
+@cute.jit
+def unpack_words(words):
+    """A packet's BF16 values as FP32 (8 for a 16-byte packet)."""
+    return [value for word in words for value in unpack_bf16(word)]
 
 
 @cute.jit
@@ -212,10 +231,7 @@ def clean_half(half: Uint32) -> Uint32:
 def rearm(address):
     """Write the sentinel over a consumed packet (relaxed, system scope)."""
     armed = Uint32(SENTINEL)
-    cute.arch.inline_ptx(
-        "st.relaxed.sys.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
-        read_only_args=[address, armed, armed, armed, armed],
-    )
+    store_words(address, [armed] * 4, mailbox=True)
 
 
 @cute.jit

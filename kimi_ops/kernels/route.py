@@ -30,7 +30,7 @@ from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
 from .common import (
     THREADS, Release, bits_float, compiled, fake, fake_stream, launch, load_words, ordered, pack_bf16, poll,
-    rearm, sigmoid, store_words, unpack_bf16,
+    rearm, sigmoid, store_words, unpack_words,
 )
 
 TOP_K = route_op.TOP_K
@@ -279,7 +279,7 @@ class Situ(Release):
         """A packet's columns as FP32, each first rounded to BF16 (as RouteSitu loads them)."""
         if cutlass.const_expr(self.source is Float32):
             return [Float32(BFloat16(bits_float(word))) for word in words]
-        return [value for word in words for value in unpack_bf16(word)]
+        return unpack_words(words)
 
 
 @compiled

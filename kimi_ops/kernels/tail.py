@@ -9,8 +9,8 @@ predecessor, so the tail's weight loads start at once. Functional mode writes th
 partial to a [B, L] tensor; publish mode stores it (−0 → +0, NaN canonical) as source
 ``rank`` of every rank's latent box, one relaxed system-scope store per peer.
 
-``MoeTail`` (clusters of ``cluster`` CTAs, one CTA per SM, every cluster co-resident;
-CTA c of a cluster owns K columns [c·L/cluster, (c+1)·L/cluster)):
+``MoeTail`` (clusters of CLUSTER = 4 CTAs, one CTA per SM, every cluster co-resident;
+CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
 
 1. Weights first: each warp owns two 16-row tiles and issues cp.async for the first
    ``depth`` slots of its ring (``chunk`` K columns of its 32 rows per slot) before
@@ -34,7 +34,7 @@ CTA c of a cluster owns K columns [c·L/cluster, (c+1)·L/cluster)):
    prefetch during this epilogue; every dependent waits before reading what follows).
 5. K-split reduction: each warp stores its FP32 partial sums into the owning CTA's shared
    memory (DSMEM, over the xn and ring space once the cluster has passed a barrier); the
-   owner of rows [c·R/cluster, (c+1)·R/cluster) adds the parts in K order:
+   owner of rows [c·R/4, (c+1)·R/4) adds the parts in K order:
    up = BF16(Σ), out = BF16(up + BF16(Σ shared sources)), shared from a tensor or polled
    from the reduce-scatter box; written to ``out`` or, publish mode, to columns
    [rank·N, …) of every rank's output box.
@@ -43,6 +43,8 @@ CTA c of a cluster owns K columns [c·L/cluster, (c+1)·L/cluster)):
 
 Batches compile per 8-token group count (the MMA's N); the batch is a runtime argument.
 """
+
+import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -55,19 +57,19 @@ from ..ops import mailbox_ops
 from ..ops import tail as tail_op
 from .common import (
     THREADS, addresses, bits_float, compiled, fake, fake_stream, launch, load_words, no_neg_zero, pack_bf16,
-    poll, poll_all, rearm, store_words, unpack_bf16,
+    poll, poll_all, rearm, store_to_peers, store_words, unpack_words,
 )
 from .route import hopper
 
 TOP_K = tail_op.TOP_K
-CLUSTERS = (4,)  # CTAs per cluster (each owns 1/cluster of K), by preference
-# Co-resident clusters of each size on an H200 at one CTA per SM (cuOccupancyMaxActiveClusters;
-# clusters are placed within a GPC: 30 of 4, not 33).
-ONE_WAVE_CLUSTERS = {2: 66, 4: 30, 8: 15}
+CLUSTER = 4  # CTAs per cluster, each owning 1/CLUSTER of K
+# Co-resident clusters of 4 on an H200 at one CTA per SM (cuOccupancyMaxActiveClusters:
+# clusters stay within a GPC, so 30, not 33; of 2: 66, of 8: 15).
+ONE_WAVE_CLUSTERS = 30
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
 MIN_DEPTH = 3  # ring slots in flight per warp
 TILE_ROWS, STEP = 16, 32  # MMA rows per tile; K columns per fragment load (two k16 MMAs)
-CHUNKS = (64, 128, 32)  # K columns per ring slot, by preference: 128-256 byte row runs stream best
+CHUNKS = (64, 32)  # K columns per ring slot, by preference: 128-byte row runs stream better than 64
 TILES_PER_WARP = 2
 MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
@@ -83,15 +85,15 @@ class Plan:
         self.tp, self.shard, self.latent, self.groups = tp, shard, latent, groups
         self.total_tiles = shard // TILE_ROWS
         tokens = 8 * groups
-        candidates = [(cluster, chunk) for cluster in CLUSTERS for chunk in CHUNKS if latent % (cluster * chunk) == 0]
-        for cluster, chunk in candidates:
-            self.partition(cluster, chunk, ONE_WAVE_CLUSTERS[cluster])
+        self.cluster, self.cols = CLUSTER, latent // CLUSTER  # CTAs per cluster, K columns per CTA
+        self.xn_words = tokens * self.cols // 2
+        self.ss_words = 2 * CLUSTER * tokens  # FP64 sums
+        for chunk in (c for c in CHUNKS if self.cols % c == 0):
+            self.partition(chunk)
             if not self.split:
                 continue
-            self.xn_words = tokens * self.cols // 2
-            self.ss_words = 2 * cluster * tokens  # FP64 sums
             slot_words = self.warps * TILES_PER_WARP * TILE_ROWS * chunk // 2
-            recv_words = cluster * self.split * tokens * self.owned
+            recv_words = CLUSTER * self.split * tokens * self.owned
             room = SMEM_BYTES // 4 - self.xn_words - self.ss_words - 64
             self.depth = min(self.warp_chunks, room // slot_words)
             self.ring_words = max(self.depth * slot_words, recv_words - self.xn_words)  # recv reuses xn + ring
@@ -99,12 +101,11 @@ class Plan:
                 return
         raise ValueError(f"the tail does not fit shared memory at TP{tp}, {tokens} tokens")
 
-    def partition(self, cluster: int, chunk: int, max_clusters: int) -> None:
-        self.cluster, self.cols = cluster, self.latent // cluster  # CTAs per cluster, K columns per CTA
+    def partition(self, chunk: int) -> None:
         self.chunk, self.steps = chunk, chunk // STEP  # K columns per ring slot, MMA k32 steps in it
         self.chunks = self.cols // chunk
-        multiple = max(TILES_PER_WARP, cluster // 2)  # whole warps, 8-row owner packets
-        per_cluster = -(-self.total_tiles // max_clusters)
+        multiple = max(TILES_PER_WARP, CLUSTER // 2)  # whole warps, 8-row owner packets
+        per_cluster = -(-self.total_tiles // ONE_WAVE_CLUSTERS)
         self.tiles = -(-per_cluster // multiple) * multiple
         self.clusters = -(-self.total_tiles // self.tiles)
         row_groups = self.tiles // TILES_PER_WARP
@@ -114,8 +115,10 @@ class Plan:
         self.warps = row_groups * self.split
         self.threads = 32 * self.warps
         self.warp_chunks = self.chunks // self.split
-        self.owned = TILE_ROWS * self.tiles // cluster  # output rows per CTA
+        self.owned = TILE_ROWS * self.tiles // CLUSTER  # output rows per CTA
         self.tokens_per_pass = max(1, 4 // self.tp)  # latent loads in flight per lane: 16 × this
+        self.packets = self.cols // 8  # 8-column packets of the CTA's K slice
+        self.rounds = -(-self.packets // 32)  # of them per lane
         self.row_lanes = chunk // 8  # lanes copying one row's 16-byte pieces of a slot
         self.copies = TILES_PER_WARP * TILE_ROWS * self.row_lanes // 32  # cp.async per lane per slot
 
@@ -173,10 +176,7 @@ class TailFront:
                 acc = [acc[i] + values[i] * weight for i in range(8)]
             words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
             if cutlass.const_expr(self.publish):
-                clean = [no_neg_zero(w) for w in words]
-                offset = (Int64(row0 + token) * self.latent + packet * 8) * 2
-                for d in cutlass.range_constexpr(self.tp):
-                    store_words_at(Int64(peers[d]) + offset, clean)
+                store_to_peers(peers, self.tp, (Int64(row0 + token) * self.latent + packet * 8) * 2, words)
             else:
                 store_words(rows.iterator + token * rows.stride[0] + packet * 8, words)
 
@@ -270,7 +270,7 @@ class MoeTail:
         token's Σ BF16(latent²) over the k_slice into slot ``k_slice`` of every CTA's ss.
         A warp per token, ``tokens_per_pass`` tokens' loads (or polls) in flight at once."""
         plan = self.plan
-        packets, rounds = plan.cols // 8, -(-plan.cols // 8 // 32)
+        packets, rounds = plan.packets, plan.rounds
         sources = plan.tp if self.publish else 1
         per_pass = plan.tokens_per_pass
         for base in cutlass.range(warp, batch, plan.warps * per_pass, unroll=1):
@@ -313,7 +313,7 @@ class MoeTail:
     def load_gamma(self, gamma, k_slice, lane):
         """The lane's gamma packets of the K slice (a weight: loaded before the wait)."""
         plan = self.plan
-        packets, rounds = plan.cols // 8, -(-plan.cols // 8 // 32)
+        packets, rounds = plan.packets, plan.rounds
         return [unpack_words(load_words(gamma.iterator + k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8))
                 for q in range(rounds)]
 
@@ -321,7 +321,7 @@ class MoeTail:
     def normalize(self, xn, ss, scale, eps, batch, warp, lane):
         """xn = BF16((latent · inv) · gamma) in place, inv from the cluster's ss in order."""
         plan = self.plan
-        packets, rounds = plan.cols // 8, -(-plan.cols // 8 // 32)
+        packets, rounds = plan.packets, plan.rounds
         for token in cutlass.range(warp, batch, plan.warps, unroll=1):
             total = ss[token]
             for c in cutlass.range_constexpr(1, plan.cluster):
@@ -421,10 +421,7 @@ class MoeTail:
                 result = [up[i] + extra[i] for i in range(8)]
                 words = [pack_bf16(result[i], result[i + 1]) for i in range(0, 8, 2)]
                 if cutlass.const_expr(self.publish):
-                    clean = [no_neg_zero(w) for w in words]
-                    offset = (Int64(token) * plan.shard * plan.tp + rank * plan.shard + row) * 2
-                    for d in cutlass.range_constexpr(plan.tp):
-                        store_words_at(Int64(peers[d]) + offset, clean)
+                    store_to_peers(peers, plan.tp, (Int64(token) * plan.shard * plan.tp + rank * plan.shard + row) * 2, words)
                 else:
                     store_words(out.iterator + token * out.stride[0] + row, words)
 
@@ -442,12 +439,6 @@ class MoeTail:
                 token, packet = rest // per_row, rest % per_row
                 row = (rearm_parity * plan.tp + source) * box.shape[2] + token
                 rearm(box.iterator + row * width + packet * 8)
-
-
-@cute.jit
-def unpack_words(words):
-    """A 16-byte packet's eight BF16 values as FP32."""
-    return [value for word in words for value in unpack_bf16(word)]
 
 
 @cute.jit
@@ -514,14 +505,6 @@ def mma_bf16(a, b, c):
     )
 
 
-@cute.jit
-def store_words_at(address: Int64, words):
-    """A 16-byte packet to a raw (peer) address: relaxed, system scope (a mailbox)."""
-    cute.arch.inline_ptx(
-        "st.relaxed.sys.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words]
-    )
-
-
 class ShardPush:
     """The shared expert's reduce-scatter stores (the seeds' ``WaveMoeTail.push``): packet
     p of token b goes to rank p·8 // N's box, row ``row0 + b`` of rows of N."""
@@ -543,7 +526,7 @@ class ShardPush:
             words = load_words(shared.iterator + token * shared.stride[0] + column)
             destination, own = column // self.shard, column % self.shard
             offset = (Int64(row0 + token) * self.shard + own) * 2
-            store_words_at(Int64(peers[destination]) + offset, [no_neg_zero(w) for w in words])
+            store_words(Int64(peers[destination]) + offset, [no_neg_zero(w) for w in words], mailbox=True)
         cute.arch.griddepcontrol_launch_dependents()
 
 
@@ -562,9 +545,15 @@ def compile_front(latent: int, tp: int, publish: bool):
     )
 
 
+@functools.cache
+def plan_for(tp: int, shard: int, latent: int, groups: int) -> Plan:
+    """The Plan of a shape (planned once: the dispatch asks on every call)."""
+    return Plan(tp, shard, latent, groups)
+
+
 @compiled
 def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool):
-    plan = Plan(tp, shard, latent, groups)
+    plan = plan_for(tp, shard, latent, groups)
     batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if publish:
         latent_in, shared_in = fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard))
@@ -597,11 +586,11 @@ def aligned(*tensors) -> bool:
 
 
 def unsupported_shape(tp: int, shard: int, latent: int, batch: int) -> str | None:
-    if latent % (max(CLUSTERS) * STEP) or shard % (TILE_ROWS * 2) or tp > 16:
-        return (f"the tail kernel needs L % {max(CLUSTERS) * STEP} == 0, N % {TILE_ROWS * 2} == 0 and "
+    if latent % (CLUSTER * STEP) or shard % (TILE_ROWS * 2) or tp > 16:
+        return (f"the tail kernel needs L % {CLUSTER * STEP} == 0, N % {TILE_ROWS * 2} == 0 and "
                 f"TP <= 16 (L={latent}, N={shard}, TP={tp})")
     try:
-        Plan(tp, shard, latent, groups_of(batch))
+        plan_for(tp, shard, latent, groups_of(batch))
     except ValueError as error:
         return str(error)
     return None
