@@ -6,6 +6,7 @@ import torch
 import kimi_ops  # noqa: F401  (registers torch.ops.kimi)
 
 BATCHES = (1, 3, 8, 64)
+KERNEL_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # the batches every kernel is checked at, up to CAP
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -12,9 +12,8 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
 from kimi_ops.kernels import route  # noqa: E402
 from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 
-from conftest import bf16_ulps, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
 
-ROUTE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @pytest.mark.parametrize("experts", [16, 64, 896, 1024])
@@ -51,7 +50,7 @@ def assert_route_matches(logits, bias, renorm):
 
 @on_hopper
 @pytest.mark.parametrize("experts", [64, 896, 1024])
-@pytest.mark.parametrize("batch", ROUTE_BATCHES)
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_route_kernel(experts, batch):
     gen = torch.Generator().manual_seed(batch * experts)
     logits = (torch.randn(batch, experts, generator=gen) * 3).cuda()
@@ -74,7 +73,7 @@ def test_route_kernel_ties_nan_and_many_candidates():
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", ROUTE_BATCHES)
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_situ_kernel(batch, dtype):
     gate_up = (torch.randn(batch, 2 * 6144, generator=torch.Generator().manual_seed(batch)) * 3).to(dtype).cuda()
@@ -121,7 +120,7 @@ def published_front_box(batch, experts, latent, parity, capacity=64, seed=0):
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", ROUTE_BATCHES)
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_route_poll_kernel(batch):
     experts, latent, parity = 896, 3584, 1
     box = published_front_box(batch, experts, latent, parity, seed=batch)

@@ -13,10 +13,9 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
 from kimi_ops.kernels import tail  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
 
-from conftest import bf16_ulps, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
 
 kimi = torch.ops.kimi
-BATCHES = (1, 2, 4, 8, 16, 32, 64)
 LATENT, HIDDEN, CAPACITY = 3584, 7168, 64
 
 
@@ -130,7 +129,7 @@ def poisoned(*shape):
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_tail_kernel(batch):
     args = tail_args(batch, seed=batch)
     out = kimi.moe_tail(*args, 1e-6)
@@ -178,7 +177,7 @@ def armed(rows):
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_tail_mailbox_ops_match_the_reference(batch):
     expanded, weights, shared, gamma, w_up = tail_args(batch, seed=100 + batch)
     ours, theirs = Boxes(), Boxes()
