@@ -85,15 +85,36 @@ def compiled(build):
 _addresses: dict[tuple, torch.Tensor] = {}
 
 
+class _DeviceWords:
+    """int64 words in memory of our own (cuMemAlloc), outside torch's allocator: a
+    cudagraph tree's warm-up routes torch allocations into its pool, which it later
+    reuses, and a kernel would then read another tensor's bytes as peer addresses."""
+
+    def __init__(self, values: tuple[int, ...], device: torch.device):
+        from cuda.bindings import driver
+
+        data = torch.tensor(values, dtype=torch.int64).numpy().tobytes()
+        with torch.cuda.device(device):
+            error, self.pointer = driver.cuMemAlloc(len(data))
+            if error == driver.CUresult.CUDA_SUCCESS:
+                (error,) = driver.cuMemcpyHtoD(self.pointer, data, len(data))
+        if error != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"the mailbox address table: {error}")
+        self.__cuda_array_interface__ = {
+            "shape": (len(values),), "typestr": "<i8", "data": (int(self.pointer), False), "version": 3,
+        }
+
+
 def addresses(tensors) -> torch.Tensor:
     """The tensors' base addresses as a device int64 tensor (the peers' boxes), built
-    once per address tuple: boxes are allocated once, and their owner registers them
-    (``prepare``) before any capture or cudagraph-tree recording."""
+    once per address tuple and never freed: boxes are allocated once, and their owner
+    registers them (``prepare``) before any CUDA-graph capture."""
     key = tuple(t.data_ptr() for t in tensors)
     if key not in _addresses:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the mailbox addresses were not registered before CUDA-graph capture: run once first")
-        _addresses[key] = torch.tensor(key, dtype=torch.int64, device=tensors[0].device)
+        device = tensors[0].device
+        _addresses[key] = torch.as_tensor(_DeviceWords(key, device), device=device)
     return _addresses[key]
 
 

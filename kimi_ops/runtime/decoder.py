@@ -140,9 +140,12 @@ class KimiDecoder(nn.Module):
             backend.prepare("situ", config.shared_intermediate // group.tp, "bfloat16")
             backend.prepare("situ", config.expert_intermediate, "float32")
             batches = range(8, config.capacity + 8, 8)  # one compile per 8-token MMA group count
-            backend.prepare("moe_tail_publish", config.latent, group.tp)
-            backend.prepare("moe_tail_push", config.hidden, group.tp)
-            backend.prepare("moe_tail_poll", group.tp, config.hidden // group.tp, config.latent, batches)
+            # The peers' address tables too: built in a cudagraph-tree warm-up, they would
+            # live in its pool untracked.
+            peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks] for kind in ("latent", "rs", "out")}
+            backend.prepare("moe_tail_publish", config.latent, group.tp, peers["latent"])
+            backend.prepare("moe_tail_push", config.hidden, group.tp, peers["rs"])
+            backend.prepare("moe_tail_poll", group.tp, config.hidden // group.tp, config.latent, batches, peers["out"])
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:
