@@ -53,6 +53,16 @@ on_hopper = pytest.mark.skipif(
 )
 
 
+@pytest.fixture
+def dirty_shared_memory():
+    """Every SM's shared memory filled with 0xFF bytes before a kernel test (see
+    scribble.py); nothing to do without an sm_90 GPU."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        from scribble import scribble_shared_memory
+
+        scribble_shared_memory()
+
+
 def reference(op, *args):
     """``op(*args)`` under the reference backend (the oracle on the same device)."""
     os.environ["KIMI_OPS_BACKEND"] = "reference"

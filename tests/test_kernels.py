@@ -14,6 +14,8 @@ from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 
 from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
+
 
 
 @pytest.mark.parametrize("experts", [16, 64, 896, 1024])

@@ -15,6 +15,8 @@ from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_erro
 
 from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
+
 kimi = torch.ops.kimi
 LATENT, HIDDEN, CAPACITY = 3584, 7168, 64
 

@@ -102,16 +102,17 @@ class Route(Release):
                 score = sigmoid(raw[i])
                 scores[expert] = score
                 keys[i] = (Uint64(ordered(score + offsets[i])) << Uint64(32)) | Uint64(~Uint32(expert))
-            top = cutlass.max(top, keys[i])
+            top = larger(top, keys[i])
         maxima[warp, lane] = top
         if tid == 0:
             found[0] = Int32(0)
+            cutoff[0] = Uint64(0)  # never a stale threshold: at worst every key is a candidate
         cute.arch.sync_threads()
 
         if warp == 0:  # the cutoff: the 16th largest lane-group maximum
             group = maxima[0, lane]
             for w in cutlass.range_constexpr(1, 8):
-                group = cutlass.max(group, maxima[w, lane])
+                group = larger(group, maxima[w, lane])
             cute.arch.sync_warp()
             maxima[0, lane] = group
             cute.arch.sync_warp()
@@ -280,6 +281,16 @@ class Situ(Release):
         if cutlass.const_expr(self.source is Float32):
             return [Float32(BFloat16(bits_float(word))) for word in words]
         return unpack_words(words)
+
+
+@cute.jit
+def larger(a: Uint64, b: Uint64) -> Uint64:
+    """The larger rank word, compared unsigned (``cutlass.max`` of a Uint64 and a
+    constant emits a signed max, which ranks every positive score below 0)."""
+    result = a
+    if b > a:
+        result = b
+    return result
 
 
 @compiled
