@@ -28,6 +28,10 @@ def test_tail_compiles(tp, batch, publish):
     assert tail.compile_tail.build(tp, HIDDEN // tp, LATENT, tail.groups_of(batch), publish) is not None
 
 
+def test_fused_tail_compiles():
+    assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True) is not None
+
+
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_front_and_push_compile(tp):
     assert tail.compile_front.build(LATENT, tp, True) is not None

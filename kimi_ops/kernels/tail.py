@@ -73,6 +73,8 @@ CHUNKS = (64, 32)  # K columns per ring slot, by preference: 128-byte row runs s
 TILES_PER_WARP = 2
 MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
+FRONT_IN_FLIGHT = 2  # packets per lane whose TOP_K row loads the fused front keeps in flight
+FUSED_BATCH = 8  # functional batches up to this run the front fused into the tail
 LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
 
 
@@ -81,13 +83,14 @@ class Plan:
     one CTA per SM, all clusters co-resident, the rest of shared memory for the weight
     ring (measured: a deep ring beats two CTAs per SM with half the ring each)."""
 
-    def __init__(self, tp: int, shard: int, latent: int, groups: int):
-        self.tp, self.shard, self.latent, self.groups = tp, shard, latent, groups
+    def __init__(self, tp: int, shard: int, latent: int, groups: int, fused: bool = False):
+        self.tp, self.shard, self.latent, self.groups, self.fused = tp, shard, latent, groups, fused
         self.total_tiles = shard // TILE_ROWS
         tokens = 8 * groups
         self.cluster, self.cols = CLUSTER, latent // CLUSTER  # CTAs per cluster, K columns per CTA
         self.xn_words = tokens * self.cols // 2
-        self.ss_words = 2 * CLUSTER * tokens  # FP64 sums
+        self.ss_parts = MAX_WARPS if fused else 1  # warps sharing one token's K slice
+        self.ss_words = 2 * CLUSTER * self.ss_parts * tokens  # FP64 sums [k slice][part][token]
         for chunk in (c for c in CHUNKS if self.cols % c == 0):
             self.partition(chunk)
             if not self.split:
@@ -137,6 +140,10 @@ class Plan:
         for k32 ``step`` of ring ``slot``: [warp][slot][step][tile][half][lane]."""
         return ((((warp * self.depth + slot) * self.steps + step) * TILES_PER_WARP + p) * 2 + h) * 32 + lane
 
+    def ss_slot(self, k_slice, part, token):
+        """The FP64 word of part ``part`` of ``token``'s Σ latent² over K slice ``k_slice``."""
+        return (k_slice * self.ss_parts + part) * 8 * self.groups + token
+
     def xn_piece(self, k32, group, lane):
         """Where MMA lane (g, t) = ``lane`` finds columns 8t..8t+7 of k32 step ``k32`` of
         token 8·group + g: [k32][group][lane]."""
@@ -168,12 +175,7 @@ class TailFront:
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
         if packet < self.packets:
-            acc = [Float32(0.0)] * 8
-            for r in cutlass.range_constexpr(TOP_K):  # the FMA chain, rank order
-                weight = Float32(weights[token, r])
-                row = expanded.iterator + token * expanded.stride[0] + r * expanded.stride[1]
-                values = unpack_words(load_words(row + packet * 8))
-                acc = [acc[i] + values[i] * weight for i in range(8)]
+            acc = weighted_rows(expanded, weights, token, packet * 8)
             words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
             if cutlass.const_expr(self.publish):
                 store_to_peers(peers, self.tp, (Int64(row0 + token) * self.latent + packet * 8) * 2, words)
@@ -185,26 +187,27 @@ class MoeTail:
     """latent → RMSNorm → up projection + shared, one rank's N rows (see the module doc)."""
 
     def __init__(self, plan: Plan, publish: bool):
-        self.plan, self.publish = plan, publish
+        self.plan, self.publish, self.fused = plan, publish, plan.fused
 
     @cute.jit
-    def __call__(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, w_up: cute.Tensor,
-                 out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32, batch: Int32,
-                 parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
-        """Functional: ``latent`` [B, L], ``shared`` and ``out`` [B, N]. Publish mode:
-        ``latent`` and ``shared`` are the boxes [3, TP, CAP, L or N], ``peers`` the output
-        boxes' base addresses, ``error`` the poll error word."""
+    def __call__(self, latent: cute.Tensor, weights: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor,
+                 w_up: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32,
+                 batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
+        """Functional: ``latent`` [B, L] (fused: the expert rows [B, TOP_K, L], ``weights``
+        their [B, TOP_K] weights), ``shared`` and ``out`` [B, N]. Publish mode: ``latent``
+        and ``shared`` are the boxes [3, TP, CAP, L or N], ``peers`` the output boxes' base
+        addresses, ``error`` the poll error word."""
         plan = self.plan
-        self.kernel(latent, shared, gamma, w_up, out, peers, error, eps, batch, parity, rank, rearm_parity,
-                    rearm_batch).launch(
+        self.kernel(latent, weights, shared, gamma, w_up, out, peers, error, eps, batch, parity, rank,
+                    rearm_parity, rearm_batch).launch(
             grid=[plan.clusters * plan.cluster, 1, 1], block=[plan.threads, 1, 1], cluster=[plan.cluster, 1, 1],
             stream=stream, use_pdl=True,
         )
 
     @cute.kernel
-    def kernel(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, w_up: cute.Tensor,
-               out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32, batch: Int32,
-               parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32):
+    def kernel(self, latent: cute.Tensor, weights: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor,
+               w_up: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32,
+               batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -231,7 +234,10 @@ class MoeTail:
         else:
             cute.arch.griddepcontrol_wait()
         cute.arch.cluster_wait()  # the peers have started: DSMEM stores are safe
-        self.load_latent(latent, xn, ss, error, batch, parity, k_slice, warp, lane)
+        if cutlass.const_expr(self.fused):
+            self.finalize_front(latent, weights, xn, ss, batch, k_slice, warp, lane)
+        else:
+            self.load_latent(latent, xn, ss, error, batch, parity, k_slice, warp, lane)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         self.normalize(xn, ss, scale, eps, batch, warp, lane)
@@ -300,14 +306,50 @@ class MoeTail:
                         acc = [acc[i] + values[i] for i in range(8)]
                     rounded = [Float32(BFloat16(a)) for a in acc]
                     if (packet < packets) & (token < batch):
-                        for v in rounded:
-                            squares += Float64(Float32(BFloat16(v * v)))
+                        squares += sum_of_squares(rounded)
                         words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
                         store_shared(xn + self.xn_packet(token, packet) * 4, words)
                 for shift in cutlass.range_constexpr(5):
                     squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
                 if (lane < plan.cluster) & (token < batch):
-                    store_cluster(ss + k_slice * 8 * plan.groups + token, squares, lane)
+                    store_cluster(ss + self.plan.ss_slot(k_slice, 0, token), squares, lane)
+
+    @cute.jit
+    def finalize_front(self, expanded, weights, xn, ss, batch, k_slice, warp, lane):
+        """The front's finalization fused in (functional mode, small batches): latent =
+        BF16(Σ_r row_r · w_r), the FP32 FMA chain in rank order, of this CTA's K slice into
+        ``xn``. A token's packets spread over ``parts`` warps (8 // B at TP1: the 16 row
+        loads of a packet stay in flight together); each warp's Σ BF16(latent²) goes to
+        slot (k_slice, part) of every CTA's ss."""
+        plan = self.plan
+        parts = self.parts(batch)
+        part = warp % parts
+        stride = parts * 32
+        for token in cutlass.range(warp // parts, batch, plan.warps // parts, unroll=1):
+            squares = Float64(0.0)
+            for base in cutlass.range(part * 32, plan.packets, stride * FRONT_IN_FLIGHT, unroll=1):
+                for u in cutlass.range_constexpr(FRONT_IN_FLIGHT):
+                    packet = base + u * stride + lane
+                    column = k_slice * plan.cols + clamp(packet, plan.packets - 1) * 8
+                    rounded = [Float32(BFloat16(a)) for a in weighted_rows(expanded, weights, token, column)]
+                    if packet < plan.packets:
+                        squares += sum_of_squares(rounded)
+                        words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
+                        store_shared(xn + self.xn_packet(token, packet) * 4, words)
+            for shift in cutlass.range_constexpr(5):
+                squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
+            if lane < plan.cluster:
+                store_cluster(ss + self.plan.ss_slot(k_slice, part, token), squares, lane)
+
+    @cute.jit
+    def parts(self, batch):
+        """Warps that share one token's K slice: every warp works at small batches (fused
+        front), one warp per token otherwise."""
+        parts = Int32(1)
+        if cutlass.const_expr(self.fused):
+            if batch < self.plan.warps:
+                parts = self.plan.warps // batch
+        return parts
 
     @cute.jit
     def load_gamma(self, gamma, k_slice, lane):
@@ -322,10 +364,12 @@ class MoeTail:
         """xn = BF16((latent · inv) · gamma) in place, inv from the cluster's ss in order."""
         plan = self.plan
         packets, rounds = plan.packets, plan.rounds
+        parts = self.parts(batch)
         for token in cutlass.range(warp, batch, plan.warps, unroll=1):
-            total = ss[token]
-            for c in cutlass.range_constexpr(1, plan.cluster):
-                total += ss[c * 8 * plan.groups + token]
+            total = Float64(0.0)
+            for c in cutlass.range_constexpr(plan.cluster):
+                for part in cutlass.range(parts, unroll=1):
+                    total += ss[self.plan.ss_slot(c, part, token)]
             inv = rsqrt_like_torch(divide(Float32(total), Float32(plan.latent)) + eps)
             for q in cutlass.range_constexpr(rounds):
                 packet = lane + 32 * q
@@ -442,6 +486,29 @@ class MoeTail:
 
 
 @cute.jit
+def weighted_rows(expanded, weights, token, column):
+    """Σ_r row_r · w_r over the 8 columns from ``column`` of ``token``'s TOP_K expert rows
+    (``expanded`` [B, TOP_K, L], ``weights`` [B, TOP_K]): the front's FP32 FMA chain in
+    rank order, unrounded (the caller rounds once to BF16)."""
+    acc = [Float32(0.0)] * 8
+    for r in cutlass.range_constexpr(TOP_K):
+        weight = Float32(weights[token, r])
+        row = expanded.iterator + token * expanded.stride[0] + r * expanded.stride[1]
+        values = unpack_words(load_words(row + column))
+        acc = [acc[i] + values[i] * weight for i in range(8)]
+    return acc
+
+
+@cute.jit
+def sum_of_squares(values):
+    """Σ BF16(v²) in FP64: exact for BF16 squares, so any order gives the same sum."""
+    total = Float64(0.0)
+    for v in values:
+        total += Float64(Float32(BFloat16(v * v)))
+    return total
+
+
+@cute.jit
 def clamp(value: Int32, high: Int32) -> Int32:
     result = value
     if value > high:
@@ -546,22 +613,24 @@ def compile_front(latent: int, tp: int, publish: bool):
 
 
 @functools.cache
-def plan_for(tp: int, shard: int, latent: int, groups: int) -> Plan:
+def plan_for(tp: int, shard: int, latent: int, groups: int, fused: bool = False) -> Plan:
     """The Plan of a shape (planned once: the dispatch asks on every call)."""
-    return Plan(tp, shard, latent, groups)
+    return Plan(tp, shard, latent, groups, fused)
 
 
 @compiled
-def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool):
-    plan = plan_for(tp, shard, latent, groups)
+def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, fused: bool = False):
+    plan = plan_for(tp, shard, latent, groups, fused)
     batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if publish:
         latent_in, shared_in = fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard))
     else:
-        latent_in, shared_in = fake(BFloat16, (batch, latent)), fake(BFloat16, (batch, shard))
+        rows = (batch, TOP_K, latent) if fused else (batch, latent)
+        latent_in, shared_in = fake(BFloat16, rows), fake(BFloat16, (batch, shard))
     return cute.compile(
-        MoeTail(plan, publish), latent_in, shared_in, fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)),
-        fake(BFloat16, (batch, shard)), fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4),
+        MoeTail(plan, publish), latent_in, fake(BFloat16, (cute.sym_int(), cute.sym_int()), align=2), shared_in,
+        fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
+        fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4),
         Float32(1e-6), Int32(1), Int32(0), Int32(0), Int32(1), Int32(1), fake_stream(),
         options="--enable-tvm-ffi",
     )
@@ -575,50 +644,57 @@ def compile_push(hidden: int, tp: int):
     )
 
 
-def placeholder(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One element of ``tensor`` viewed as ``dtype`` for an argument the kernel's mode
-    never touches (no allocation: nothing outlives the call, e.g. in a cudagraph-tree pool)."""
-    return tensor.view(-1).view(dtype)[:1]
+def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:
+    """One element of ``tensor`` viewed as ``dtype`` (``dims`` dimensions) for an argument
+    the kernel's mode never touches (no allocation: nothing outlives the call, e.g. in a
+    cudagraph-tree pool)."""
+    return tensor.view(-1).view(dtype)[:1].view([1] * dims)
 
 
 def aligned(*tensors) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def unsupported_shape(tp: int, shard: int, latent: int, batch: int) -> str | None:
+def unsupported_shape(tp: int, shard: int, latent: int, batch: int, fused: bool = False) -> str | None:
     if latent % (CLUSTER * STEP) or shard % (TILE_ROWS * 2) or tp > 16:
         return (f"the tail kernel needs L % {CLUSTER * STEP} == 0, N % {TILE_ROWS * 2} == 0 and "
                 f"TP <= 16 (L={latent}, N={shard}, TP={tp})")
     try:
-        plan_for(tp, shard, latent, groups_of(batch))
+        plan_for(tp, shard, latent, groups_of(batch), fused)
     except ValueError as error:
         return str(error)
     return None
 
 
 class TailKernel:
-    """``kimi::moe_tail`` on CUDA (TP1): TailFront then MoeTail."""
+    """``kimi::moe_tail`` on CUDA (TP1): MoeTail with the front fused in up to
+    FUSED_BATCH tokens, else TailFront then MoeTail."""
 
     def prepare(self, latent: int, hidden: int, batches) -> None:
         compile_front(latent, 1, False)
-        for groups in sorted({groups_of(b) for b in batches}):
-            compile_tail(1, hidden, latent, groups, False)
+        for groups, fused in sorted({(groups_of(b), b <= FUSED_BATCH) for b in batches}):
+            compile_tail(1, hidden, latent, groups, False, fused)
 
     def unsupported(self, expanded, weights, shared, gamma, w_up, eps):
         if not aligned(expanded, shared, gamma, w_up):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
-        return unsupported_shape(1, w_up.shape[0], expanded.shape[2], expanded.shape[0]) or hopper(expanded)
+        batch = expanded.shape[0]
+        return unsupported_shape(1, w_up.shape[0], expanded.shape[2], batch, batch <= FUSED_BATCH) or hopper(expanded)
 
     def __call__(self, expanded, weights, shared, gamma, w_up, eps):
         batch, hidden = tail_op.check_moe_tail(expanded, weights, shared, gamma, w_up, eps)
         latent = expanded.shape[2]
         out = shared.new_empty((batch, hidden))
         if batch:
-            partial = expanded.new_empty((batch, latent))
             no_peers, no_error = placeholder(out, torch.int64), placeholder(out, torch.int32)
-            compile_front(latent, 1, False)(expanded, weights, partial, no_peers, 0)
-            compile_tail(1, hidden, latent, groups_of(batch), False)(
-                partial, shared, gamma, w_up, out, no_peers, no_error, eps, batch, 0, 0, 0, 1
+            fused = batch <= FUSED_BATCH
+            if fused:
+                rows = expanded
+            else:
+                rows = expanded.new_empty((batch, latent))
+                compile_front(latent, 1, False)(expanded, weights, rows, no_peers, 0)
+            compile_tail(1, hidden, latent, groups_of(batch), False, fused)(
+                rows, weights, shared, gamma, w_up, out, no_peers, no_error, eps, batch, 0, 0, 0, 1
             )
         return out
 
@@ -689,7 +765,7 @@ class TailPollKernel:
         tp, shard, latent = latent_box.shape[1], rs_box.shape[3], latent_box.shape[3]
         out = rs_box[parity, rank]  # placeholder: publish mode writes through ``peers``
         compile_tail(tp, shard, latent, groups_of(batch), True)(
-            latent_box, rs_box, gamma, w_up, out, addresses(out_boxes), error, eps, batch, parity, rank,
+            latent_box, placeholder(out, torch.bfloat16, 2), rs_box, gamma, w_up, out, addresses(out_boxes), error, eps, batch, parity, rank,
             rearm_parity, rearm_batch,
         )
 
