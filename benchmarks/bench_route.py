@@ -21,8 +21,8 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 def main() -> None:
     experts, width = 896, 6144
-    compiled_route = torch.compile(route.moe_route, fullgraph=True)
-    compiled_situ = torch.compile(route.situ, fullgraph=True)
+    compiled_route = torch.compile(route.moe_route, fullgraph=True, dynamic=False)
+    compiled_situ = torch.compile(route.situ, fullgraph=True, dynamic=False)
     rows = []
     for batch in BATCHES:
         logits = torch.randn(batch, experts, device="cuda")

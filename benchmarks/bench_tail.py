@@ -54,7 +54,7 @@ def mailbox_chain(expanded, weights, shared, gamma, w_ups, calls):
 
 
 def main() -> None:
-    compiled = torch.compile(composite, fullgraph=True)
+    compiled = torch.compile(composite, fullgraph=True, dynamic=False)  # one specialized graph per batch
     w_ups = [torch.randn(HIDDEN, LATENT, device="cuda").bfloat16() * LATENT**-0.5 for _ in range(COPIES)]
     gamma = torch.ones(LATENT, device="cuda").bfloat16()
     rows = []

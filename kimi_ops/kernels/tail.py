@@ -74,7 +74,7 @@ TILES_PER_WARP = 2
 MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
 FRONT_IN_FLIGHT = 2  # packets per lane whose TOP_K row loads the fused front keeps in flight
-FUSED_BATCH = 8  # functional batches up to this run the front fused into the tail
+FUSED_BATCH = 4  # functional batches up to this fuse the front into the tail (measured: B = 8 is faster unfused)
 LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
 
 
