@@ -18,6 +18,8 @@ late (once outputs are written) by the ops, early (at entry) in the ``early`` va
 (:class:`~kimi_ops.kernels.common.Release`).
 """
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -326,8 +328,14 @@ def compile_situ(width: int, dtype: str, early: bool = False):
 
 
 def hopper(tensor: torch.Tensor) -> str | None:
-    if torch.cuda.get_device_capability(tensor.device)[0] != 9:
-        return f"the CuTe kernels target sm_90, not {torch.cuda.get_device_name(tensor.device)}"
+    return not_hopper(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def not_hopper(device: int) -> str | None:
+    """Why the kernels cannot run on ``device``, or None (asked once per device)."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return f"the CuTe kernels target sm_90, not {torch.cuda.get_device_name(device)}"
     return None
 
 

@@ -1,6 +1,7 @@
 """The MoE tail on Hopper (the seeds' ``moe/tail.py`` and ``moe/tail_runtime.py``), TP-general.
 
-Two PDL-chained kernels, the seeds' front and tail halves:
+Two PDL-chained kernels, the seeds' front and tail halves (one kernel for functional
+batches up to FUSED_BATCH, where ``MoeTail`` finalizes the front itself, step 2):
 
 ``TailFront`` (the publish half; grid B × L/2048 CTAs of 256 threads): thread t owns one
 16-byte packet (8 columns) of one token; partial = BF16(Σ_r row_r · w_r) as an FP32 FMA
@@ -20,7 +21,11 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    costs wait_group and a warp barrier, no CTA barrier.
 2. Latent: a warp per token reads its K slice (plain loads after the wait, or Lamport
    polls of every TP source bounded by the global timer), sums the sources in rank order
-   in FP32 and rounds to BF16. ss = Σ BF16(latent²) is summed in FP64 — exact for these
+   in FP32 and rounds to BF16. Fused (functional, B ≤ FUSED_BATCH): the CTA computes
+   TailFront's FMA chain over the expert rows of its K slice instead, a token's packets
+   spread over 8 // B warps (the redundant L2 reads, 3.2 MB per token over the clusters,
+   cost less than the kernel boundary up to B = 4; measured). ss = Σ BF16(latent²) is
+   summed in FP64 — exact for these
    BF16 squares, so every order gives the reference's float64 sum — and the slices' sums
    meet in every CTA through DSMEM. inv = rsqrt.approx(ss / L + eps), the instruction
    torch.rsqrt runs on CUDA, so xn = BF16((latent · inv) · gamma) is bit-equal to the
