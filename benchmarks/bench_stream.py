@@ -4,8 +4,7 @@ shared memory, by copy mechanism: the bound under any tail kernel's time (DESIGN
 - bulk: TMA 1D copies (cp.async.bulk + mbarrier complete_tx), ``issuers`` lanes of one
   warp per CTA, each with its own ring of ``stages`` slots of ``chunk`` bytes;
 - cp.async: 16 bytes per lane, 8 warps per CTA, each warp 512 contiguous bytes per copy
-  and a ring of ``stages`` commit groups (the tail's mechanism);
-- torch sum: ``w.sum()`` on the same bytes (a read at the library's occupancy).
+  and a ring of ``stages`` commit groups (the tail's mechanism).
 
     python benchmarks/bench_stream.py
 """
@@ -127,14 +126,6 @@ def main() -> None:
     for ctas in (112, 132):
         for stages in (8, 24):
             measure(f"cp.async {ctas} 512Bx{stages}", AsyncStream(ctas, stages))
-    turn = [0]
-
-    def torch_sum():
-        buffers[turn[0] % COPIES].view(torch.int32).sum()
-        turn[0] += 1
-
-    us = graph_us(torch_sum, calls=COPIES * 4)
-    rows.append(("torch sum", us, BYTES / us / 1e6))
     print(f"{torch.cuda.get_device_name()}: streaming {BYTES / 1e6:.1f} MB, L2-cold, CUDA-graph replay")
     print_table(rows, ("mechanism", "µs", "TB/s"))
 
