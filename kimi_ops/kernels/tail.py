@@ -25,11 +25,10 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    TailFront's FMA chain over the expert rows of its K slice instead, a token's packets
    spread over 8 // B warps (the redundant L2 reads, 3.2 MB per token over the clusters,
    cost less than the kernel boundary up to B = 4; measured). ss = Σ BF16(latent²) is
-   summed in FP64 — exact for these
-   BF16 squares, so every order gives the reference's float64 sum — and the slices' sums
-   meet in every CTA through DSMEM. inv = rsqrt.approx(ss / L + eps), the instruction
-   torch.rsqrt runs on CUDA, so xn = BF16((latent · inv) · gamma) is bit-equal to the
-   reference on the same device.
+   summed in FP64 — exact for these BF16 squares, so every order gives the reference's
+   float64 sum — and the slices' (and warps') sums meet in every CTA through DSMEM.
+   inv = rsqrt.approx(ss / L + eps), the instruction torch.rsqrt runs on CUDA, so
+   xn = BF16((latent · inv) · gamma) is bit-equal to the reference on the same device.
 3. Up projection on the tensor cores: mma.sync m16n8k16 BF16 → FP32, weights as A (16
    rows), xn as B (8 tokens). K is permuted inside each 32-column step so that A and B
    fragments are single conflict-free 16-byte shared loads (lane (g, t) holds columns
