@@ -15,8 +15,11 @@ BACKENDS = ("auto", "reference", "cute")
 
 
 class Kernel(Protocol):
+    def check(self, *args):
+        """The op's argument checks (a clear error on bad input); run before the others."""
+
     def unsupported(self, *args) -> str | None:
-        """Why this kernel cannot serve these arguments, or None."""
+        """Why this kernel cannot serve these (checked) arguments, or None."""
 
     def prepare(self, *key) -> None:
         """Compile (or load) every variant the op's shapes ``key`` need."""
@@ -48,10 +51,16 @@ def cuda_impl(name: str, reference: Callable) -> Callable:
 
     def impl(*args):
         backend = selected()
+        if backend == "reference":
+            return reference(*args)
         kernel = KERNELS.get(name)
-        reason = "no CuTe kernel is registered" if kernel is None else kernel.unsupported(*args)
-        if backend != "reference" and reason is None:
-            return kernel(*args)
+        if kernel is None:
+            reason = "no CuTe kernel is registered"
+        else:
+            kernel.check(*args)  # bad input fails here, before a kernel inspects its shapes
+            reason = kernel.unsupported(*args)
+            if reason is None:
+                return kernel(*args)
         if backend == "cute":
             raise NotImplementedError(f"kimi::{name}: KIMI_OPS_BACKEND=cute but {reason}")
         if backend == "auto" and name not in _warned:

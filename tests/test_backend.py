@@ -10,9 +10,15 @@ from kimi_ops import backend
 
 class FakeKernel:
     def __init__(self, reason=None):
-        self.reason, self.calls, self.prepared = reason, 0, []
+        self.reason, self.calls, self.prepared, self.asked = reason, 0, [], 0
+
+    def check(self, x):
+        if x.dim() != 0:
+            raise ValueError("kimi::op: argument 'x' must be a scalar tensor")
 
     def unsupported(self, x):
+        self.asked += 1
+        x.item()  # like a kernel reading its argument's shape: only for checked arguments
         return self.reason
 
     def prepare(self, *key):
@@ -66,3 +72,17 @@ def test_forced_backends(kernels, monkeypatch):
     monkeypatch.setenv("KIMI_OPS_BACKEND", "triton")
     with pytest.raises(ValueError, match="KIMI_OPS_BACKEND must be one of"):
         backend.cuda_impl("op", reference)(torch.tensor(3))
+
+
+def test_bad_input_fails_its_check_before_any_kernel_looks_at_it(kernels):
+    kernels["op"] = FakeKernel()
+    with pytest.raises(ValueError, match="argument 'x' must be a scalar"):
+        backend.cuda_impl("op", reference)(torch.ones(2))
+    assert kernels["op"].asked == 0 and kernels["op"].calls == 0
+
+
+def test_reference_backend_never_asks_the_kernel(kernels, monkeypatch):
+    kernels["op"] = FakeKernel()
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
+    assert backend.cuda_impl("op", reference)(torch.tensor(3)) == 6
+    assert kernels["op"].asked == 0

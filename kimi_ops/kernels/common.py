@@ -118,6 +118,25 @@ def addresses(tensors) -> torch.Tensor:
     return _addresses[key]
 
 
+def register_addresses(peer_lists) -> None:
+    """Build the address tables of these box lists now (wrapper construction): never in a
+    capture, and never in a cudagraph-tree warm-up, whose pool would hold them."""
+    for boxes in peer_lists:
+        addresses(boxes)
+
+
+def hopper(tensor: torch.Tensor) -> str | None:
+    return not_hopper(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def not_hopper(device: int) -> str | None:
+    """Why the kernels cannot run on ``device``, or None (asked once per device)."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return f"the CuTe kernels target sm_90, not {torch.cuda.get_device_name(device)}"
+    return None
+
+
 def launch(kernel, grid, stream) -> None:
     """Launch a traced ``kernel(...)`` call over ``grid`` CTAs of THREADS threads, with
     programmatic dependent launch."""

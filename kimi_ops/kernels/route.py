@@ -18,8 +18,6 @@ late (once outputs are written) by the ops, early (at entry) in the ``early`` va
 (:class:`~kimi_ops.kernels.common.Release`).
 """
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -31,8 +29,8 @@ from ..ops import mailbox_ops
 from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
 from .common import (
-    THREADS, Release, bits_float, compiled, fake, fake_stream, launch, load_words, ordered, pack_bf16, poll,
-    rearm, sigmoid, store_words, unpack_words,
+    THREADS, Release, bits_float, compiled, fake, fake_stream, hopper, launch, load_words, ordered, pack_bf16,
+    poll, rearm, sigmoid, store_words, unpack_words,
 )
 
 TOP_K = route_op.TOP_K
@@ -327,20 +325,10 @@ def compile_situ(width: int, dtype: str, early: bool = False):
     )
 
 
-def hopper(tensor: torch.Tensor) -> str | None:
-    return not_hopper(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def not_hopper(device: int) -> str | None:
-    """Why the kernels cannot run on ``device``, or None (asked once per device)."""
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        return f"the CuTe kernels target sm_90, not {torch.cuda.get_device_name(device)}"
-    return None
-
-
 class RouteKernel:
     """``kimi::moe_route`` on CUDA."""
+
+    check = staticmethod(route_op.check_moe_route)
 
     def prepare(self, experts: int, renorm: bool) -> None:
         for lean in (False, True):
@@ -350,7 +338,7 @@ class RouteKernel:
         return hopper(logits)
 
     def __call__(self, logits, bias, scale, renorm):
-        batch = route_op.check_moe_route(logits, bias, scale, renorm)
+        batch = logits.shape[0]
         ids = logits.new_empty((batch, TOP_K), dtype=torch.int32)
         weights = logits.new_empty((batch, TOP_K), dtype=torch.bfloat16)
         if batch:
@@ -361,6 +349,8 @@ class RouteKernel:
 class SituKernel:
     """``kimi::situ`` on CUDA."""
 
+    check = staticmethod(route_op.check_situ)
+
     def prepare(self, width: int, dtype: str) -> None:
         compile_situ(width, dtype)
 
@@ -370,7 +360,7 @@ class SituKernel:
         return hopper(gate_up)
 
     def __call__(self, gate_up, beta, linear_beta):
-        batch, width = route_op.check_situ(gate_up, beta, linear_beta)
+        batch, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty((batch, width), dtype=torch.bfloat16)
         if batch:
             compile_situ(width, str(gate_up.dtype).removeprefix("torch."))(gate_up, out, beta, linear_beta)
@@ -379,6 +369,8 @@ class SituKernel:
 
 class RoutePollKernel:
     """``kimi::moe_route_poll`` on CUDA."""
+
+    check = staticmethod(mailbox_ops.check_moe_route_poll)
 
     def prepare(self, experts: int, latent: int, renorm: bool) -> None:
         for lean in (False, True):
@@ -391,7 +383,7 @@ class RoutePollKernel:
         return hopper(box)
 
     def __call__(self, box, bias, scale, renorm, parity, batch, error):
-        latent_width = mailbox_ops.check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
+        latent_width = box.shape[3] - 2 * bias.shape[0]
         ids = box.new_empty((batch, TOP_K), dtype=torch.int32)
         weights = box.new_empty((batch, TOP_K))
         latent = box.new_empty((batch, latent_width))

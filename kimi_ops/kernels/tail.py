@@ -60,10 +60,9 @@ from .. import backend
 from ..ops import mailbox_ops
 from ..ops import tail as tail_op
 from .common import (
-    THREADS, addresses, bits_float, compiled, fake, fake_stream, launch, load_words, no_neg_zero, pack_bf16,
-    poll, poll_all, rearm, store_to_peers, store_words, unpack_words,
+    THREADS, addresses, bits_float, compiled, fake, fake_stream, hopper, launch, load_words, no_neg_zero, pack_bf16,
+    poll, poll_all, rearm, register_addresses, store_to_peers, store_words, unpack_words,
 )
-from .route import hopper
 
 TOP_K = tail_op.TOP_K
 CLUSTER = 4  # CTAs per cluster, each owning 1/CLUSTER of K
@@ -674,6 +673,8 @@ class TailKernel:
     """``kimi::moe_tail`` on CUDA (TP1): MoeTail with the front fused in up to
     FUSED_BATCH tokens, else TailFront then MoeTail."""
 
+    check = staticmethod(tail_op.check_moe_tail)
+
     def prepare(self, latent: int, hidden: int, batches) -> None:
         compile_front(latent, 1, False)
         for groups, fused in sorted({(groups_of(b), b <= FUSED_BATCH) for b in batches}):
@@ -686,7 +687,7 @@ class TailKernel:
         return unsupported_shape(1, w_up.shape[0], expanded.shape[2], batch, batch <= FUSED_BATCH) or hopper(expanded)
 
     def __call__(self, expanded, weights, shared, gamma, w_up, eps):
-        batch, hidden = tail_op.check_moe_tail(expanded, weights, shared, gamma, w_up, eps)
+        batch, hidden = expanded.shape[0], w_up.shape[0]
         latent = expanded.shape[2]
         out = shared.new_empty((batch, hidden))
         if batch:
@@ -706,10 +707,11 @@ class TailKernel:
 class TailPublishKernel:
     """``kimi::moe_tail_publish`` on CUDA."""
 
+    check = staticmethod(mailbox_ops.check_moe_tail_publish)
+
     def prepare(self, latent: int, tp: int, peer_lists=()) -> None:
         compile_front(latent, tp, True)
-        for boxes in peer_lists:
-            addresses(boxes)
+        register_addresses(peer_lists)
 
     def unsupported(self, expanded, weights, latent_boxes, parity, rank):
         if expanded.shape[2] % 8 or not aligned(expanded, *latent_boxes):
@@ -717,8 +719,7 @@ class TailPublishKernel:
         return hopper(expanded)
 
     def __call__(self, expanded, weights, latent_boxes, parity, rank):
-        mailbox_ops.check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank)
-        batch, _, latent = expanded.shape
+        latent = expanded.shape[2]
         tp, capacity = len(latent_boxes), latent_boxes[0].shape[2]
         rows = latent_boxes[rank][parity, rank]  # placeholder: publish mode writes through ``peers``
         compile_front(latent, tp, True)(
@@ -729,10 +730,11 @@ class TailPublishKernel:
 class TailPushKernel:
     """``kimi::moe_tail_push`` on CUDA."""
 
+    check = staticmethod(mailbox_ops.check_moe_tail_push)
+
     def prepare(self, hidden: int, tp: int, peer_lists=()) -> None:
         compile_push(hidden, tp)
-        for boxes in peer_lists:
-            addresses(boxes)
+        register_addresses(peer_lists)
 
     def unsupported(self, shared, rs_boxes, parity, rank):
         if rs_boxes[0].shape[3] % 8 or not aligned(shared, *rs_boxes):
@@ -740,19 +742,19 @@ class TailPushKernel:
         return hopper(shared)
 
     def __call__(self, shared, rs_boxes, parity, rank):
-        tp = mailbox_ops.check_moe_tail_push(shared, rs_boxes, parity, rank)
-        capacity = rs_boxes[0].shape[2]
+        tp, capacity = len(rs_boxes), rs_boxes[0].shape[2]
         compile_push(shared.shape[1], tp)(shared, addresses(rs_boxes), (parity * tp + rank) * capacity)
 
 
 class TailPollKernel:
     """``kimi::moe_tail_poll`` on CUDA: MoeTail in publish mode."""
 
+    check = staticmethod(mailbox_ops.check_moe_tail_poll)
+
     def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=()) -> None:
         for groups in sorted({groups_of(b) for b in batches}):
             compile_tail(tp, shard, latent, groups, True)
-        for boxes in peer_lists:
-            addresses(boxes)
+        register_addresses(peer_lists)
 
     def unsupported(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                     rearm_batch, rank, batch):
@@ -763,14 +765,11 @@ class TailPollKernel:
 
     def __call__(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                  rearm_batch, rank, batch):
-        mailbox_ops.check_moe_tail_poll(
-            latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank, batch
-        )
         tp, shard, latent = latent_box.shape[1], rs_box.shape[3], latent_box.shape[3]
         out = rs_box[parity, rank]  # placeholder: publish mode writes through ``peers``
         compile_tail(tp, shard, latent, groups_of(batch), True)(
-            latent_box, placeholder(out, torch.bfloat16, 2), rs_box, gamma, w_up, out, addresses(out_boxes), error, eps, batch, parity, rank,
-            rearm_parity, rearm_batch,
+            latent_box, placeholder(out, torch.bfloat16, 2), rs_box, gamma, w_up, out, addresses(out_boxes), error,
+            eps, batch, parity, rank, rearm_parity, rearm_batch,
         )
 
 
