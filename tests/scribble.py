@@ -10,10 +10,10 @@ import torch
 from cutlass import Uint32
 from cutlass.memory import SmemAllocator
 
-from kimi_ops.kernels.common import fake, fake_stream
+from kimi_ops.kernels.common import THREADS, fake, fake_stream
+from kimi_ops.kernels.tail import SMEM_BYTES
 
-WORDS = 227 * 1024 // 4  # sm_90's opt-in shared memory per CTA: one CTA fills an SM
-THREADS = 256
+WORDS = SMEM_BYTES // 4  # sm_90's opt-in shared memory per CTA: one CTA fills an SM
 
 
 class Scribble:

@@ -1,6 +1,6 @@
 """TP groups (DESIGN §4): who owns which boxes, and how a rank addresses its peers'.
 
-One interface, three implementations. ``allocate`` returns, for every rank this process
+One interface, two implementations. ``allocate`` returns, for every rank this process
 drives, the list of every rank's box as that rank addresses it (its own one at its rank):
 the ``boxes`` argument of the publishing ops. ``owned`` are the buffers this process
 allocated (registered as module buffers: static addresses for CUDA graphs).
@@ -19,23 +19,10 @@ class Boxes:
     peers: dict[int, list[torch.Tensor]]  # local rank → every rank's box, rank order
 
 
-class LocalGroup:
-    """TP1: one rank, one box."""
-
-    tp, ranks = 1, (0,)
-
-    def allocate(self, shape, device) -> Boxes:
-        box = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        arm_(box)
-        return Boxes([box], {0: [box]})
-
-    def sync(self) -> None:
-        """Between a publishing phase and its polls: nothing to wait for."""
-
-
 class SimulatedGroup:
-    """N ranks in one process (reference backend): every box is a local tensor and the
-    decoder runs the ranks phase by phase, so TP2/TP8/TP16 semantics run on the CPU."""
+    """N ranks in one process (TP1: one rank, one box): every box is a local tensor and
+    the decoder runs the ranks phase by phase, so TP2/TP8/TP16 semantics run on one
+    device, the CPU included."""
 
     def __init__(self, tp: int):
         if tp < 1:
@@ -86,8 +73,6 @@ class SymmMemGroup:
         self.handles[0].barrier()
 
 
-def make_group(tp) -> LocalGroup | SimulatedGroup | SymmMemGroup:
-    """``tp``: 1, a rank count (simulated in this process), or a group object."""
-    if isinstance(tp, int):
-        return LocalGroup() if tp == 1 else SimulatedGroup(tp)
-    return tp
+def make_group(tp) -> SimulatedGroup | SymmMemGroup:
+    """``tp``: a rank count (all ranks in this process), or a group object."""
+    return SimulatedGroup(tp) if isinstance(tp, int) else tp
