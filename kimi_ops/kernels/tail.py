@@ -77,7 +77,7 @@ TILES_PER_WARP = 2
 MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
 FRONT_IN_FLIGHT = 2  # packets per lane whose TOP_K row loads the fused front keeps in flight
-FUSED_BATCH = 4  # functional batches up to this fuse the front into the tail (measured: B = 8 is faster unfused)
+FUSED_BATCH = 8  # functional batches up to this fuse the front into the tail (measured; see the module doc)
 LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
 
 
@@ -227,8 +227,9 @@ class MoeTail:
         row_group, sub = warp // plan.split, warp % plan.split
         tile = cluster * plan.tiles + row_group * TILES_PER_WARP
         first_chunk = sub * plan.warp_chunks
+        evict_first = l2_evict_first()
         for i in cutlass.range_constexpr(plan.depth):
-            self.fetch(w_up, ring, tile, k_slice * plan.cols + (first_chunk + i) * plan.chunk, warp, i, lane)
+            self.fetch(w_up, ring, tile, k_slice * plan.cols + (first_chunk + i) * plan.chunk, warp, i, lane, evict_first)
             cute.arch.cp_async_commit_group()
 
         scale = self.load_gamma(gamma, k_slice, lane)
@@ -246,7 +247,7 @@ class MoeTail:
         self.normalize(xn, ss, scale, eps, batch, warp, lane)
         cute.arch.sync_threads()
 
-        acc = self.project(w_up, xn, ring, tile, k_slice, first_chunk, warp, lane)
+        acc = self.project(w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, evict_first)
         # Our weights are read: the next launch may start its prefetch during our epilogue
         # (every dependent waits for our completion before it reads what we write).
         cute.arch.griddepcontrol_launch_dependents()
@@ -259,7 +260,7 @@ class MoeTail:
         self.finish(xn, shared, out, peers, error, batch, parity, rank, cluster, k_slice, tid)
 
     @cute.jit
-    def fetch(self, w_up, ring, tile, column, warp, i, lane):
+    def fetch(self, w_up, ring, tile, column, warp, i, lane, policy):
         """cp.async chunk ``i`` of this warp's rows (columns ``column`` ..+chunk) into ring
         slot i % depth. The copy runs along rows (``row_lanes`` lanes per row: whole
         128-256 byte runs); each piece lands where its MMA lane reads it: [step][tile]
@@ -271,7 +272,7 @@ class MoeTail:
             target = ring + self.plan.ring_piece(warp, slot, step, p, h, g * 4 + t) * 4
             source = w_up.iterator + ((tile + p) * TILE_ROWS + 8 * h + g) * w_up.stride[0] + column + piece * 8
             if tile + p < plan.total_tiles:
-                copy_async(target, source)
+                copy_async(target, source, policy)
 
     @cute.jit
     def load_latent(self, latent, xn, ss, error, batch, parity, k_slice, warp, lane):
@@ -387,7 +388,7 @@ class MoeTail:
         return self.plan.xn_piece(packet // 4, token // 8, token % 8 * 4 + packet % 4)
 
     @cute.jit
-    def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane):
+    def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, policy):
         """The warp's two tiles × all token groups over its chunks, FP32 accumulators in
         the m16n8 C layout: acc[p, n, 2h + e] = (row 8h + g of tile p, token 8n + 2t + e)."""
         plan = self.plan
@@ -417,7 +418,7 @@ class MoeTail:
             cute.arch.sync_warp()  # every lane has its fragments before the slot is refilled
             if i + plan.depth < plan.warp_chunks:
                 self.fetch(w_up, ring, tile, k_slice * plan.cols + (first_chunk + i + plan.depth) * plan.chunk,
-                           warp, i + plan.depth, lane)
+                           warp, i + plan.depth, lane, policy)
             cute.arch.cp_async_commit_group()
         return acc
 
@@ -560,9 +561,18 @@ def bits_pointer(words, index):
 
 
 @cute.jit
-def copy_async(shared_address, global_address):
-    """16 bytes global → shared, cp.async.cg (L2 only: the weights are read once)."""
-    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[shared_address, global_address])
+def l2_evict_first() -> Int64:
+    """An L2 policy that evicts first: the weights stream through once per call and must
+    not push out what the latency-bound loads read (expert rows, latent, gamma, shared)."""
+    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_first.b64 {$w0}, 1.0;", write_only_types=[Int64])
+
+
+@cute.jit
+def copy_async(shared_address, global_address, policy: Int64):
+    """16 bytes global → shared, cp.async.cg (L2 only: the weights are read once) under
+    the L2 ``policy``."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global.L2::cache_hint [{$r0}], [{$r1}], 16, {$r2};",
+                         read_only_args=[shared_address, global_address, policy])
 
 
 @cute.jit
