@@ -28,8 +28,9 @@ def test_tail_compiles(tp, batch, publish):
     assert tail.compile_tail.build(tp, HIDDEN // tp, LATENT, tail.groups_of(batch), publish) is not None
 
 
-def test_fused_tail_compiles():
-    assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True) is not None
+@pytest.mark.parametrize("stamps", [False, True])  # stamps: benchmarks/profile_tail.py's variant
+def test_fused_tail_compiles(stamps):
+    assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True, stamps) is not None
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])

@@ -156,6 +156,37 @@ class Plan:
         return (k32 * self.groups + group) * 32 + lane
 
 
+class Stamps:
+    """MoeTail's phase clock for benchmarks/profile_tail.py (functional mode; compiled out
+    unless ``on``): thread 0 of each CTA stores (%globaltimer, %clock64) of phase k at
+    int64 pair [cta][k] of the buffer that comes in as the error word."""
+
+    PHASES = ("start", "waited", "latent", "normed", "first slot", "refilled slot", "last slot", "projected",
+              "ring free", "scattered", "end")
+
+    def __init__(self, on: bool, buffer: cute.Tensor, cta, tid):
+        self.on, self.buffer, self.cta, self.tid = on, buffer, cta, tid
+
+    @cute.jit
+    def at(self, phase: cutlass.Constexpr):
+        if cutlass.const_expr(self.on):
+            if self.tid == 0:
+                address = self.buffer.iterator + (self.cta * len(self.PHASES) + self.PHASES.index(phase)) * 4
+                cute.arch.inline_ptx("st.global.v2.b64 [{$r0}], { {$r1}, {$r2} };",
+                                     read_only_args=[address, cute.arch.globaltimer(), cute.arch.clock64()])
+
+    @cute.jit
+    def slot(self, i, depth: cutlass.Constexpr[int], chunks: cutlass.Constexpr[int]):
+        """Ring slots: the first, the first refilled one and the last, once they landed."""
+        if cutlass.const_expr(self.on):
+            if i == 0:
+                self.at("first slot")
+            if i == depth:
+                self.at("refilled slot")
+            if i == chunks - 1:
+                self.at("last slot")
+
+
 class TailFront:
     """partial = BF16(Σ_r row_r · w_r) per (token, packet); functional or publish mode."""
 
@@ -192,8 +223,8 @@ class TailFront:
 class MoeTail:
     """latent → RMSNorm → up projection + shared, one rank's N rows (see the module doc)."""
 
-    def __init__(self, plan: Plan, publish: bool):
-        self.plan, self.publish, self.fused = plan, publish, plan.fused
+    def __init__(self, plan: Plan, publish: bool, stamps: bool = False):
+        self.plan, self.publish, self.fused, self.stamps = plan, publish, plan.fused, stamps
 
     @cute.jit
     def __call__(self, latent: cute.Tensor, weights: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor,
@@ -219,6 +250,8 @@ class MoeTail:
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tid // 32, tid % 32
         k_slice, cluster = cta % plan.cluster, cta // plan.cluster
+        stamp = Stamps(self.stamps, error, cta, tid)
+        stamp.at("start")
         smem = SmemAllocator()
         ss = smem.allocate_tensor(Float64, cute.make_layout(plan.ss_words // 2), 16).iterator
         # [xn | ring]; after the projection the cluster's partial sums land over both.
@@ -240,27 +273,34 @@ class MoeTail:
             self.rearm_previous(latent, shared, rearm_parity, rearm_batch, cta, tid)
         else:
             cute.arch.griddepcontrol_wait()
+        stamp.at("waited")
         cute.arch.cluster_wait()  # the peers have started: DSMEM stores are safe
         if cutlass.const_expr(self.fused):
             self.finalize_front(latent, weights, xn, ss, batch, k_slice, warp, lane)
         else:
             self.load_latent(latent, xn, ss, error, batch, parity, k_slice, warp, lane)
+        stamp.at("latent")
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         self.normalize(xn, ss, scale, eps, batch, warp, lane)
+        stamp.at("normed")
         cute.arch.sync_threads()
 
-        acc = self.project(w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, evict_first)
+        acc = self.project(w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, evict_first, error, cta)
+        stamp.at("projected")
         # Our weights are read: the next launch may start its prefetch during our epilogue
         # (every dependent waits for our completion before it reads what we write).
         cute.arch.griddepcontrol_launch_dependents()
 
         cute.arch.cluster_arrive()  # every CTA is done with its ring: it becomes the receive buffer
         cute.arch.cluster_wait()
+        stamp.at("ring free")
         self.scatter(acc, xn, batch, tile, k_slice * plan.split + sub, lane)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
+        stamp.at("scattered")
         self.finish(xn, shared, out, peers, error, batch, parity, rank, cluster, k_slice, tid)
+        stamp.at("end")
 
     @cute.jit
     def fetch(self, w_up, ring, tile, column, warp, i, lane, policy):
@@ -391,7 +431,7 @@ class MoeTail:
         return self.plan.xn_piece(packet // 4, token // 8, token % 8 * 4 + packet % 4)
 
     @cute.jit
-    def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, policy):
+    def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, policy, error, cta):
         """The warp's two tiles × all token groups over its chunks, FP32 accumulators in
         the m16n8 C layout: acc[p, n, 2h + e] = (row 8h + g of tile p, token 8n + 2t + e)."""
         plan = self.plan
@@ -403,6 +443,7 @@ class MoeTail:
         for i in cutlass.range(plan.warp_chunks, unroll=1):
             cute.arch.cp_async_wait_group(plan.depth - 1)
             cute.arch.sync_warp()  # the slot was copied by the whole warp
+            Stamps(self.stamps, error, cta, warp * 32 + lane).slot(i, plan.depth, plan.warp_chunks)
             slot = i % plan.depth
             for step in cutlass.range_constexpr(plan.steps):
                 a = [[load_shared(ring + self.plan.ring_piece(warp, slot, step, p, h, lane) * 4) for h in range(2)]
@@ -635,7 +676,8 @@ def plan_for(tp: int, shard: int, latent: int, groups: int, fused: bool = False)
 
 
 @compiled
-def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, fused: bool = False):
+def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, fused: bool = False,
+                 stamps: bool = False):
     plan = plan_for(tp, shard, latent, groups, fused)
     batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if publish:
@@ -644,7 +686,7 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, f
         rows = (batch, TOP_K, latent) if fused else (batch, latent)
         latent_in, shared_in = fake(BFloat16, rows), fake(BFloat16, (batch, shard))
     return cute.compile(
-        MoeTail(plan, publish), latent_in, fake(BFloat16, (cute.sym_int(), cute.sym_int()), align=2), shared_in,
+        MoeTail(plan, publish, stamps), latent_in, fake(BFloat16, (cute.sym_int(), cute.sym_int()), align=2), shared_in,
         fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
         fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4),
         Float32(1e-6), Int32(1), Int32(0), Int32(0), Int32(1), Int32(1), fake_stream(),
@@ -684,9 +726,13 @@ def unsupported_shape(tp: int, shard: int, latent: int, batch: int, fused: bool 
 
 class TailKernel:
     """``kimi::moe_tail`` on CUDA (TP1): MoeTail with the front fused in up to
-    FUSED_BATCH tokens, else TailFront then MoeTail."""
+    FUSED_BATCH tokens, else TailFront then MoeTail. ``stamps`` (benchmarks only): an
+    int64 buffer of Stamps pairs per CTA, to run the stamping variant."""
 
     check = staticmethod(tail_op.check_moe_tail)
+
+    def __init__(self, stamps: torch.Tensor | None = None):
+        self.stamps = stamps
 
     def prepare(self, latent: int, hidden: int, batches) -> None:
         compile_front(latent, 1, False)
@@ -704,14 +750,15 @@ class TailKernel:
         latent = expanded.shape[2]
         out = shared.new_empty((batch, hidden))
         if batch:
-            no_peers, no_error = placeholder(out, torch.int64), placeholder(out, torch.int32)
+            no_peers = placeholder(out, torch.int64)
+            no_error = placeholder(out if self.stamps is None else self.stamps, torch.int32)
             fused = batch <= FUSED_BATCH
             if fused:
                 rows = expanded
             else:
                 rows = expanded.new_empty((batch, latent))
                 compile_front(latent, 1, False)(expanded, weights, rows, no_peers, 0)
-            compile_tail(1, hidden, latent, groups_of(batch), False, fused)(
+            compile_tail(1, hidden, latent, groups_of(batch), False, fused, self.stamps is not None)(
                 rows, weights, shared, gamma, w_up, out, no_peers, no_error, eps, batch, 0, 0, 0, 1
             )
         return out
