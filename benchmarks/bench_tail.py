@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import kimi_ops  # noqa: F401
 from kimi_ops.mailbox import parities
+from kimi_ops.runtime.boxes import TailBoxes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import floor_us, graph_us, print_table  # noqa: E402
@@ -34,20 +35,11 @@ def composite(expanded, weights, shared, gamma, w_up, eps):
 def mailbox_chain(expanded, weights, shared, gamma, w_ups, calls):
     """The decoder's tail (push, publish, polled tail) over TP1 boxes, ``calls`` MoE
     layers with rotating parities; returns one call per layer."""
-    batch = expanded.shape[0]
-    box = lambda width, parities=3: torch.empty(parities, 1, 64, width, dtype=torch.bfloat16, device="cuda")  # noqa: E731
-    latent, rs, out = box(LATENT), box(HIDDEN), box(HIDDEN, 1)
-    error = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for b in (latent, rs, out):
-        torch.ops.kimi.mailbox_arm(b)
-    kimi = torch.ops.kimi
-    turn = [0]
+    boxes, turn = TailBoxes(64, LATENT, HIDDEN, "cuda"), [0]
 
     def call():
         parity, rearm = parities(turn[0] % calls, calls)
-        kimi.moe_tail_push(shared, [rs], parity, 0)
-        kimi.moe_tail_publish(expanded, weights, [latent], parity, 0)
-        kimi.moe_tail_poll(latent, rs, gamma, w_ups[turn[0] % COPIES], 1e-6, [out], error, parity, rearm, batch, 0, batch)
+        boxes.tail(expanded, weights, shared, gamma, w_ups[turn[0] % COPIES], 1e-6, parity, rearm, expanded.shape[0])
         turn[0] += 1
 
     return call

@@ -12,6 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
 
 from kimi_ops.kernels import tail  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
+from kimi_ops.runtime.boxes import TailBoxes  # noqa: E402
 
 from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
 
@@ -156,27 +157,14 @@ def test_tail_kernel_negative_zero_and_nan_rows():
     assert_tail_close(kimi.moe_tail(*again, 1e-6), reference(kimi.moe_tail, *again, 1e-6), again[2])
 
 
-class Boxes:
-    """One rank's (TP1) tail boxes: latent [3, 1, CAP, L], shared RS [3, 1, CAP, H], the
-    output box [1, 1, CAP, H] and the error word, all armed."""
+def tail_boxes():
+    return TailBoxes(CAPACITY, LATENT, HIDDEN, "cuda")
 
-    def __init__(self):
-        self.latent = torch.empty(3, 1, CAPACITY, LATENT, dtype=torch.bfloat16, device="cuda")
-        self.rs = torch.empty(3, 1, CAPACITY, HIDDEN, dtype=torch.bfloat16, device="cuda")
-        self.out = torch.empty(1, 1, CAPACITY, HIDDEN, dtype=torch.bfloat16, device="cuda")
-        self.error = torch.zeros(1, dtype=torch.int32, device="cuda")
-        for box in (self.latent, self.rs, self.out):
-            kimi.mailbox_arm(box)
 
-    def layer(self, expanded, weights, shared, gamma, w_up, parity, rearm_parity, rearm_batch):
-        """push, publish, poll, take: one MoE tail; returns the taken output rows."""
-        batch = expanded.shape[0]
-        kimi.moe_tail_push(shared, [self.rs], parity, 0)
-        kimi.moe_tail_publish(expanded, weights, [self.latent], parity, 0)
-        kimi.moe_tail_poll(
-            self.latent, self.rs, gamma, w_up, 1e-6, [self.out], self.error, parity, rearm_parity, rearm_batch, 0, batch
-        )
-        return kimi.mailbox_take(self.out, 0, batch, self.error)[0]
+def layer(boxes, expanded, weights, shared, gamma, w_up, parity, rearm_parity, rearm_batch):
+    """One MoE tail through ``boxes``, then take: returns the output rows."""
+    boxes.tail(expanded, weights, shared, gamma, w_up, 1e-6, parity, rearm_parity, rearm_batch)
+    return kimi.mailbox_take(boxes.out, 0, expanded.shape[0], boxes.error)[0]
 
 
 def armed(rows):
@@ -187,12 +175,12 @@ def armed(rows):
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_tail_mailbox_ops_match_the_reference(batch):
     expanded, weights, shared, gamma, w_up = tail_args(batch, seed=100 + batch)
-    ours, theirs = Boxes(), Boxes()
+    ours, theirs = tail_boxes(), tail_boxes()
     for boxes in (ours, theirs):  # the previous layer's parity 2 holds a published batch
         boxes.latent[2, :, :batch].normal_()
         boxes.rs[2, :, :batch].normal_()
-    got = ours.layer(expanded, weights, shared, gamma, w_up, 0, 2, batch)
-    want = reference(theirs.layer, expanded, weights, shared, gamma, w_up, 0, 2, batch)
+    got = layer(ours, expanded, weights, shared, gamma, w_up, 0, 2, batch)
+    want = reference(layer, theirs, expanded, weights, shared, gamma, w_up, 0, 2, batch)
     assert_tail_close(got, want, shared)
     assert torch.equal(ours.latent, theirs.latent)  # the published partial, bit for bit
     assert torch.equal(ours.rs, theirs.rs)
@@ -202,7 +190,7 @@ def test_tail_mailbox_ops_match_the_reference(batch):
 
 @on_hopper
 def test_tail_poll_times_out_into_the_error_word():
-    boxes = Boxes()  # nothing published
+    boxes = tail_boxes()  # nothing published
     _, _, _, gamma, w_up = tail_args(1, seed=3)
     kimi.moe_tail_poll(boxes.latent, boxes.rs, gamma, w_up, 1e-6, [boxes.out], boxes.error, 0, 2, 4, 0, 4)
     torch.cuda.synchronize()  # returns: the polls are bounded
@@ -223,15 +211,15 @@ def test_tail_stack_graph_replays_1000_times():
     w_up = [(torch.randn(HIDDEN, LATENT, generator=gen) * LATENT**-0.5).bfloat16().cuda() for _ in range(layers)]
     static = [tail_args(batch, seed=200 + i)[:2] for i in range(layers)]
     shared0 = tail_args(batch, seed=300)[2]
-    boxes = Boxes()
+    boxes = tail_boxes()
 
     def stack():
         shared = shared0
         for i in range(layers):
             parity, rearm = parities(i, layers)
             expanded, weights = static[i]
-            shared = boxes.layer(expanded, weights, shared, gamma[i], w_up[i], parity, rearm,
-                                 CAPACITY if i == 0 else batch)
+            shared = layer(boxes, expanded, weights, shared, gamma[i], w_up[i], parity, rearm,
+                           CAPACITY if i == 0 else batch)
         return shared
 
     stack()  # warm up: compiles, address tables
