@@ -167,6 +167,17 @@ class Stamps:
     def __init__(self, on: bool, buffer: cute.Tensor, cta, tid):
         self.on, self.buffer, self.cta, self.tid = on, buffer, cta, tid
 
+    # A DSL value (its runtime parts travel through dynamic ifs and loops).
+    def __extract_mlir_values__(self):
+        return [*cutlass.extract_mlir_values(self.buffer), *cutlass.extract_mlir_values(self.cta),
+                *cutlass.extract_mlir_values(self.tid)]
+
+    def __new_from_mlir_values__(self, values):
+        n = len(cutlass.extract_mlir_values(self.buffer))
+        return Stamps(self.on, cutlass.new_from_mlir_values(self.buffer, values[:n]),
+                      cutlass.new_from_mlir_values(self.cta, values[n:n + 1]),
+                      cutlass.new_from_mlir_values(self.tid, values[n + 1:]))
+
     @cute.jit
     def at(self, phase: cutlass.Constexpr):
         if cutlass.const_expr(self.on):
@@ -286,7 +297,7 @@ class MoeTail:
         stamp.at("normed")
         cute.arch.sync_threads()
 
-        acc = self.project(w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, evict_first, error, cta)
+        acc = self.project(w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, evict_first, stamp)
         stamp.at("projected")
         # Our weights are read: the next launch may start its prefetch during our epilogue
         # (every dependent waits for our completion before it reads what we write).
@@ -431,7 +442,7 @@ class MoeTail:
         return self.plan.xn_piece(packet // 4, token // 8, token % 8 * 4 + packet % 4)
 
     @cute.jit
-    def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, policy, error, cta):
+    def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, policy, stamp):
         """The warp's two tiles × all token groups over its chunks, FP32 accumulators in
         the m16n8 C layout: acc[p, n, 2h + e] = (row 8h + g of tile p, token 8n + 2t + e)."""
         plan = self.plan
@@ -443,7 +454,7 @@ class MoeTail:
         for i in cutlass.range(plan.warp_chunks, unroll=1):
             cute.arch.cp_async_wait_group(plan.depth - 1)
             cute.arch.sync_warp()  # the slot was copied by the whole warp
-            Stamps(self.stamps, error, cta, warp * 32 + lane).slot(i, plan.depth, plan.warp_chunks)
+            stamp.slot(i, plan.depth, plan.warp_chunks)
             slot = i % plan.depth
             for step in cutlass.range_constexpr(plan.steps):
                 a = [[load_shared(ring + self.plan.ring_piece(warp, slot, step, p, h, lane) * 4) for h in range(2)]
