@@ -27,9 +27,10 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    in FP32 and rounds to BF16. Fused (functional, B ≤ FUSED_BATCH): the CTA computes
    TailFront's FMA chain over the expert rows of its K slice instead, a token's packets
    spread over 8 // B warps (the redundant L2 reads, 3.2 MB per token over the clusters,
-   cost less than the kernel boundary up to B = 8 once the weights evict first; measured). ss = Σ BF16(latent²) is
-   summed in FP64 — exact for these BF16 squares, so every order gives the reference's
-   float64 sum — and the slices' (and warps') sums meet in every CTA through DSMEM.
+   cost less than the kernel boundary up to B = 8 once the weights evict first;
+   measured). ss = Σ BF16(latent²) is summed in FP64 — exact for these BF16 squares, so
+   every order gives the reference's float64 sum — and the slices' (and warps') sums
+   meet in every CTA through DSMEM.
    inv = rsqrt.approx(ss / L + eps), the instruction torch.rsqrt runs on CUDA, so
    xn = BF16((latent · inv) · gamma) is bit-equal to the reference on the same device.
 3. Up projection on the tensor cores: mma.sync m16n8k16 BF16 → FP32, weights as A (16
