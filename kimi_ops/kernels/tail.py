@@ -277,7 +277,8 @@ class MoeTail:
         first_chunk = sub * plan.warp_chunks
         evict_first = l2_evict_first()
         for i in cutlass.range_constexpr(plan.depth):
-            self.fetch(w_up, ring, tile, k_slice * plan.cols + (first_chunk + i) * plan.chunk, warp, i, lane, evict_first)
+            column = k_slice * plan.cols + (first_chunk + i) * plan.chunk
+            self.fetch(w_up, ring, tile, column, warp, i, lane, evict_first)
             cute.arch.cp_async_commit_group()
 
         scale = self.load_gamma(gamma, k_slice, lane)

@@ -71,7 +71,9 @@ class TailBoxes:
     rows land in ``out``."""
 
     def __init__(self, capacity: int, latent: int, hidden: int, device):
-        box = lambda parities, width: torch.empty(parities, 1, capacity, width, dtype=torch.bfloat16, device=device)  # noqa: E731
+        def box(parities, width):
+            return torch.empty(parities, 1, capacity, width, dtype=torch.bfloat16, device=device)
+
         self.latent, self.rs, self.out = box(3, latent), box(3, hidden), box(1, hidden)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         for mailbox in (self.latent, self.rs, self.out):
