@@ -36,22 +36,32 @@ def profile(batch: int, w_ups, gamma) -> None:
         kernel(expanded, weights, shared, gamma, w_ups[turn[0] % COPIES], 1e-6)
         turn[0] += 1
 
-    us = graph_us(call, calls=CALLS)  # 3 warm-up calls, then the graph's calls from row 3 on
-    order = [(3 + j) % CALLS for j in range(CALLS)]
-    stamps = buffers[order].view(CALLS, ctas, phases, 2).double().cpu()
-    timer, clock = stamps[..., 0], stamps[..., 1]
-    start = timer[:, :, 0].min(1).values
-    since = (timer - start[:, None, None]) / 1e3
-    ghz = ((clock[:, :, -1] - clock[:, :, 0]) / (timer[:, :, -1] - timer[:, :, 0])).median()
-    overlap = (timer[:-1, :, -1].max(1).values - start[1:]) / 1e3
-    print(f"B={batch}: {us:.2f} µs per call; the next call starts {overlap.median():.2f} µs before the last CTA "
+    us = graph_us(call, calls=CALLS)
+    table, overlap, ghz = phase_table(buffers.view(CALLS, ctas, phases, 2).cpu())
+    print(f"B={batch}: {us:.2f} µs per call; the next call starts {overlap:.2f} µs before the last CTA "
           f"ends; SM clock {ghz:.2f} GHz")
     print(f"{'phase':>14s} {'first':>7s} {'median':>7s} {'last':>7s} {'own clock':>9s}")
-    for k, name in enumerate(tail.Stamps.PHASES):
-        after = since[1:, :, k]
-        own = ((clock[1:, :, k] - clock[1:, :, 0]) / ghz / 1e3).median()
-        print(f"{name:>14s} {after.min(1).values.median():7.2f} {after.median(1).values.median():7.2f} "
-              f"{after.max(1).values.median():7.2f} {own:9.2f}")
+    for name, row in zip(tail.Stamps.PHASES, table):
+        print(f"{name:>14s} " + " ".join(f"{v:7.2f}" for v in row[:3]) + f" {row[3]:9.2f}")
+
+
+def phase_table(stamps: torch.Tensor):
+    """``stamps`` [calls, CTAs, phases, (ns, clock)] of one replay → per phase (first,
+    median, last CTA: µs from the call's first start; the CTAs' median by their own clock
+    from their own start), each a median over the calls but the first (which waits for
+    nothing); the median µs by which a call's first start precedes the previous call's
+    last end; the SM clock in GHz."""
+    stamps = stamps - stamps.flatten(0, 2).min(0).values  # in int64: float64 holds ns since 1970 to 256 ns only
+    stamps = stamps[stamps[:, :, 0, 0].min(1).values.argsort()].double()  # calls in launch order
+    timer, clock = stamps[..., 0], stamps[..., 1]
+    start = timer[:, :, 0].min(1).values
+    since = (timer - start[:, None, None])[1:] / 1e3
+    ghz = ((clock[..., -1] - clock[..., 0]) / (timer[..., -1] - timer[..., 0])).median()
+    own = ((clock - clock[:, :, :1]) / ghz / 1e3)[1:]
+    table = torch.stack([since.min(1).values.median(0).values, since.median(1).values.median(0).values,
+                         since.max(1).values.median(0).values, own.flatten(0, 1).median(0).values], dim=1)
+    overlap = ((timer[:-1, :, -1].max(1).values - start[1:]) / 1e3).median()
+    return table.tolist(), float(overlap), float(ghz)
 
 
 def main() -> None:

@@ -3,6 +3,8 @@ on a Hopper GPU the functional op and the mailbox ops match the reference backen
 are bounded, and a 6-layer tail stack replays from a CUDA graph 1000 times."""
 
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -107,6 +109,22 @@ def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
         for n in range(groups):
             want = rows[p * 16 : p * 16 + 16] @ xn[n * 8 : n * 8 + 8, columns].T
             torch.testing.assert_close(acc[p, n], want, rtol=1e-12, atol=1e-12)
+
+
+def test_profile_phase_table():
+    """benchmarks/profile_tail.py's analysis on known stamps: calls given out of order, CTA
+    a of call c at phase k at c·10 + k + a/10 µs (+7 ns) on a 2 GHz clock."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import profile_tail
+
+    calls, ctas, phases, epoch = 4, 3, 5, 1_764_000_000_000_000_000  # ns since 1970: beyond float64's ns
+    ns = torch.tensor([[[c * 10_000 + k * 1_000 + a * 100 + 7 for k in range(phases)] for a in range(ctas)]
+                       for c in range(calls)], dtype=torch.int64)
+    stamps = torch.stack([epoch + ns, 5_000_000 + 2 * ns], dim=-1)[torch.tensor([2, 0, 3, 1])]
+    table, overlap, ghz = profile_tail.phase_table(stamps)
+    want = [[k, k + 0.1, k + 0.2, k] for k in range(phases)]
+    assert torch.allclose(torch.tensor(table, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), atol=1e-9)
+    assert abs(overlap - (4.2 - 10)) < 1e-9 and abs(ghz - 2) < 1e-12
 
 
 def tail_args(batch, seed, hidden=HIDDEN, latent=LATENT):
