@@ -2,8 +2,6 @@
 matches the reference backend on the same device."""
 
 import os
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
 from kimi_ops.kernels import route  # noqa: E402
 from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 
-from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, benchmark, bf16_ulps, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
@@ -153,8 +151,6 @@ def test_route_poll_kernel_times_out_into_the_error_word():
 
 def test_stream_benchmark_kernels_compile():
     """benchmarks/bench_stream.py's copy kernels (the HBM-rate probe the tail is judged by)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-    import bench_stream
-
+    bench_stream = benchmark("bench_stream")
     for kernel in (bench_stream.BulkStream(132, 1, 16384, 12), bench_stream.AsyncStream(112, 8)):
         assert bench_stream.compile_stream(kernel) is not None

@@ -5,7 +5,7 @@ import torch
 
 import oracle
 from kimi_ops.numerics import ordered_key
-from conftest import BATCHES, DEVICES, assert_bf16_close, randn
+from conftest import BATCHES, DEVICES, assert_bf16_close, assert_tail_close, randn
 
 kimi = torch.ops.kimi
 
@@ -97,13 +97,7 @@ def tail_inputs(gen, batch, hidden, latent, device):
 def test_moe_tail(gen, device, batch):
     args = tail_inputs(gen, batch, 1024, 512, device)
     got = kimi.moe_tail(*args, 1e-6)
-    want = oracle.tail(*(a.cpu() for a in args), 1e-6)
-    # out = up + shared: count ulps at the larger term's size (CUDA's rsqrt may flip an xn,
-    # and so a row of up, by one ulp: many ulps of a cancelled out); that flip plus out's
-    # own rounding make two.
-    shared = args[2].cpu().double()
-    terms = torch.maximum((want.double() - shared).abs(), shared.abs()) * (1 + 2**-7)
-    assert_bf16_close(got, want, max_ulps=2, max_flipped=0.03, magnitude=terms)  # DESIGN §7, issue 5
+    assert_tail_close(got, oracle.tail(*(a.cpu() for a in args), 1e-6), args[2])
 
 
 def test_moe_tail_kimi_shapes(gen):

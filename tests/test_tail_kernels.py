@@ -3,8 +3,6 @@ on a Hopper GPU the functional op and the mailbox ops match the reference backen
 are bounded, and a 6-layer tail stack replays from a CUDA graph 1000 times."""
 
 import os
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from kimi_ops.kernels import tail  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
 from kimi_ops.runtime.boxes import TailBoxes  # noqa: E402
 
-from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, assert_tail_close, benchmark, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
@@ -114,9 +112,7 @@ def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
 def test_profile_phase_table():
     """benchmarks/profile_tail.py's analysis on known stamps: calls given out of order, CTA
     a of call c at phase k at c·10 + k + a/10 µs (+7 ns) on a 2 GHz clock."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-    import profile_tail
-
+    profile_tail = benchmark("profile_tail")
     calls, ctas, phases, epoch = 4, 3, 5, 1_764_000_000_000_000_000  # ns since 1970: beyond float64's ns
     ns = torch.tensor([[[c * 10_000 + k * 1_000 + a * 100 + 7 for k in range(phases)] for a in range(ctas)]
                        for c in range(calls)], dtype=torch.int64)
@@ -134,20 +130,6 @@ def tail_args(batch, seed, hidden=HIDDEN, latent=LATENT):
         rand(batch, 16, latent), rand(batch, 16, scale=0.2), rand(batch, hidden),
         rand(latent, scale=0.1) + 1, rand(hidden, latent, scale=latent**-0.5),
     )
-
-
-def assert_tail_close(got, want, shared):
-    """2 BF16 ulps at the size of the larger term of up + shared, ≤ 3% not bit-equal."""
-    shared = shared.cpu().double()
-    got, want = got.cpu(), want.cpu()
-    terms = torch.maximum((want.double() - shared).abs(), shared.abs()) * (1 + 2**-7)
-    exponent = torch.floor(torch.log2(terms.clamp_min(1e-30)))
-    term_ulps = ((got.double() - want.double()).abs() / torch.exp2(exponent - 7)).ceil()
-    ulps = torch.minimum(bf16_ulps(got, want).double(), term_ulps)
-    both_nan = torch.isnan(got) & torch.isnan(want)
-    ulps = torch.where(both_nan, torch.zeros_like(ulps), ulps)
-    assert float(ulps.max()) <= 2, float(ulps.max())
-    assert float((ulps > 0).double().mean()) <= 0.03
 
 
 def poisoned(*shape):
