@@ -45,15 +45,27 @@ def mailbox_chain(expanded, weights, shared, gamma, w_ups, calls):
     return call
 
 
+def layer_weights():
+    """COPIES up projections (each call of a graph reads its own: L2-cold) and gamma."""
+    w_ups = [torch.randn(HIDDEN, LATENT, device="cuda").bfloat16() * LATENT**-0.5 for _ in range(COPIES)]
+    return w_ups, torch.ones(LATENT, device="cuda").bfloat16()
+
+
+def activations(batch: int):
+    """A batch's expert rows, their weights and the shared expert's rows."""
+    return (
+        torch.randn(batch, 16, LATENT, device="cuda").bfloat16(),
+        torch.rand(batch, 16, device="cuda").bfloat16(),
+        torch.randn(batch, HIDDEN, device="cuda").bfloat16(),
+    )
+
+
 def main() -> None:
     compiled = torch.compile(composite, fullgraph=True, dynamic=False)  # one specialized graph per batch
-    w_ups = [torch.randn(HIDDEN, LATENT, device="cuda").bfloat16() * LATENT**-0.5 for _ in range(COPIES)]
-    gamma = torch.ones(LATENT, device="cuda").bfloat16()
+    w_ups, gamma = layer_weights()
     rows = []
     for batch in BATCHES:
-        expanded = torch.randn(batch, 16, LATENT, device="cuda").bfloat16()
-        weights = torch.rand(batch, 16, device="cuda").bfloat16()
-        shared = torch.randn(batch, HIDDEN, device="cuda").bfloat16()
+        expanded, weights, shared = activations(batch)
         turn = [0]
 
         def rotating(fn):

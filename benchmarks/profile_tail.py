@@ -15,7 +15,7 @@ import kimi_ops  # noqa: F401
 from kimi_ops.kernels import tail
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_tail import COPIES, HIDDEN, LATENT  # noqa: E402
+from bench_tail import COPIES, HIDDEN, LATENT, activations, layer_weights  # noqa: E402
 from timing import graph_us  # noqa: E402
 
 CALLS = COPIES * 4
@@ -26,9 +26,7 @@ def profile(batch: int, w_ups, gamma) -> None:
     phases = len(tail.Stamps.PHASES)
     buffers = torch.zeros(CALLS, ctas * phases * 2, dtype=torch.int64, device="cuda")
     kernel = tail.TailKernel()
-    expanded = torch.randn(batch, 16, LATENT, device="cuda").bfloat16()
-    weights = torch.rand(batch, 16, device="cuda").bfloat16()
-    shared = torch.randn(batch, HIDDEN, device="cuda").bfloat16()
+    expanded, weights, shared = activations(batch)
     turn = [0]
 
     def call():
@@ -65,8 +63,7 @@ def phase_table(stamps: torch.Tensor):
 
 
 def main() -> None:
-    w_ups = [torch.randn(HIDDEN, LATENT, device="cuda").bfloat16() * LATENT**-0.5 for _ in range(COPIES)]
-    gamma = torch.ones(LATENT, device="cuda").bfloat16()
+    w_ups, gamma = layer_weights()
     for batch in [int(b) for b in sys.argv[1:]] or [1, 8, 64]:
         profile(batch, w_ups, gamma)
 
