@@ -28,10 +28,16 @@ def fake_stream():
 
 
 def arch() -> str:
-    """The target: CUTE_DSL_ARCH if set (compile-only CI: sm_90a), else the current GPU's."""
+    """The target: CUTE_DSL_ARCH if set (compile-only CI: sm_90a), else the current GPU's
+    (asked once per device: every op call looks its compiled kernel up by it)."""
     if "CUTE_DSL_ARCH" in os.environ:
         return os.environ["CUTE_DSL_ARCH"]
-    major, minor = torch.cuda.get_device_capability()
+    return device_arch(torch.cuda.current_device())
+
+
+@functools.cache
+def device_arch(device: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}a"
 
 
@@ -132,7 +138,7 @@ def hopper(tensor: torch.Tensor) -> str | None:
 @functools.cache
 def not_hopper(device: int) -> str | None:
     """Why the kernels cannot run on ``device``, or None (asked once per device)."""
-    if torch.cuda.get_device_capability(device)[0] != 9:
+    if not device_arch(device).startswith("sm_9"):
         return f"the CuTe kernels target sm_90, not {torch.cuda.get_device_name(device)}"
     return None
 
