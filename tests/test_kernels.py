@@ -1,5 +1,6 @@
-"""CuTe routing and situ kernels (the tail: test_tail_kernels.py): every variant compiles for sm_90a without a GPU; on a Hopper GPU each
-matches the reference backend on the same device."""
+"""CuTe routing and situ kernels (the tail: test_tail_kernels.py): every variant compiles
+for sm_90a without a GPU; on a Hopper GPU each matches the reference backend on the same
+device."""
 
 import os
 
@@ -15,7 +16,6 @@ from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 from conftest import KERNEL_BATCHES, benchmark, bf16_ulps, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
-
 
 
 @pytest.mark.parametrize("experts", [16, 64, 896, 1024])
