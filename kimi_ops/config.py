@@ -33,7 +33,7 @@ class KimiConfig:
     @classmethod
     def tiny(cls, **overrides) -> "KimiConfig":
         """Small shapes for fast CPU tests (the DSA indexer keeps its fixed 32 × 128 heads)."""
-        return cls(
-            hidden=256, latent=128, experts=64, top_k=16, shared_intermediate=192,
-            expert_intermediate=32, attn_out=256, q_lora=96, routed_scale=2.5, **overrides,
-        )
+        return cls(**{
+            "hidden": 256, "latent": 128, "experts": 64, "top_k": 16, "shared_intermediate": 192,
+            "expert_intermediate": 32, "attn_out": 256, "q_lora": 96, "routed_scale": 2.5, **overrides,
+        })
