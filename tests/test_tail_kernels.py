@@ -42,6 +42,19 @@ def test_front_and_push_compile(tp):
         assert tail.compile_front.build(LATENT, 1, False) is not None
 
 
+def test_prepare_skips_shapes_the_kernel_does_not_take(monkeypatch):
+    """L = 128 (KimiConfig.tiny) runs the reference: a decoder's prepare must not fail on it."""
+    compiled = []
+    monkeypatch.setattr(tail, "compile_tail", lambda *key: compiled.append(key))
+    monkeypatch.setattr(tail, "compile_front", lambda *key: None)
+    tail.TailKernel().prepare(128, 256, [1, 16])
+    tail.TailPollKernel().prepare(2, 128, 128, [1, 16])
+    assert compiled == []
+    tail.TailKernel().prepare(256, 256, [1, 16])
+    tail.TailPollKernel().prepare(2, 128, 256, [16])
+    assert compiled == [(1, 256, 256, 1, False, True), (1, 256, 256, 2, False, False), (2, 128, 256, 2, True)]
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_plan_covers_every_row_once_in_one_wave(tp):
     for groups in range(1, 9):
@@ -50,7 +63,8 @@ def test_plan_covers_every_row_once_in_one_wave(tp):
         assert (plan.clusters - 1) * plan.tiles * tail.TILE_ROWS < plan.shard
         assert plan.clusters <= tail.ONE_WAVE_CLUSTERS and plan.warps <= tail.MAX_WARPS
         assert (plan.xn_words + plan.ss_words + plan.ring_words) * 4 <= tail.SMEM_BYTES
-        assert plan.split * plan.warp_chunks * plan.chunk * plan.cluster == plan.latent
+        assert plan.split * plan.warp_chunks * tail.CHUNK * plan.cluster == plan.latent
+        assert plan.rows <= 256 and plan.slot_bytes == plan.split * plan.rows * tail.CHUNK * 2  # one TMA box per part
 
 
 def mma_m16n8k16(a_regs, b_regs):
@@ -67,45 +81,49 @@ def mma_m16n8k16(a_regs, b_regs):
     return a @ b
 
 
+def ldmatrix_x4(pieces, rows):
+    """ldmatrix.x4 of 16-byte ``pieces`` (8 BF16 each) at the 32 lanes' row addresses
+    ``rows``: lane (g, t) gets the pair (row g, columns 2t, 2t + 1) of matrix m (rows from
+    lanes 8m..8m + 7) in register m. Also checks that every 8x8 matrix is conflict-free:
+    its eight rows in distinct 16-byte bank groups."""
+    for m in range(4):
+        assert len({rows[8 * m + r] % 8 for r in range(8)}) == 8, "ldmatrix rows share banks"
+    return [[pieces[rows[8 * m + lane // 4]][2 * (lane % 4) : 2 * (lane % 4) + 2] for m in range(4)]
+            for lane in range(32)]
+
+
 @pytest.mark.parametrize("tp, groups", [(1, 1), (1, 8), (2, 3), (8, 2)])
 def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
-    """CPU model of one warp and one ring slot through the kernel's own index maps: the
-    weight copies (Plan.copied, Plan.ring_piece), the xn stores (MoeTail.xn_packet) and the
-    fragment loads, into the PTX m16n8k16 fragment layout; the sums must be W · xnᵀ."""
+    """CPU model of one warp and one ring slot through the kernel's own index maps: TMA's
+    128-byte swizzled box (Plan.ring_piece), the xn stores (MoeTail.xn_packet), the
+    ldmatrix rows (Plan.a_piece, Plan.b_piece) into the PTX m16n8k16 fragment layout; the
+    sums must be W · xnᵀ, and every ldmatrix conflict-free."""
     plan = tail.Plan(tp, HIDDEN // tp, LATENT, groups)
     kernel = tail.MoeTail(plan, publish=False)
     gen = torch.Generator().manual_seed(tp * 10 + groups)
-    warp, chunk_index = plan.warps - 1, plan.warp_chunks - 1
-    slot, first_chunk = chunk_index % plan.depth, (plan.warp_chunks * (plan.split - 1))
-    k_chunk = first_chunk + chunk_index  # of the CTA's K slice
-    rows = torch.randn(tail.TILES_PER_WARP * tail.TILE_ROWS, plan.chunk, generator=gen, dtype=torch.float64)
+    warp, i = plan.warps - 1, plan.warp_chunks - 1
+    row_group, sub, slot = warp // plan.split, warp % plan.split, i % plan.depth
+    chunk = sub * plan.warp_chunks + i  # of the CTA's K slice
+    box = torch.randn(plan.rows, tail.CHUNK, generator=gen, dtype=torch.float64)  # TMA's rows × CHUNK for part sub
     xn = torch.randn(8 * groups, plan.cols, generator=gen, dtype=torch.float64)
-    ring, xn_pieces = {}, {}
-    for m in range(plan.copies):
-        for lane in range(32):
-            p, h, g, step, t, piece = plan.copied(m, lane)
-            ring[plan.ring_piece(warp, slot, step, p, h, g * 4 + t)] = rows[p * 16 + 8 * h + g, piece * 8 : piece * 8 + 8]
-    for token in range(8 * groups):
-        for packet in range(plan.cols // 8):
-            xn_pieces[kernel.xn_packet(token, packet)] = xn[token, packet * 8 : packet * 8 + 8]
-    words = lambda piece: [piece[2 * k : 2 * k + 2] for k in range(4)]  # noqa: E731  (registers of a 16-byte load)
+    ring = {plan.ring_piece(slot, sub, row, piece): box[row, 8 * piece : 8 * piece + 8]
+            for row in range(plan.rows) for piece in range(tail.CHUNK // 8)}
+    xn_pieces = {kernel.xn_packet(token, packet): xn[token, 8 * packet : 8 * packet + 8]
+                 for token in range(8 * groups) for packet in range(plan.cols // 8)}
+    assert len(ring) == plan.rows * tail.CHUNK // 8 and len(xn_pieces) == xn.numel() // 8  # no piece overwritten
     acc = torch.zeros(tail.TILES_PER_WARP, groups, 16, 8, dtype=torch.float64)
-    for step in range(plan.steps):
-        k32 = k_chunk * plan.steps + step
-        for p in range(tail.TILES_PER_WARP):
-            for n in range(groups):
-                for j in range(2):
-                    a_regs, b_regs = [], []
-                    for lane in range(32):
-                        low, high = (words(ring[plan.ring_piece(warp, slot, step, p, h, lane)]) for h in range(2))
-                        b = words(xn_pieces[plan.xn_piece(k32, n, lane)])
-                        a_regs.append((low[2 * j], high[2 * j], low[2 * j + 1], high[2 * j + 1]))
-                        b_regs.append((b[2 * j], b[2 * j + 1]))
-                    acc[p, n] += mma_m16n8k16(a_regs, b_regs)
-    columns = slice(k_chunk * plan.chunk, (k_chunk + 1) * plan.chunk)
-    for p in range(tail.TILES_PER_WARP):
+    for pair in range(tail.CHUNK // 32):
         for n in range(groups):
-            want = rows[p * 16 : p * 16 + 16] @ xn[n * 8 : n * 8 + 8, columns].T
+            b = ldmatrix_x4(xn_pieces, [plan.b_piece(chunk, n, pair, lane) for lane in range(32)])
+            for u in range(2):
+                for p in range(tail.TILES_PER_WARP):
+                    a = ldmatrix_x4(ring, [plan.a_piece(slot, sub, row_group, p, 2 * pair + u, lane) for lane in range(32)])
+                    acc[p, n] += mma_m16n8k16(a, [(regs[2 * u], regs[2 * u + 1]) for regs in b])
+    columns = slice(chunk * tail.CHUNK, (chunk + 1) * tail.CHUNK)
+    for p in range(tail.TILES_PER_WARP):
+        rows = box[(row_group * tail.TILES_PER_WARP + p) * 16 : (row_group * tail.TILES_PER_WARP + p + 1) * 16]
+        for n in range(groups):
+            want = rows @ xn[n * 8 : n * 8 + 8, columns].T
             torch.testing.assert_close(acc[p, n], want, rtol=1e-12, atol=1e-12)
 
 

@@ -13,15 +13,15 @@ partial to a [B, L] tensor; publish mode stores it (−0 → +0, NaN canonical) 
 ``MoeTail`` (clusters of CLUSTER = 4 CTAs, one CTA per SM, every cluster co-resident;
 CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
 
-1. Weights first: each warp owns two 16-row tiles and issues cp.async for the first
-   ``depth`` slots of its ring (``chunk`` K columns of its 32 rows per slot) before
-   ``griddepcontrol.wait`` (functional) or the mailbox polls (publish mode). A copy
-   runs along rows (128-256 contiguous bytes per row: measured 3.7 TB/s against 3.1 for
-   64-byte pieces) and each 16-byte piece lands where its MMA lane reads it, so a slot
-   costs wait_group and a warp barrier, no CTA barrier. The copies carry an L2
-   evict-first policy: 51 MB pass through a 50 MB L2 per call, and without it they evict
-   the expert rows, latent and gamma that the latency-bound step 2 then waits for
-   (measured: 0.5 µs at B = 1, 2.4 at B = 8, 2.6 at B = 64).
+1. Weights first: a producer warp streams w_up through a ring of ``depth`` slots with TMA
+   (per slot and K part one box of the cluster's rows × CHUNK columns, 128-byte swizzle,
+   L2 evict-first), from launch on, never waiting for the predecessor (functional) or the
+   mailboxes (publish mode). Full and empty mbarriers per slot. The first fill is gated:
+   a whole ring queued at once holds every other load 2-5 µs behind it (measured), and
+   step 2's loads are the critical path. So PACE slots stay in flight while the
+   predecessor runs, and once it is done the rest of the ring waits for step 2's loads
+   (functional mode; publish mode keeps PACE in flight). Evict-first: 51 MB pass through
+   a 50 MB L2 per call and would evict the expert rows, latent and gamma.
 2. Latent: a warp per token reads its K slice (plain loads after the wait, or Lamport
    polls of every TP source bounded by the global timer), sums the sources in rank order
    in FP32 and rounds to BF16. Fused (functional, B ≤ FUSED_BATCH): the CTA computes
@@ -34,10 +34,10 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    inv = rsqrt.approx(ss / L + eps), the instruction torch.rsqrt runs on CUDA, so
    xn = BF16((latent · inv) · gamma) is bit-equal to the reference on the same device.
 3. Up projection on the tensor cores: mma.sync m16n8k16 BF16 → FP32, weights as A (16
-   rows), xn as B (8 tokens). K is permuted inside each 32-column step so that A and B
-   fragments are single conflict-free 16-byte shared loads (lane (g, t) holds columns
-   8t..8t+7 of rows g and g + 8; k16 MMA j uses columns 8t + 4j ..+3); the order of the
-   FP32 accumulation is the MMA's, which DESIGN §3.4 leaves free.
+   rows), xn as B (8 tokens), fragments by ldmatrix.x4 from 128-byte rows in the 128-byte
+   swizzle (xn stored the same way), conflict-free; the order of the FP32 accumulation is
+   the MMA's, which DESIGN §3.4 leaves free. Each MMA warp arrives on a slot's empty
+   barrier once it holds its fragments.
 4. The CTA releases its dependents once its weights are consumed (the next launch may
    prefetch during this epilogue; every dependent waits before reading what follows).
 5. K-split reduction: each warp stores its FP32 partial sums into the owning CTA's shared
@@ -58,6 +58,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .. import backend
@@ -75,8 +76,10 @@ CLUSTER = 4  # CTAs per cluster, each owning 1/CLUSTER of K
 ONE_WAVE_CLUSTERS = 30
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
 MIN_DEPTH = 3  # ring slots in flight per warp
-TILE_ROWS, STEP = 16, 32  # MMA rows per tile; K columns per fragment load (two k16 MMAs)
-CHUNKS = (64, 32)  # K columns per ring slot, by preference: 128-byte row runs stream better than 64
+TILE_ROWS = 16  # MMA rows per tile
+CHUNK = 64  # K columns per ring slot: one 128-byte row, the width of TMA's 128-byte swizzle
+MAX_DEPTH = 16  # ring slots (shared memory keeps room for the mbarriers of as many)
+PACE = 2  # ring slots in flight per CTA before step 2's loads are back (measured: 2, 3, 4 alike)
 TILES_PER_WARP = 2
 MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
@@ -95,29 +98,30 @@ class Plan:
         self.total_tiles = shard // TILE_ROWS
         tokens = 8 * groups
         self.cluster, self.cols = CLUSTER, latent // CLUSTER  # CTAs per cluster, K columns per CTA
-        self.xn_words = tokens * self.cols // 2
+        self.xn_words = -(-tokens * self.cols // 512) * 256  # whole KB: the ring after it stays 1024-byte aligned
         self.ss_parts = MAX_WARPS if fused else 1  # warps sharing one token's K slice
         self.ss_words = 2 * CLUSTER * self.ss_parts * tokens  # FP64 sums [k slice][part][token]
-        for chunk in (c for c in CHUNKS if self.cols % c == 0):
-            self.partition(chunk)
-            if not self.split:
-                continue
-            slot_words = self.warps * TILES_PER_WARP * TILE_ROWS * chunk // 2
+        if self.cols % CHUNK == 0:
+            self.partition()
+        if self.cols % CHUNK == 0 and self.split:
+            slot_words = self.warps * TILES_PER_WARP * TILE_ROWS * CHUNK // 2
             recv_words = CLUSTER * self.split * tokens * self.owned
-            room = SMEM_BYTES // 4 - self.xn_words - self.ss_words - 64
-            self.depth = min(self.warp_chunks, room // slot_words)
+            barrier_words = 2 * (2 * MAX_DEPTH + 2)  # full and empty per slot, the front's two
+            room = SMEM_BYTES // 4 - self.xn_words - self.ss_words - barrier_words - 256 - 64  # 1024-byte alignment
+            self.depth = min(self.warp_chunks, MAX_DEPTH, room // slot_words)
+            self.slot_bytes = 4 * slot_words
             self.ring_words = max(self.depth * slot_words, recv_words - self.xn_words)  # recv reuses xn + ring
             if self.depth >= min(MIN_DEPTH, self.warp_chunks) and self.ring_words <= room:
                 return
         raise ValueError(f"the tail does not fit shared memory at TP{tp}, {tokens} tokens")
 
-    def partition(self, chunk: int) -> None:
-        self.chunk, self.steps = chunk, chunk // STEP  # K columns per ring slot, MMA k32 steps in it
-        self.chunks = self.cols // chunk
+    def partition(self) -> None:
+        self.chunks = self.cols // CHUNK
         multiple = max(TILES_PER_WARP, CLUSTER // 2)  # whole warps, 8-row owner packets
         per_cluster = -(-self.total_tiles // ONE_WAVE_CLUSTERS)
         self.tiles = -(-per_cluster // multiple) * multiple
         self.clusters = -(-self.total_tiles // self.tiles)
+        self.rows = TILE_ROWS * self.tiles  # of a cluster: every CTA's TMA box is rows × CHUNK
         row_groups = self.tiles // TILES_PER_WARP
         self.split = max(
             (s for s in range(1, self.chunks + 1) if self.chunks % s == 0 and row_groups * s <= MAX_WARPS), default=0
@@ -129,32 +133,35 @@ class Plan:
         self.tokens_per_pass = max(1, 4 // self.tp)  # latent loads in flight per lane: 16 × this
         self.packets = self.cols // 8  # 8-column packets of the CTA's K slice
         self.rounds = -(-self.packets // 32)  # of them per lane
-        self.row_lanes = chunk // 8  # lanes copying one row's 16-byte pieces of a slot
-        self.copies = TILES_PER_WARP * TILE_ROWS * self.row_lanes // 32  # cp.async per lane per slot
 
-    # The shared-memory layouts, in 16-byte pieces (kernel and CPU layout test alike).
+    # The shared-memory layouts, in 16-byte pieces (kernel and CPU layout test alike): rows
+    # of 128 bytes in TMA's 128-byte swizzle (piece p of row r at p XOR r % 8), so that the
+    # eight rows of every ldmatrix 8x8 matrix fall in distinct banks.
 
-    def copied(self, m, lane):
-        """Copy ``m`` of a slot by ``lane``: the piece's (tile p, half h, row g of the
-        half, k32 step, lane column t) and its 16-byte index along the row. Lanes run
-        along rows: ``row_lanes`` lanes per row."""
-        row = m * (32 // self.row_lanes) + lane // self.row_lanes  # of the warp's 32
-        piece = lane % self.row_lanes
-        return row // TILE_ROWS, row % TILE_ROWS // 8, row % 8, piece // 4, piece % 4, piece
+    def ring_piece(self, slot, sub, row, piece):
+        """Piece ``piece`` (columns 8·piece..+7 of the slot's chunk) of CTA row ``row`` for
+        the warps of K part ``sub``: [slot][sub][row], as TMA stores the box."""
+        return ((slot * self.split + sub) * self.rows + row) * 8 + (piece ^ (row % 8))
 
-    def ring_piece(self, warp, slot, step, p, h, lane):
-        """Where MMA lane (g, t) = ``lane`` finds columns 8t..8t+7 of row 8h + g of tile p
-        for k32 ``step`` of ring ``slot``: [warp][slot][step][tile][half][lane]."""
-        return ((((warp * self.depth + slot) * self.steps + step) * TILES_PER_WARP + p) * 2 + h) * 32 + lane
+    def xn_piece(self, chunk, token, piece):
+        """Piece ``piece`` of K chunk ``chunk`` (of the CTA's slice) of ``token``: [chunk][token]."""
+        return (chunk * 8 * self.groups + token) * 8 + (piece ^ (token % 8))
+
+    def a_piece(self, slot, sub, row_group, p, k16, lane):
+        """``lane``'s ldmatrix.x4 row for the A fragment of tile ``p`` (of the warp's row
+        group), k16 step ``k16`` of the slot: row l % 16, columns 8 · (l // 16).. of the step
+        (matrices: rows 0-7 | 8-15 × columns 0-7 | 8-15, registers a0..a3)."""
+        return self.ring_piece(slot, sub, (row_group * TILES_PER_WARP + p) * TILE_ROWS + lane % 16, 2 * k16 + lane // 16)
+
+    def b_piece(self, chunk, group, pair, lane):
+        """``lane``'s ldmatrix.x4 row for the B fragments of token group ``group``, k16 steps
+        2·pair and 2·pair + 1 of ``chunk``: token l % 8, piece 4·pair + l // 8 (registers b0,
+        b1 of the first step, then of the second)."""
+        return self.xn_piece(chunk, 8 * group + lane % 8, 4 * pair + lane // 8)
 
     def ss_slot(self, k_slice, part, token):
         """The FP64 word of part ``part`` of ``token``'s Σ latent² over K slice ``k_slice``."""
         return (k_slice * self.ss_parts + part) * 8 * self.groups + token
-
-    def xn_piece(self, k32, group, lane):
-        """Where MMA lane (g, t) = ``lane`` finds columns 8t..8t+7 of k32 step ``k32`` of
-        token 8·group + g: [k32][group][lane]."""
-        return (k32 * self.groups + group) * 32 + lane
 
 
 class Stamps:
@@ -162,7 +169,7 @@ class Stamps:
     unless ``on``): thread 0 of each CTA stores (%globaltimer, %clock64) of phase k at
     int64 pair [cta][k] of the buffer that comes in as the error word."""
 
-    PHASES = ("start", "waited", "latent", "normed", "first slot", "refilled slot", "last slot", "projected",
+    PHASES = ("start", "waited", "latent", "clustered", "normed", "first slot", "refilled slot", "last slot", "projected",
               "ring free", "scattered", "end")
 
     def __init__(self, on: bool, buffer: cute.Tensor, cta, tid):
@@ -247,16 +254,26 @@ class MoeTail:
         and ``shared`` are the boxes [3, TP, CAP, L or N], ``peers`` the output boxes' base
         addresses, ``error`` the poll error word."""
         plan = self.plan
-        self.kernel(latent, weights, shared, gamma, w_up, out, peers, error, eps, batch, parity, rank,
-                    rearm_parity, rearm_batch).launch(
-            grid=[plan.clusters * plan.cluster, 1, 1], block=[plan.threads, 1, 1], cluster=[plan.cluster, 1, 1],
+        # w_up's TMA descriptor (a kernel parameter): boxes of a cluster's rows × CHUNK columns
+        weight_copy, weight_boxes = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), w_up, self.ring_layout(1), (plan.rows, CHUNK)
+        )
+        self.kernel(latent, weights, shared, gamma, weight_copy, weight_boxes, out, peers, error, eps, batch, parity,
+                    rank, rearm_parity, rearm_batch).launch(
+            grid=[plan.clusters * plan.cluster, 1, 1], block=[plan.threads + 32, 1, 1], cluster=[plan.cluster, 1, 1],
             stream=stream, use_pdl=True,
         )
 
+    def ring_layout(self, stages):
+        """``stages`` ring boxes of rows × CHUNK BF16 in the 128-byte swizzle (Plan.ring_piece)."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        return cute.tile_to_shape(atom, (self.plan.rows, CHUNK, stages), (0, 1, 2))
+
     @cute.kernel
     def kernel(self, latent: cute.Tensor, weights: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor,
-               w_up: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32,
-               batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32):
+               weight_copy: cute.CopyAtom, weight_boxes: cute.Tensor, out: cute.Tensor, peers: cute.Tensor,
+               error: cute.Tensor, eps: Float32, batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32,
+               rearm_batch: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -266,69 +283,126 @@ class MoeTail:
         stamp.at("start")
         smem = SmemAllocator()
         ss = smem.allocate_tensor(Float64, cute.make_layout(plan.ss_words // 2), 16).iterator
+        # mbarriers: full and empty per slot; the front's two (its predecessor done, its loads back)
+        full = smem.allocate_tensor(Int64, cute.make_layout(2 * plan.depth + 2), 16).iterator
+        empty = full + plan.depth
+        waited, fronted = full + 2 * plan.depth, full + 2 * plan.depth + 1
         # [xn | ring]; after the projection the cluster's partial sums land over both.
-        xn = smem.allocate_tensor(Uint32, cute.make_layout(plan.xn_words + plan.ring_words), 16).iterator
-        ring = xn + plan.xn_words
+        xn = smem.allocate_tensor(Uint32, cute.make_layout(plan.xn_words), 1024).iterator
+        stages = self.ring_layout(plan.depth * plan.split)
+        boxes = smem.allocate_tensor(BFloat16, stages.outer, 1024, swizzle=stages.inner)
+        if cutlass.const_expr(plan.ring_words > plan.depth * plan.slot_bytes // 4):
+            smem.allocate_tensor(Uint32, cute.make_layout(plan.ring_words - plan.depth * plan.slot_bytes // 4), 4)
+        ring = xn + plan.xn_words  # the boxes as 32-bit words (the allocator packs them right after xn)
 
+        if tid == 0:
+            for slot in cutlass.range_constexpr(plan.depth):
+                cute.arch.mbarrier_init(full + slot, 1)  # the producer's expect_tx
+                cute.arch.mbarrier_init(empty + slot, plan.warps)  # every MMA warp has read the slot
+            cute.arch.mbarrier_init(waited, 1)
+            cute.arch.mbarrier_init(fronted, plan.warps)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()  # the barriers are initialized
         cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
 
-        row_group, sub = warp // plan.split, warp % plan.split
-        tile = cluster * plan.tiles + row_group * TILES_PER_WARP
-        first_chunk = sub * plan.warp_chunks
-        evict_first = l2_evict_first()
-        for i in cutlass.range_constexpr(plan.depth):
-            column = k_slice * plan.cols + (first_chunk + i) * plan.chunk
-            self.fetch(w_up, ring, tile, column, warp, i, lane, evict_first)
-            cute.arch.cp_async_commit_group()
-
-        scale = self.load_gamma(gamma, k_slice, lane)
-        if cutlass.const_expr(self.publish):
-            self.rearm_previous(latent, shared, rearm_parity, rearm_batch, cta, tid)
+        if warp == plan.warps:
+            # The producer warp: weights from launch on, never waiting for our predecessor.
+            # Cluster barriers 1-3 (latent ready, ring free, sums landed) need nothing from
+            # it: it arrives at barrier 1 before producing, so the MMA warps never wait on it.
+            cute.arch.cluster_wait()
+            cute.arch.cluster_arrive()
+            box_in, box_out = self.partition_boxes(weight_copy, weight_boxes, boxes)
+            self.produce(weight_copy, box_in, box_out, full, empty, waited, fronted, cluster, k_slice, lane)
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.cluster_wait()
+            for _ in cutlass.range_constexpr(2):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
         else:
-            cute.arch.griddepcontrol_wait()
-        stamp.at("waited")
-        cute.arch.cluster_wait()  # the peers have started: DSMEM stores are safe
-        if cutlass.const_expr(self.fused):
-            self.finalize_front(latent, weights, xn, ss, batch, k_slice, warp, lane)
-        else:
-            self.load_latent(latent, xn, ss, error, batch, parity, k_slice, warp, lane)
-        stamp.at("latent")
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        self.normalize(xn, ss, scale, eps, batch, warp, lane)
-        stamp.at("normed")
-        cute.arch.sync_threads()
+            row_group, sub = warp // plan.split, warp % plan.split
+            tile = cluster * plan.tiles + row_group * TILES_PER_WARP
+            scale = self.load_gamma(gamma, k_slice, lane)
+            if cutlass.const_expr(self.publish):
+                self.rearm_previous(latent, shared, rearm_parity, rearm_batch, cta, tid)
+            else:
+                cute.arch.griddepcontrol_wait()
+                if tid == 0:
+                    cute.arch.mbarrier_arrive(waited)
+            stamp.at("waited")
+            cute.arch.cluster_wait()  # the peers have started: DSMEM stores are safe
+            if cutlass.const_expr(self.fused):
+                self.finalize_front(latent, weights, xn, ss, batch, k_slice, warp, lane)
+            else:
+                self.load_latent(latent, xn, ss, error, batch, parity, k_slice, warp, lane)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(fronted)  # the warp's loads are back
+            stamp.at("latent")
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            stamp.at("clustered")
+            self.normalize(xn, ss, scale, eps, batch, warp, lane)
+            stamp.at("normed")
+            cute.arch.barrier(barrier_id=1, number_of_threads=plan.threads)  # xn complete (MMA warps only)
 
-        acc = self.project(w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, evict_first, stamp)
-        stamp.at("projected")
-        # Our weights are read: the next launch may start its prefetch during our epilogue
-        # (every dependent waits for our completion before it reads what we write).
-        cute.arch.griddepcontrol_launch_dependents()
+            acc = self.project(xn, ring, full, empty, row_group, sub, lane, stamp)
+            stamp.at("projected")
+            # Our weights are read: the next launch may start its prefetch during our epilogue
+            # (every dependent waits for our completion before it reads what we write).
+            cute.arch.griddepcontrol_launch_dependents()
 
-        cute.arch.cluster_arrive()  # every CTA is done with its ring: it becomes the receive buffer
-        cute.arch.cluster_wait()
-        stamp.at("ring free")
-        self.scatter(acc, xn, batch, tile, k_slice * plan.split + sub, lane)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        stamp.at("scattered")
-        self.finish(xn, shared, out, peers, error, batch, parity, rank, cluster, k_slice, tid)
-        stamp.at("end")
+            cute.arch.cluster_arrive()  # every CTA is done with its ring: it becomes the receive buffer
+            cute.arch.cluster_wait()
+            stamp.at("ring free")
+            self.scatter(acc, xn, batch, tile, k_slice * plan.split + sub, lane)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            stamp.at("scattered")
+            self.finish(xn, shared, out, peers, error, batch, parity, rank, cluster, k_slice, tid)
+            stamp.at("end")
 
     @cute.jit
-    def fetch(self, w_up, ring, tile, column, warp, i, lane, policy):
-        """cp.async chunk ``i`` of this warp's rows (columns ``column`` ..+chunk) into ring
-        slot i % depth. The copy runs along rows (``row_lanes`` lanes per row: whole
-        128-256 byte runs); each piece lands where its MMA lane reads it: [step][tile]
-        [half][lane (g, t)], lane (g, t) holding columns 8t..8t+7 of rows g and g + 8."""
+    def partition_boxes(self, weight_copy, weight_boxes, boxes):
+        """(ring stages, w_up boxes [cluster row block, column chunk]) for the TMA copies."""
         plan = self.plan
-        slot = i % plan.depth
-        for m in cutlass.range_constexpr(plan.copies):
-            p, h, g, step, t, piece = self.plan.copied(m, lane)
-            target = ring + self.plan.ring_piece(warp, slot, step, p, h, g * 4 + t) * 4
-            source = w_up.iterator + ((tile + p) * TILE_ROWS + 8 * h + g) * w_up.stride[0] + column + piece * 8
-            if tile + p < plan.total_tiles:
-                copy_async(target, source, policy)
+        return cpasync.tma_partition(
+            weight_copy, 0, cute.make_layout(1), cute.group_modes(boxes, 0, 2),
+            cute.group_modes(cute.local_tile(weight_boxes, (plan.rows, CHUNK), (None, None)), 0, 2),
+        )
+
+    @cute.jit
+    def produce(self, weight_copy, box_in, box_out, full, empty, waited, fronted, cluster, k_slice, lane):
+        """Every chunk through the ring, evict-first. After the first fill a slot is refilled
+        as soon as every MMA warp has read it; the first fill is paced (``pace``)."""
+        plan = self.plan
+        evict_first = l2_evict_first()
+        for i in cutlass.range(plan.warp_chunks, unroll=1):
+            slot = i % plan.depth
+            if i >= plan.depth:
+                cute.arch.mbarrier_wait(empty + slot, (i // plan.depth + 1) % 2)
+            elif i >= PACE:
+                self.pace(full + i - PACE, waited, fronted)
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(full + slot, plan.slot_bytes)
+            cute.arch.sync_warp()
+            for sub in cutlass.range_constexpr(plan.split):  # the copy elects its lane
+                chunk = k_slice * plan.chunks + sub * plan.warp_chunks + i
+                cute.copy(weight_copy, box_out[(None, cluster, chunk)], box_in[(None, slot * plan.split + sub)],
+                          tma_bar_ptr=full + slot, cache_policy=evict_first)
+
+    @cute.jit
+    def pace(self, landed, waited, fronted):
+        """Before a first-fill slot past the first PACE: a whole ring queued at once (21 MB)
+        holds every other load 2-5 µs behind it (measured), and the front's (latent's) loads
+        are the critical path. So PACE slots stay in flight (``landed``: the slot PACE back)
+        while our predecessor runs, and once it is done (``waited``) the rest waits for the
+        front's loads (``fronted``), which then queue behind at most PACE slots. Publish
+        mode keeps PACE in flight: its polls wait for the peers, not for the stream."""
+        if cutlass.const_expr(self.publish):
+            cute.arch.mbarrier_wait(landed, 0)
+        elif not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
+            cute.arch.mbarrier_wait(landed, 0)
+            if cute.arch.mbarrier_test_wait(waited, 0):
+                cute.arch.mbarrier_wait(fronted, 0)
 
     @cute.jit
     def load_latent(self, latent, xn, ss, error, batch, parity, k_slice, warp, lane):
@@ -426,10 +500,11 @@ class MoeTail:
         packets, rounds = plan.packets, plan.rounds
         parts = self.parts(batch)
         for token in cutlass.range(warp, batch, plan.warps, unroll=1):
-            total = Float64(0.0)
-            for c in cutlass.range_constexpr(plan.cluster):
-                for part in cutlass.range(parts, unroll=1):
-                    total += ss[self.plan.ss_slot(c, part, token)]
+            total = Float64(0.0)  # lane l: (K slice, part) l of the ≤ 32; any order is exact
+            if lane < plan.cluster * parts:
+                total = ss[self.plan.ss_slot(lane // parts, lane % parts, token)]
+            for shift in cutlass.range_constexpr(5):
+                total += cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
             inv = rsqrt_like_torch(divide(Float32(total), Float32(plan.latent)) + eps)
             for q in cutlass.range_constexpr(rounds):
                 packet = lane + 32 * q
@@ -440,13 +515,15 @@ class MoeTail:
                     store_shared(address, [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)])
 
     def xn_packet(self, token, packet):
-        """The piece of xn holding 8-column ``packet`` of ``token`` (its MMA B fragment)."""
-        return self.plan.xn_piece(packet // 4, token // 8, token % 8 * 4 + packet % 4)
+        """The piece of xn holding 8-column ``packet`` of ``token``."""
+        return self.plan.xn_piece(packet // 8, token, packet % 8)
 
     @cute.jit
-    def project(self, w_up, xn, ring, tile, k_slice, first_chunk, warp, lane, policy, stamp):
+    def project(self, xn, ring, full, empty, row_group, sub, lane, stamp):
         """The warp's two tiles × all token groups over its chunks, FP32 accumulators in
-        the m16n8 C layout: acc[p, n, 2h + e] = (row 8h + g of tile p, token 8n + 2t + e)."""
+        the m16n8 C layout: acc[p, n, 2h + e] = (row 8h + g of tile p, token 8n + 2t + e).
+        Fragments by ldmatrix.x4 from the swizzled rows (Plan.a_piece, Plan.b_piece); each
+        warp tells the producer when it has read a slot."""
         plan = self.plan
         acc = cute.make_rmem_tensor((TILES_PER_WARP, plan.groups, 4), Float32)
         for p in cutlass.range_constexpr(TILES_PER_WARP):
@@ -454,29 +531,24 @@ class MoeTail:
                 for e in cutlass.range_constexpr(4):
                     acc[p, n, e] = Float32(0.0)
         for i in cutlass.range(plan.warp_chunks, unroll=1):
-            cute.arch.cp_async_wait_group(plan.depth - 1)
-            cute.arch.sync_warp()  # the slot was copied by the whole warp
-            stamp.slot(i, plan.depth, plan.warp_chunks)
             slot = i % plan.depth
-            for step in cutlass.range_constexpr(plan.steps):
-                a = [[load_shared(ring + self.plan.ring_piece(warp, slot, step, p, h, lane) * 4) for h in range(2)]
-                     for p in range(TILES_PER_WARP)]
-                k32 = (first_chunk + i) * plan.steps + step
-                b = [load_shared(xn + self.plan.xn_piece(k32, n, lane) * 4) for n in range(plan.groups)]
-                for j in cutlass.range_constexpr(2):  # k16 outer: consecutive MMAs are independent
+            cute.arch.mbarrier_wait(full + slot, (i // plan.depth) % 2)
+            stamp.slot(i, plan.depth, plan.warp_chunks)
+            chunk = sub * plan.warp_chunks + i
+            for pair in cutlass.range_constexpr(CHUNK // 32):
+                b = [load_matrices(xn + self.plan.b_piece(chunk, n, pair, lane) * 4) for n in range(plan.groups)]
+                for u in cutlass.range_constexpr(2):
+                    a = [load_matrices(ring + self.plan.a_piece(slot, sub, row_group, p, 2 * pair + u, lane) * 4)
+                         for p in range(TILES_PER_WARP)]
                     for n in cutlass.range_constexpr(plan.groups):
                         for p in cutlass.range_constexpr(TILES_PER_WARP):
-                            d = mma_bf16(
-                                (a[p][0][2 * j], a[p][1][2 * j], a[p][0][2 * j + 1], a[p][1][2 * j + 1]),
-                                (b[n][2 * j], b[n][2 * j + 1]), (acc[p, n, 0], acc[p, n, 1], acc[p, n, 2], acc[p, n, 3]),
-                            )
+                            d = mma_bf16(a[p], (b[n][2 * u], b[n][2 * u + 1]),
+                                         (acc[p, n, 0], acc[p, n, 1], acc[p, n, 2], acc[p, n, 3]))
                             for e in cutlass.range_constexpr(4):
                                 acc[p, n, e] = d[e]
-            cute.arch.sync_warp()  # every lane has its fragments before the slot is refilled
-            if i + plan.depth < plan.warp_chunks:
-                self.fetch(w_up, ring, tile, k_slice * plan.cols + (first_chunk + i + plan.depth) * plan.chunk,
-                           warp, i + plan.depth, lane, policy)
-            cute.arch.cp_async_commit_group()
+            cute.arch.sync_warp()  # every lane has its fragments
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty + slot)
         return acc
 
     @cute.jit
@@ -625,11 +697,13 @@ def l2_evict_first() -> Int64:
 
 
 @cute.jit
-def copy_async(shared_address, global_address, policy: Int64):
-    """16 bytes global → shared, cp.async.cg (L2 only: the weights are read once) under
-    the L2 ``policy``."""
-    cute.arch.inline_ptx("cp.async.cg.shared.global.L2::cache_hint [{$r0}], [{$r1}], 16, {$r2};",
-                         read_only_args=[shared_address, global_address, policy])
+def load_matrices(address):
+    """ldmatrix.x4: lane l gives the address of row l % 8 of 8x8 matrix l // 8 (16 bytes);
+    lane (g, t) receives the BF16 pair (row g, columns 2t, 2t + 1) of each matrix."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[address],
+    )
 
 
 @cute.jit
@@ -727,8 +801,8 @@ def aligned(*tensors) -> bool:
 
 
 def unsupported_shape(tp: int, shard: int, latent: int, batch: int, fused: bool = False) -> str | None:
-    if latent % (CLUSTER * STEP) or shard % (TILE_ROWS * 2) or tp > 16:
-        return (f"the tail kernel needs L % {CLUSTER * STEP} == 0, N % {TILE_ROWS * 2} == 0 and "
+    if latent % (CLUSTER * CHUNK) or shard % (TILE_ROWS * 2) or tp > 16:
+        return (f"the tail kernel needs L % {CLUSTER * CHUNK} == 0, N % {TILE_ROWS * 2} == 0 and "
                 f"TP <= 16 (L={latent}, N={shard}, TP={tp})")
     try:
         plan_for(tp, shard, latent, groups_of(batch), fused)
@@ -748,8 +822,11 @@ class TailKernel:
         self.stamps = stamps
 
     def prepare(self, latent: int, hidden: int, batches) -> None:
+        """Compile what the op will run for ``batches`` (shapes the kernel does not take run
+        the reference: nothing to compile)."""
         compile_front(latent, 1, False)
-        for groups, fused in sorted({(groups_of(b), b <= FUSED_BATCH) for b in batches}):
+        for groups, fused in sorted({(groups_of(b), b <= FUSED_BATCH) for b in batches
+                                     if not unsupported_shape(1, hidden, latent, b, b <= FUSED_BATCH)}):
             compile_tail(1, hidden, latent, groups, False, fused)
 
     def unsupported(self, expanded, weights, shared, gamma, w_up, eps):
@@ -825,7 +902,7 @@ class TailPollKernel:
     check = staticmethod(mailbox_ops.check_moe_tail_poll)
 
     def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=()) -> None:
-        for groups in sorted({groups_of(b) for b in batches}):
+        for groups in sorted({groups_of(b) for b in batches if not unsupported_shape(tp, shard, latent, b)}):
             compile_tail(tp, shard, latent, groups, True)
         register_addresses(peer_lists)
 
