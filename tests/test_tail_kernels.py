@@ -30,8 +30,17 @@ def test_tail_compiles(tp, batch, publish):
 
 
 @pytest.mark.parametrize("stamps", [False, True])  # stamps: benchmarks/profile_tail.py's variant
-def test_fused_tail_compiles(stamps):
-    assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True, stamps) is not None
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_fused_tail_compiles(stamps, in_flight):
+    assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True, stamps, in_flight) is not None
+
+
+def test_fused_front_keeps_no_more_rounds_in_flight_than_the_slice_needs():
+    """At L = 3584 a CTA's slice is 112 packets: 8 warps cover a token's in one round up to
+    B = 2 (8 // B warps of 32 lanes each), B = 3 and 4 need two rounds, B >= 5 four."""
+    plan = tail.plan_for(1, HIDDEN, LATENT, 1, True)
+    assert [tail.front_in_flight(plan, b) for b in range(1, 9)] == [1, 1, 2, 2, 2, 2, 2, 2]
+    assert {tail.TailKernel().variant(LATENT, HIDDEN, b)[-1] for b in (16, 64)} == {tail.FRONT_IN_FLIGHT}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
@@ -52,7 +61,8 @@ def test_prepare_skips_shapes_the_kernel_does_not_take(monkeypatch):
     assert compiled == []
     tail.TailKernel().prepare(256, 256, [1, 16])
     tail.TailPollKernel().prepare(2, 128, 256, [16])
-    assert compiled == [(1, 256, 256, 1, False, True), (1, 256, 256, 2, False, False), (2, 128, 256, 2, True)]
+    assert compiled == [(1, 256, 256, 1, False, True, False, 1), (1, 256, 256, 2, False, False, False, 2),
+                        (2, 128, 256, 2, True)]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])

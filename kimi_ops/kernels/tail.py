@@ -242,8 +242,9 @@ class TailFront:
 class MoeTail:
     """latent → RMSNorm → up projection + shared, one rank's N rows (see the module doc)."""
 
-    def __init__(self, plan: Plan, publish: bool, stamps: bool = False):
+    def __init__(self, plan: Plan, publish: bool, stamps: bool = False, in_flight: int = FRONT_IN_FLIGHT):
         self.plan, self.publish, self.fused, self.stamps = plan, publish, plan.fused, stamps
+        self.in_flight = in_flight  # the fused front's packets in flight per lane (front_in_flight)
 
     @cute.jit
     def __call__(self, latent: cute.Tensor, weights: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor,
@@ -461,8 +462,8 @@ class MoeTail:
         stride = parts * 32
         for token in cutlass.range(warp // parts, batch, plan.warps // parts, unroll=1):
             squares = Float64(0.0)
-            for base in cutlass.range(part * 32, plan.packets, stride * FRONT_IN_FLIGHT, unroll=1):
-                for u in cutlass.range_constexpr(FRONT_IN_FLIGHT):
+            for base in cutlass.range(part * 32, plan.packets, stride * self.in_flight, unroll=1):
+                for u in cutlass.range_constexpr(self.in_flight):
                     packet = base + u * stride + lane
                     column = k_slice * plan.cols + clamp(packet, plan.packets - 1) * 8
                     rounded = [Float32(BFloat16(a)) for a in weighted_rows(expanded, weights, token, column)]
@@ -762,9 +763,18 @@ def plan_for(tp: int, shard: int, latent: int, groups: int, fused: bool = False)
     return Plan(tp, shard, latent, groups, fused)
 
 
+def front_in_flight(plan: Plan, batch: int) -> int:
+    """Packets per lane the fused front keeps in flight for ``batch``: FRONT_IN_FLIGHT, but
+    no more rounds than a token's warps need to cover the K slice (1 at B <= 2, L = 3584).
+    A round past the slice only reloads the clamped last packet, and its registers cost
+    spills: 9 warps per CTA cap a thread at 168 (measured at B = 1: 15.6 µs against 16.1)."""
+    parts = plan.warps // batch if batch < plan.warps else 1
+    return min(FRONT_IN_FLIGHT, -(-plan.packets // (32 * parts)))
+
+
 @compiled
 def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, fused: bool = False,
-                 stamps: bool = False):
+                 stamps: bool = False, in_flight: int = FRONT_IN_FLIGHT):
     plan = plan_for(tp, shard, latent, groups, fused)
     batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if publish:
@@ -773,7 +783,7 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, f
         rows = (batch, TOP_K, latent) if fused else (batch, latent)
         latent_in, shared_in = fake(BFloat16, rows), fake(BFloat16, (batch, shard))
     return cute.compile(
-        MoeTail(plan, publish, stamps), latent_in, fake(BFloat16, (cute.sym_int(), cute.sym_int()), align=2), shared_in,
+        MoeTail(plan, publish, stamps, in_flight), latent_in, fake(BFloat16, (cute.sym_int(), cute.sym_int()), align=2), shared_in,
         fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
         fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4),
         Float32(1e-6), Int32(1), Int32(0), Int32(0), Int32(1), Int32(1), fake_stream(),
@@ -825,9 +835,15 @@ class TailKernel:
         """Compile what the op will run for ``batches`` (shapes the kernel does not take run
         the reference: nothing to compile)."""
         compile_front(latent, 1, False)
-        for groups, fused in sorted({(groups_of(b), b <= FUSED_BATCH) for b in batches
-                                     if not unsupported_shape(1, hidden, latent, b, b <= FUSED_BATCH)}):
-            compile_tail(1, hidden, latent, groups, False, fused)
+        for key in sorted({self.variant(latent, hidden, b) for b in batches
+                           if not unsupported_shape(1, hidden, latent, b, b <= FUSED_BATCH)}):
+            compile_tail(*key)
+
+    def variant(self, latent: int, hidden: int, batch: int) -> tuple:
+        """compile_tail's key for ``batch``: the front fused in up to FUSED_BATCH."""
+        fused, groups = batch <= FUSED_BATCH, groups_of(batch)
+        in_flight = front_in_flight(plan_for(1, hidden, latent, groups, True), batch) if fused else FRONT_IN_FLIGHT
+        return 1, hidden, latent, groups, False, fused, self.stamps is not None, in_flight
 
     def unsupported(self, expanded, weights, shared, gamma, w_up, eps):
         if not aligned(expanded, shared, gamma, w_up):
@@ -848,7 +864,7 @@ class TailKernel:
             else:
                 rows = expanded.new_empty((batch, latent))
                 compile_front(latent, 1, False)(expanded, weights, rows, no_peers, 0)
-            compile_tail(1, hidden, latent, groups_of(batch), False, fused, self.stamps is not None)(
+            compile_tail(*self.variant(latent, hidden, batch))(
                 rows, weights, shared, gamma, w_up, out, no_peers, no_error, eps, batch, 0, 0, 0, 1
             )
         return out
