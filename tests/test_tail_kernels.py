@@ -127,7 +127,8 @@ def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
             b = ldmatrix_x4(xn_pieces, [plan.b_piece(chunk, n, pair, lane) for lane in range(32)])
             for u in range(2):
                 for p in range(tail.TILES_PER_WARP):
-                    a = ldmatrix_x4(ring, [plan.a_piece(slot, sub, row_group, p, 2 * pair + u, lane) for lane in range(32)])
+                    a_rows = [plan.a_piece(slot, sub, row_group, p, 2 * pair + u, lane) for lane in range(32)]
+                    a = ldmatrix_x4(ring, a_rows)
                     acc[p, n] += mma_m16n8k16(a, [(regs[2 * u], regs[2 * u + 1]) for regs in b])
     columns = slice(chunk * tail.CHUNK, (chunk + 1) * tail.CHUNK)
     for p in range(tail.TILES_PER_WARP):

@@ -151,7 +151,8 @@ class Plan:
         """``lane``'s ldmatrix.x4 row for the A fragment of tile ``p`` (of the warp's row
         group), k16 step ``k16`` of the slot: row l % 16, columns 8 · (l // 16).. of the step
         (matrices: rows 0-7 | 8-15 × columns 0-7 | 8-15, registers a0..a3)."""
-        return self.ring_piece(slot, sub, (row_group * TILES_PER_WARP + p) * TILE_ROWS + lane % 16, 2 * k16 + lane // 16)
+        row = (row_group * TILES_PER_WARP + p) * TILE_ROWS + lane % 16
+        return self.ring_piece(slot, sub, row, 2 * k16 + lane // 16)
 
     def b_piece(self, chunk, group, pair, lane):
         """``lane``'s ldmatrix.x4 row for the B fragments of token group ``group``, k16 steps
@@ -169,8 +170,8 @@ class Stamps:
     unless ``on``): thread 0 of each CTA stores (%globaltimer, %clock64) of phase k at
     int64 pair [cta][k] of the buffer that comes in as the error word."""
 
-    PHASES = ("start", "waited", "latent", "clustered", "normed", "first slot", "refilled slot", "last slot", "projected",
-              "ring free", "scattered", "end")
+    PHASES = ("start", "waited", "latent", "clustered", "normed", "first slot", "refilled slot", "last slot",
+              "projected", "ring free", "scattered", "end")
 
     def __init__(self, on: bool, buffer: cute.Tensor, cta, tid):
         self.on, self.buffer, self.cta, self.tid = on, buffer, cta, tid
@@ -599,7 +600,8 @@ class MoeTail:
                 result = [up[i] + extra[i] for i in range(8)]
                 words = [pack_bf16(result[i], result[i + 1]) for i in range(0, 8, 2)]
                 if cutlass.const_expr(self.publish):
-                    store_to_peers(peers, plan.tp, (Int64(token) * plan.shard * plan.tp + rank * plan.shard + row) * 2, words)
+                    offset = (Int64(token) * plan.shard * plan.tp + rank * plan.shard + row) * 2
+                    store_to_peers(peers, plan.tp, offset, words)
                 else:
                     store_words(out.iterator + token * out.stride[0] + row, words)
 
@@ -765,7 +767,8 @@ def plan_for(tp: int, shard: int, latent: int, groups: int, fused: bool = False)
 
 def front_in_flight(plan: Plan, batch: int) -> int:
     """Packets per lane the fused front keeps in flight for ``batch``: FRONT_IN_FLIGHT, but
-    no more rounds than a token's warps need to cover the K slice (1 at B <= 2, L = 3584).
+    no more rounds than a token's warps (MoeTail.parts, on the host) need to cover the K
+    slice (1 at B <= 2, L = 3584).
     A round past the slice only reloads the clamped last packet, and its registers cost
     spills: 9 warps per CTA cap a thread at 168 (measured at B = 1: 15.6 µs against 16.1)."""
     parts = plan.warps // batch if batch < plan.warps else 1
@@ -783,7 +786,8 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, f
         rows = (batch, TOP_K, latent) if fused else (batch, latent)
         latent_in, shared_in = fake(BFloat16, rows), fake(BFloat16, (batch, shard))
     return cute.compile(
-        MoeTail(plan, publish, stamps, in_flight), latent_in, fake(BFloat16, (cute.sym_int(), cute.sym_int()), align=2), shared_in,
+        MoeTail(plan, publish, stamps, in_flight), latent_in,
+        fake(BFloat16, (cute.sym_int(), cute.sym_int()), align=2), shared_in,
         fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
         fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4),
         Float32(1e-6), Int32(1), Int32(0), Int32(0), Int32(1), Int32(1), fake_stream(),
