@@ -29,40 +29,37 @@ def test_tail_compiles(tp, batch, publish):
     assert tail.compile_tail.build(tp, HIDDEN // tp, LATENT, tail.groups_of(batch), publish) is not None
 
 
-@pytest.mark.parametrize("stamps", [False, True])  # stamps: benchmarks/profile_tail.py's variant
-@pytest.mark.parametrize("in_flight", [1, 2])
-def test_fused_tail_compiles(stamps, in_flight):
-    assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True, stamps, in_flight) is not None
-
-
-def test_fused_front_keeps_no_more_rounds_in_flight_than_the_slice_needs():
-    """At L = 3584 a CTA's slice is 112 packets: 8 warps cover a token's in one round up to
-    B = 2 (8 // B warps of 32 lanes each), B = 3 and 4 need two rounds, B >= 5 four."""
-    plan = tail.plan_for(1, HIDDEN, LATENT, 1, True)
-    assert [tail.front_in_flight(plan, b) for b in range(1, 9)] == [1, 1, 2, 2, 2, 2, 2, 2]
-    assert {tail.TailKernel().variant(LATENT, HIDDEN, b)[-1] for b in (16, 64)} == {tail.FRONT_IN_FLIGHT}
+def test_stamping_tail_compiles():  # benchmarks/profile_tail.py's variant
+    assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True) is not None
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
-def test_front_and_push_compile(tp):
-    assert tail.compile_front.build(LATENT, tp, True) is not None
+def test_fronts_and_push_compile(tp):
+    assert tail.compile_front.build(LATENT, tp) is not None
     assert tail.compile_push.build(HIDDEN, tp) is not None
     if tp == 1:
-        assert tail.compile_front.build(LATENT, 1, False) is not None
+        assert tail.compile_norm_front.build(LATENT) is not None
+
+
+def test_stash_takes_what_the_registers_hold():
+    """Functional mode holds 32 registers per stashed chunk per lane beside 12 per token
+    group (ptxas -v: 148 registers at B <= 8, 150 at B = 64, no spills under the 168 cap of
+    nine warps); publish mode's polls leave no room."""
+    assert [tail.plan_for(1, HIDDEN, LATENT, g).stash for g in (1, 2, 4, 8)] == [4, 3, 3, 1]
+    assert tail.MoeTail(tail.plan_for(2, HIDDEN // 2, LATENT, 1), publish=True).stashed == 0
 
 
 def test_prepare_skips_shapes_the_kernel_does_not_take(monkeypatch):
     """L = 128 (KimiConfig.tiny) runs the reference: a decoder's prepare must not fail on it."""
     compiled = []
     monkeypatch.setattr(tail, "compile_tail", lambda *key: compiled.append(key))
-    monkeypatch.setattr(tail, "compile_front", lambda *key: None)
+    monkeypatch.setattr(tail, "compile_norm_front", lambda *key: None)
     tail.TailKernel().prepare(128, 256, [1, 16])
     tail.TailPollKernel().prepare(2, 128, 128, [1, 16])
     assert compiled == []
     tail.TailKernel().prepare(256, 256, [1, 16])
     tail.TailPollKernel().prepare(2, 128, 256, [16])
-    assert compiled == [(1, 256, 256, 1, False, True, False, 1), (1, 256, 256, 2, False, False, False, 2),
-                        (2, 128, 256, 2, True)]
+    assert compiled == [(1, 256, 256, 1, False, False), (1, 256, 256, 2, False, False), (2, 128, 256, 2, True)]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])

@@ -1,14 +1,21 @@
 """The MoE tail on Hopper (the seeds' ``moe/tail.py`` and ``moe/tail_runtime.py``), TP-general.
 
-Two PDL-chained kernels, the seeds' front and tail halves (one kernel for functional
-batches up to FUSED_BATCH, where ``MoeTail`` finalizes the front itself, step 2):
+Two PDL-chained kernels, the seeds' front and tail halves. Each front releases its
+dependent at entry and then waits for its own predecessor, so the tail's weight loads
+start at once.
 
-``TailFront`` (the publish half; grid B × L/2048 CTAs of 256 threads): thread t owns one
-16-byte packet (8 columns) of one token; partial = BF16(Σ_r row_r · w_r) as an FP32 FMA
-chain in rank order. It releases its dependent at entry and then waits for its own
-predecessor, so the tail's weight loads start at once. Functional mode writes the
-partial to a [B, L] tensor; publish mode stores it (−0 → +0, NaN canonical) as source
-``rank`` of every rank's latent box, one relaxed system-scope store per peer.
+``NormFront`` (functional, TP1; one CTA per token, a thread per 16-byte packet): latent =
+BF16(Σ_r row_r · w_r) as an FP32 FMA chain in rank order, ss = Σ BF16(latent²) in FP64 —
+exact for these BF16 squares, so every order gives the reference's float64 sum — over
+the CTA, inv = rsqrt.approx(ss / L + eps) (the instruction torch.rsqrt runs on CUDA) and
+xn = BF16((latent · inv) · gamma), bit-equal to the reference on the same device, into
+a [B, L] tensor. The tail's clusters then only copy their K slice: redoing the front,
+the sum and the normalization in every cluster (28 at TP1) cost 2.3 µs per call at
+B = 8 and 8 µs at B = 64 (measured, 18.8 → 16.5 and 33.0 → 25.1 µs).
+
+``TailFront`` (publish mode; grid B × L/2048 CTAs of 256 threads): the partial latent
+BF16(Σ_r row_r · w_r) of one packet per thread, stored (−0 → +0, NaN canonical) as
+source ``rank`` of every rank's latent box, one relaxed system-scope store per peer.
 
 ``MoeTail`` (clusters of CLUSTER = 4 CTAs, one CTA per SM, every cluster co-resident;
 CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
@@ -16,23 +23,17 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
 1. Weights first: a producer warp streams w_up through a ring of ``depth`` slots with TMA
    (per slot and K part one box of the cluster's rows × CHUNK columns, 128-byte swizzle,
    L2 evict-first), from launch on, never waiting for the predecessor (functional) or the
-   mailboxes (publish mode). Full and empty mbarriers per slot. The first fill is gated:
-   a whole ring queued at once holds every other load 2-5 µs behind it (measured), and
-   step 2's loads are the critical path. So PACE slots stay in flight while the
-   predecessor runs, and once it is done the rest of the ring waits for step 2's loads
-   (functional mode; publish mode keeps PACE in flight). Evict-first: 51 MB pass through
-   a 50 MB L2 per call and would evict the expert rows, latent and gamma.
-2. Latent: a warp per token reads its K slice (plain loads after the wait, or Lamport
-   polls of every TP source bounded by the global timer), sums the sources in rank order
-   in FP32 and rounds to BF16. Fused (functional, B ≤ FUSED_BATCH): the CTA computes
-   TailFront's FMA chain over the expert rows of its K slice instead, a token's packets
-   spread over 8 // B warps (the redundant L2 reads, 3.2 MB per token over the clusters,
-   cost less than the kernel boundary up to B = 8 once the weights evict first;
-   measured). ss = Σ BF16(latent²) is summed in FP64 — exact for these BF16 squares, so
-   every order gives the reference's float64 sum — and the slices' (and warps') sums
-   meet in every CTA through DSMEM.
-   inv = rsqrt.approx(ss / L + eps), the instruction torch.rsqrt runs on CUDA, so
-   xn = BF16((latent · inv) · gamma) is bit-equal to the reference on the same device.
+   mailboxes (publish mode). Full and empty mbarriers per slot. Functional mode: the MMA
+   warps take the first ``stash`` chunks into registers as they land and hand their
+   slots back, a deeper ring while the front runs. The stream is paced (``pace``): a
+   whole ring queued at once holds every other load 2-5 µs behind it (measured), and
+   the front's and step 2's loads are the critical path. Evict-first: 51 MB pass through
+   a 50 MB L2 per call and would evict the expert rows, xn and the shared rows.
+2. xn: functional mode copies the CTA's K slice of NormFront's rows (cp.async). Publish
+   mode polls the latent boxes (Lamport polls of every TP source bounded by the global
+   timer), a warp per token, sums the sources in rank order in FP32, rounds to BF16,
+   sums the slice's squares in FP64 (as NormFront) and the slices' sums meet in every
+   CTA through DSMEM; then it normalizes in place.
 3. Up projection on the tensor cores: mma.sync m16n8k16 BF16 → FP32, weights as A (16
    rows), xn as B (8 tokens), fragments by ldmatrix.x4 from 128-byte rows in the 128-byte
    swizzle (xn stored the same way), conflict-free; the order of the FP32 accumulation is
@@ -41,11 +42,12 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
 4. The CTA releases its dependents once its weights are consumed (the next launch may
    prefetch during this epilogue; every dependent waits before reading what follows).
 5. K-split reduction: each warp stores its FP32 partial sums into the owning CTA's shared
-   memory (DSMEM, over the xn and ring space once the cluster has passed a barrier); the
-   owner of rows [c·R/4, (c+1)·R/4) adds the parts in K order:
-   up = BF16(Σ), out = BF16(up + BF16(Σ shared sources)), shared from a tensor or polled
-   from the reduce-scatter box; written to ``out`` or, publish mode, to columns
-   [rank·N, …) of every rank's output box.
+   memory (DSMEM: beside the ring where it fits, else over xn and the ring once the
+   cluster has passed a barrier); the owner of rows [c·R/4, (c+1)·R/4) adds the parts in
+   K order: up = BF16(Σ), out = BF16(up + BF16(Σ shared sources)), shared from a tensor
+   (loaded after the wait, off the epilogue's path) or polled from the reduce-scatter
+   box; written to ``out`` or, publish mode, to columns [rank·N, …) of every rank's
+   output box.
 6. Publish mode also re-arms the previous MoE layer's parity (rows [0, rearm_batch) of
    the latent and reduce-scatter boxes) while the weights stream.
 
@@ -81,10 +83,9 @@ CHUNK = 64  # K columns per ring slot: one 128-byte row, the width of TMA's 128-
 MAX_DEPTH = 16  # ring slots (shared memory keeps room for the mbarriers of as many)
 PACE = 2  # ring slots in flight per CTA before step 2's loads are back (measured: 2, 3, 4 alike)
 TILES_PER_WARP = 2
+STASH_REGISTERS = 144  # per MMA lane for stashed A fragments, accumulators, B fragments (ptxas: no spills)
 MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
-FRONT_IN_FLIGHT = 2  # packets per lane whose TOP_K row loads the fused front keeps in flight
-FUSED_BATCH = 8  # functional batches up to this fuse the front into the tail (measured; see the module doc)
 LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
 
 
@@ -93,14 +94,13 @@ class Plan:
     one CTA per SM, all clusters co-resident, the rest of shared memory for the weight
     ring (measured: a deep ring beats two CTAs per SM with half the ring each)."""
 
-    def __init__(self, tp: int, shard: int, latent: int, groups: int, fused: bool = False):
-        self.tp, self.shard, self.latent, self.groups, self.fused = tp, shard, latent, groups, fused
+    def __init__(self, tp: int, shard: int, latent: int, groups: int):
+        self.tp, self.shard, self.latent, self.groups = tp, shard, latent, groups
         self.total_tiles = shard // TILE_ROWS
         tokens = 8 * groups
         self.cluster, self.cols = CLUSTER, latent // CLUSTER  # CTAs per cluster, K columns per CTA
         self.xn_words = -(-tokens * self.cols // 512) * 256  # whole KB: the ring after it stays 1024-byte aligned
-        self.ss_parts = MAX_WARPS if fused else 1  # warps sharing one token's K slice
-        self.ss_words = 2 * CLUSTER * self.ss_parts * tokens  # FP64 sums [k slice][part][token]
+        self.ss_words = 2 * CLUSTER * tokens  # FP64 sums [k slice][token] (publish mode)
         if self.cols % CHUNK == 0:
             self.partition()
         if self.cols % CHUNK == 0 and self.split:
@@ -109,8 +109,16 @@ class Plan:
             barrier_words = 2 * (2 * MAX_DEPTH + 2)  # full and empty per slot, the front's two
             room = SMEM_BYTES // 4 - self.xn_words - self.ss_words - barrier_words - 256 - 64  # 1024-byte alignment
             self.depth = min(self.warp_chunks, MAX_DEPTH, room // slot_words)
+            # chunks the MMA warps hold in registers (32 per lane each) beside the accumulators
+            # and B fragments (12 per token group)
+            self.stash = min(self.depth, max(0, (STASH_REGISTERS - 12 * groups) // 32))
             self.slot_bytes = 4 * slot_words
-            self.ring_words = max(self.depth * slot_words, recv_words - self.xn_words)  # recv reuses xn + ring
+            # The partial sums land beside the ring where they fit (B <= 8 at TP1): no wait for
+            # the cluster's rings to drain. Else over xn and the ring, once every CTA is done.
+            self.receive_words = recv_words if recv_words <= room - self.depth * slot_words else 0
+            self.ring_words = self.depth * slot_words
+            if not self.receive_words:
+                self.ring_words = max(self.ring_words, recv_words - self.xn_words)
             if self.depth >= min(MIN_DEPTH, self.warp_chunks) and self.ring_words <= room:
                 return
         raise ValueError(f"the tail does not fit shared memory at TP{tp}, {tokens} tokens")
@@ -130,6 +138,7 @@ class Plan:
         self.threads = 32 * self.warps
         self.warp_chunks = self.chunks // self.split
         self.owned = TILE_ROWS * self.tiles // CLUSTER  # output rows per CTA
+        self.finish_rounds = -(-8 * self.groups * self.owned // 8 // self.threads)  # owner packets per thread
         self.tokens_per_pass = max(1, 4 // self.tp)  # latent loads in flight per lane: 16 × this
         self.packets = self.cols // 8  # 8-column packets of the CTA's K slice
         self.rounds = -(-self.packets // 32)  # of them per lane
@@ -160,9 +169,9 @@ class Plan:
         b1 of the first step, then of the second)."""
         return self.xn_piece(chunk, 8 * group + lane % 8, 4 * pair + lane // 8)
 
-    def ss_slot(self, k_slice, part, token):
-        """The FP64 word of part ``part`` of ``token``'s Σ latent² over K slice ``k_slice``."""
-        return (k_slice * self.ss_parts + part) * 8 * self.groups + token
+    def ss_slot(self, k_slice, token):
+        """The FP64 word of ``token``'s Σ latent² over K slice ``k_slice``."""
+        return k_slice * 8 * self.groups + token
 
 
 class Stamps:
@@ -196,10 +205,11 @@ class Stamps:
                                      read_only_args=[address, cute.arch.globaltimer(), cute.arch.clock64()])
 
     @cute.jit
-    def slot(self, i, depth: cutlass.Constexpr[int], chunks: cutlass.Constexpr[int]):
-        """Ring slots: the first, the first refilled one and the last, once they landed."""
+    def slot(self, i, first: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], chunks: cutlass.Constexpr[int]):
+        """Ring slots: the projection's first (past the stash), the first refilled one and
+        the last, once they landed."""
         if cutlass.const_expr(self.on):
-            if i == 0:
+            if i == first:
                 self.at("first slot")
             if i == depth:
                 self.at("refilled slot")
@@ -208,22 +218,22 @@ class Stamps:
 
 
 class TailFront:
-    """partial = BF16(Σ_r row_r · w_r) per (token, packet); functional or publish mode."""
+    """The publish half: partial = BF16(Σ_r row_r · w_r) per (token, packet), stored as
+    source ``rank`` of every rank's latent box (the tail sums the sources, then normalizes)."""
 
-    def __init__(self, latent: int, tp: int, publish: bool):
-        self.latent, self.tp, self.publish = latent, tp, publish
+    def __init__(self, latent: int, tp: int):
+        self.latent, self.tp = latent, tp
         self.packets = latent // 8
 
     @cute.jit
-    def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, rows: cute.Tensor, peers: cute.Tensor,
-                 row0: Int32, stream):
+    def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, peers: cute.Tensor, row0: Int32, stream):
         grid = [expanded.shape[0], -(-self.packets // FRONT_PACKETS)]
-        launch(self.kernel(expanded, weights, rows, peers, row0), grid, stream)
+        launch(self.kernel(expanded, weights, peers, row0), grid, stream)
 
     @cute.kernel
-    def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, rows: cute.Tensor, peers: cute.Tensor, row0: Int32):
-        """``rows``: the [B, L] result (functional); ``peers``: the latent boxes' base
-        addresses, written at row ``row0 + token`` of rows of L (publish)."""
+    def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, peers: cute.Tensor, row0: Int32):
+        """``peers``: the latent boxes' base addresses, written at row ``row0 + token`` of
+        rows of L."""
         tid, _, _ = cute.arch.thread_idx()
         token, part, _ = cute.arch.block_idx()
         packet = part * FRONT_PACKETS + tid
@@ -234,25 +244,80 @@ class TailFront:
         if packet < self.packets:
             acc = weighted_rows(expanded, weights, token, packet * 8)
             words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
-            if cutlass.const_expr(self.publish):
-                store_to_peers(peers, self.tp, (Int64(row0 + token) * self.latent + packet * 8) * 2, words)
-            else:
-                store_words(rows.iterator + token * rows.stride[0] + packet * 8, words)
+            store_to_peers(peers, self.tp, (Int64(row0 + token) * self.latent + packet * 8) * 2, words)
+
+
+class NormFront:
+    """The functional front, normalized: xn = BF16((latent · inv) · gamma) of one token per
+    CTA, latent = BF16(Σ_r row_r · w_r) (the FP32 FMA chain in rank order) and inv from
+    the row's Σ BF16(latent²) (FP64, exact), which stays in the CTA: MoeTail then only
+    copies its K slice (``normed``) instead of every cluster redoing the front, the sum
+    and the normalization for all B tokens (28 times over at TP1)."""
+
+    def __init__(self, latent: int):
+        self.latent, self.packets = latent, latent // 8
+        self.threads = min(1024, -(-self.packets // 32) * 32)
+        self.rounds = -(-self.packets // self.threads)  # packets per thread
+
+    @cute.jit
+    def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
+                 eps: Float32, stream):
+        self.kernel(expanded, weights, gamma, rows, eps).launch(
+            grid=[expanded.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True
+        )
+
+    @cute.kernel
+    def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
+               eps: Float32):
+        tid, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        warp, lane = tid // 32, tid % 32
+        sums = SmemAllocator().allocate_tensor(Float64, cute.make_layout(32), 16)
+        packets = [tid + q * self.threads for q in range(self.rounds)]
+        columns = [clamp(packet, self.packets - 1) * 8 for packet in packets]
+        scale = [unpack_words(load_words(gamma.iterator + column)) for column in columns]  # a weight: before the wait
+        # Release at once: our dependent (MoeTail) only prefetches weights before it waits.
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+        squares = Float64(0.0)
+        latents = []
+        for q in cutlass.range_constexpr(self.rounds):
+            rounded = [Float32(BFloat16(a)) for a in weighted_rows(expanded, weights, token, columns[q])]
+            if packets[q] < self.packets:
+                squares += sum_of_squares(rounded)
+            latents.append(rounded)
+        for shift in cutlass.range_constexpr(5):
+            squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
+        if lane == 0:
+            sums[warp] = squares
+        cute.arch.sync_threads()
+        total = Float64(0.0)  # the warps' sums, one per lane; any order is exact
+        if lane < self.threads // 32:
+            total = sums[lane]
+        for shift in cutlass.range_constexpr(5):
+            total += cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+        inv = inverse_rms(total, self.latent, eps)
+        for q in cutlass.range_constexpr(self.rounds):
+            if packets[q] < self.packets:
+                store_words(rows.iterator + token * rows.stride[0] + packets[q] * 8,
+                            normalized(latents[q], inv, scale[q]))
 
 
 class MoeTail:
     """latent → RMSNorm → up projection + shared, one rank's N rows (see the module doc)."""
 
-    def __init__(self, plan: Plan, publish: bool, stamps: bool = False, in_flight: int = FRONT_IN_FLIGHT):
-        self.plan, self.publish, self.fused, self.stamps = plan, publish, plan.fused, stamps
-        self.in_flight = in_flight  # the fused front's packets in flight per lane (front_in_flight)
+    def __init__(self, plan: Plan, publish: bool, stamps: bool = False):
+        self.plan, self.publish, self.stamps = plan, publish, stamps
+        # chunks held in registers (MoeTail.stash): functional mode only, publish mode's polls
+        # already take the registers (162-168 per lane at TP1-2)
+        self.stashed = 0 if publish else plan.stash
 
     @cute.jit
-    def __call__(self, latent: cute.Tensor, weights: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor,
-                 w_up: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32,
-                 batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
-        """Functional: ``latent`` [B, L] (fused: the expert rows [B, TOP_K, L], ``weights``
-        their [B, TOP_K] weights), ``shared`` and ``out`` [B, N]. Publish mode: ``latent``
+    def __call__(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, w_up: cute.Tensor,
+                 out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32, batch: Int32, parity: Int32,
+                 rank: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
+        """Functional: ``latent`` NormFront's normalized rows [B, L], ``shared`` and ``out``
+        [B, N]. Publish mode: ``latent``
         and ``shared`` are the boxes [3, TP, CAP, L or N], ``peers`` the output boxes' base
         addresses, ``error`` the poll error word."""
         plan = self.plan
@@ -260,7 +325,7 @@ class MoeTail:
         weight_copy, weight_boxes = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), w_up, self.ring_layout(1), (plan.rows, CHUNK)
         )
-        self.kernel(latent, weights, shared, gamma, weight_copy, weight_boxes, out, peers, error, eps, batch, parity,
+        self.kernel(latent, shared, gamma, weight_copy, weight_boxes, out, peers, error, eps, batch, parity,
                     rank, rearm_parity, rearm_batch).launch(
             grid=[plan.clusters * plan.cluster, 1, 1], block=[plan.threads + 32, 1, 1], cluster=[plan.cluster, 1, 1],
             stream=stream, use_pdl=True,
@@ -272,10 +337,9 @@ class MoeTail:
         return cute.tile_to_shape(atom, (self.plan.rows, CHUNK, stages), (0, 1, 2))
 
     @cute.kernel
-    def kernel(self, latent: cute.Tensor, weights: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor,
-               weight_copy: cute.CopyAtom, weight_boxes: cute.Tensor, out: cute.Tensor, peers: cute.Tensor,
-               error: cute.Tensor, eps: Float32, batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32,
-               rearm_batch: Int32):
+    def kernel(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, weight_copy: cute.CopyAtom,
+               weight_boxes: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32,
+               batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -296,6 +360,9 @@ class MoeTail:
         if cutlass.const_expr(plan.ring_words > plan.depth * plan.slot_bytes // 4):
             smem.allocate_tensor(Uint32, cute.make_layout(plan.ring_words - plan.depth * plan.slot_bytes // 4), 4)
         ring = xn + plan.xn_words  # the boxes as 32-bit words (the allocator packs them right after xn)
+        received = xn  # the cluster's partial sums: over xn and the ring, or beside them
+        if cutlass.const_expr(plan.receive_words):
+            received = smem.allocate_tensor(Uint32, cute.make_layout(plan.receive_words), 16).iterator
 
         if tid == 0:
             for slot in cutlass.range_constexpr(plan.depth):
@@ -309,21 +376,25 @@ class MoeTail:
 
         if warp == plan.warps:
             # The producer warp: weights from launch on, never waiting for our predecessor.
-            # Cluster barriers 1-3 (latent ready, ring free, sums landed) need nothing from
-            # it: it arrives at barrier 1 before producing, so the MMA warps never wait on it.
+            # The cluster barriers after the start (latent ready in publish mode, ring free
+            # unless the sums land beside it, sums landed) need nothing from it: it arrives
+            # at the first before producing, so the MMA warps never wait on it.
             cute.arch.cluster_wait()
-            cute.arch.cluster_arrive()
+            if cutlass.const_expr(self.publish):
+                cute.arch.cluster_arrive()
             box_in, box_out = self.partition_boxes(weight_copy, weight_boxes, boxes)
             self.produce(weight_copy, box_in, box_out, full, empty, waited, fronted, cluster, k_slice, lane)
             cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.cluster_wait()
-            for _ in cutlass.range_constexpr(2):
+            if cutlass.const_expr(self.publish):
+                cute.arch.cluster_wait()
+            for _ in cutlass.range_constexpr(1 if plan.receive_words else 2):
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
         else:
             row_group, sub = warp // plan.split, warp % plan.split
             tile = cluster * plan.tiles + row_group * TILES_PER_WARP
-            scale = self.load_gamma(gamma, k_slice, lane)
+            scale = self.load_gamma(gamma, k_slice, lane) if self.publish else None
+            stashed = self.stash(ring, full, empty, row_group, sub, lane)
             if cutlass.const_expr(self.publish):
                 self.rearm_previous(latent, shared, rearm_parity, rearm_batch, cta, tid)
             else:
@@ -332,34 +403,39 @@ class MoeTail:
                     cute.arch.mbarrier_arrive(waited)
             stamp.at("waited")
             cute.arch.cluster_wait()  # the peers have started: DSMEM stores are safe
-            if cutlass.const_expr(self.fused):
-                self.finalize_front(latent, weights, xn, ss, batch, k_slice, warp, lane)
-            else:
+            shared_rows = None
+            if cutlass.const_expr(self.publish):
                 self.load_latent(latent, xn, ss, error, batch, parity, k_slice, warp, lane)
+            else:
+                self.load_normed(latent, xn, batch, k_slice, tid)
+                shared_rows = self.load_shared_rows(shared, batch, cluster, k_slice, tid)
+            cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(fronted)  # the warp's loads are back
             stamp.at("latent")
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            stamp.at("clustered")
-            self.normalize(xn, ss, scale, eps, batch, warp, lane)
-            stamp.at("normed")
+            if cutlass.const_expr(self.publish):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                stamp.at("clustered")
+                self.normalize(xn, ss, scale, eps, batch, warp, lane)
+                stamp.at("normed")
             cute.arch.barrier(barrier_id=1, number_of_threads=plan.threads)  # xn complete (MMA warps only)
 
-            acc = self.project(xn, ring, full, empty, row_group, sub, lane, stamp)
+            acc = self.project(stashed, xn, ring, full, empty, row_group, sub, lane, stamp)
             stamp.at("projected")
             # Our weights are read: the next launch may start its prefetch during our epilogue
             # (every dependent waits for our completion before it reads what we write).
             cute.arch.griddepcontrol_launch_dependents()
 
-            cute.arch.cluster_arrive()  # every CTA is done with its ring: it becomes the receive buffer
-            cute.arch.cluster_wait()
-            stamp.at("ring free")
-            self.scatter(acc, xn, batch, tile, k_slice * plan.split + sub, lane)
+            if cutlass.const_expr(not plan.receive_words):
+                cute.arch.cluster_arrive()  # every CTA is done with its ring: it becomes the receive buffer
+                cute.arch.cluster_wait()
+                stamp.at("ring free")
+            self.scatter(acc, received, batch, tile, k_slice * plan.split + sub, lane)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             stamp.at("scattered")
-            self.finish(xn, shared, out, peers, error, batch, parity, rank, cluster, k_slice, tid)
+            self.finish(received, shared, shared_rows, out, peers, error, batch, parity, rank, cluster, k_slice, tid)
             stamp.at("end")
 
     @cute.jit
@@ -373,16 +449,16 @@ class MoeTail:
 
     @cute.jit
     def produce(self, weight_copy, box_in, box_out, full, empty, waited, fronted, cluster, k_slice, lane):
-        """Every chunk through the ring, evict-first. After the first fill a slot is refilled
-        as soon as every MMA warp has read it; the first fill is paced (``pace``)."""
+        """Every chunk through the ring, evict-first: a slot is refilled once every MMA warp
+        has read it, at the pace ``pace`` sets."""
         plan = self.plan
         evict_first = l2_evict_first()
         for i in cutlass.range(plan.warp_chunks, unroll=1):
             slot = i % plan.depth
             if i >= plan.depth:
                 cute.arch.mbarrier_wait(empty + slot, (i // plan.depth + 1) % 2)
-            elif i >= PACE:
-                self.pace(full + i - PACE, waited, fronted)
+            if i >= PACE:
+                self.pace(i, full, waited, fronted)
             if lane == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(full + slot, plan.slot_bytes)
             cute.arch.sync_warp()
@@ -392,28 +468,31 @@ class MoeTail:
                           tma_bar_ptr=full + slot, cache_policy=evict_first)
 
     @cute.jit
-    def pace(self, landed, waited, fronted):
-        """Before a first-fill slot past the first PACE: a whole ring queued at once (21 MB)
-        holds every other load 2-5 µs behind it (measured), and the front's (latent's) loads
-        are the critical path. So PACE slots stay in flight (``landed``: the slot PACE back)
-        while our predecessor runs, and once it is done (``waited``) the rest waits for the
-        front's loads (``fronted``), which then queue behind at most PACE slots. Publish
-        mode keeps PACE in flight: its polls wait for the peers, not for the stream."""
+    def pace(self, i, full, waited, fronted):
+        """Before chunk ``i``: a whole ring queued at once (21 MB) holds every other load 2-5
+        µs behind it (measured), and our predecessor's and step 2's loads are the critical
+        path. So until step 2's loads are back, PACE slots stay in flight (chunk i - PACE has
+        landed), the stash's refills included, and once our predecessor is done (``waited``)
+        the rest waits for step 2's loads (``fronted``), which then queue behind at most
+        PACE slots. Publish mode paces its first fill only: its polls wait for the peers,
+        not for the stream."""
+        landed, phase = full + (i - PACE) % self.plan.depth, ((i - PACE) // self.plan.depth) % 2
         if cutlass.const_expr(self.publish):
-            cute.arch.mbarrier_wait(landed, 0)
+            if i < self.plan.depth:
+                cute.arch.mbarrier_wait(landed, phase)
         elif not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
-            cute.arch.mbarrier_wait(landed, 0)
+            cute.arch.mbarrier_wait(landed, phase)
             if cute.arch.mbarrier_test_wait(waited, 0):
                 cute.arch.mbarrier_wait(fronted, 0)
 
     @cute.jit
     def load_latent(self, latent, xn, ss, error, batch, parity, k_slice, warp, lane):
-        """latent = BF16(Σ sources, rank order) of this CTA's K k_slice into ``xn``; each
-        token's Σ BF16(latent²) over the k_slice into slot ``k_slice`` of every CTA's ss.
-        A warp per token, ``tokens_per_pass`` tokens' loads (or polls) in flight at once."""
+        """Publish mode: latent = BF16(Σ sources, rank order) of this CTA's K slice into
+        ``xn``, polled from the latent boxes; each token's Σ BF16(latent²) over the slice
+        into slot ``k_slice`` of every CTA's ss. A warp per token, ``tokens_per_pass``
+        tokens' polls in flight at once."""
         plan = self.plan
-        packets, rounds = plan.packets, plan.rounds
-        sources = plan.tp if self.publish else 1
+        packets, rounds, sources = plan.packets, plan.rounds, plan.tp
         per_pass = plan.tokens_per_pass
         for base in cutlass.range(warp, batch, plan.warps * per_pass, unroll=1):
             addresses = []
@@ -422,15 +501,9 @@ class MoeTail:
                 for q in cutlass.range_constexpr(rounds):
                     column = k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8
                     for source in cutlass.range_constexpr(sources):
-                        if cutlass.const_expr(self.publish):
-                            row = (parity * plan.tp + source) * latent.shape[2] + token
-                            addresses.append(latent.iterator + row * plan.latent + column)
-                        else:
-                            addresses.append(latent.iterator + token * latent.stride[0] + column)
-            if cutlass.const_expr(self.publish):
-                packets_in = poll_all(addresses, error, LATENT_POLL)
-            else:
-                packets_in = [load_words(a) for a in addresses]
+                        row = (parity * plan.tp + source) * latent.shape[2] + token
+                        addresses.append(latent.iterator + row * plan.latent + column)
+            packets_in = poll_all(addresses, error, LATENT_POLL)
             for u in cutlass.range_constexpr(per_pass):
                 token = base + u * plan.warps
                 squares = Float64(0.0)
@@ -448,44 +521,19 @@ class MoeTail:
                 for shift in cutlass.range_constexpr(5):
                     squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
                 if (lane < plan.cluster) & (token < batch):
-                    store_cluster(ss + self.plan.ss_slot(k_slice, 0, token), squares, lane)
+                    store_cluster(ss + self.plan.ss_slot(k_slice, token), squares, lane)
 
     @cute.jit
-    def finalize_front(self, expanded, weights, xn, ss, batch, k_slice, warp, lane):
-        """The front's finalization fused in (functional mode, small batches): latent =
-        BF16(Σ_r row_r · w_r), the FP32 FMA chain in rank order, of this CTA's K slice into
-        ``xn``. A token's packets spread over ``parts`` warps (8 // B at TP1: the 16 row
-        loads of a packet stay in flight together); each warp's Σ BF16(latent²) goes to
-        slot (k_slice, part) of every CTA's ss."""
+    def load_normed(self, rows, xn, batch, k_slice, tid):
+        """This CTA's K slice of NormFront's xn rows into ``xn``: 16-byte cp.async copies,
+        all in flight at once."""
         plan = self.plan
-        parts = self.parts(batch)
-        part = warp % parts
-        stride = parts * 32
-        for token in cutlass.range(warp // parts, batch, plan.warps // parts, unroll=1):
-            squares = Float64(0.0)
-            for base in cutlass.range(part * 32, plan.packets, stride * self.in_flight, unroll=1):
-                for u in cutlass.range_constexpr(self.in_flight):
-                    packet = base + u * stride + lane
-                    column = k_slice * plan.cols + clamp(packet, plan.packets - 1) * 8
-                    rounded = [Float32(BFloat16(a)) for a in weighted_rows(expanded, weights, token, column)]
-                    if packet < plan.packets:
-                        squares += sum_of_squares(rounded)
-                        words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
-                        store_shared(xn + self.xn_packet(token, packet) * 4, words)
-            for shift in cutlass.range_constexpr(5):
-                squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
-            if lane < plan.cluster:
-                store_cluster(ss + self.plan.ss_slot(k_slice, part, token), squares, lane)
-
-    @cute.jit
-    def parts(self, batch):
-        """Warps that share one token's K slice: every warp works at small batches (fused
-        front), one warp per token otherwise."""
-        parts = Int32(1)
-        if cutlass.const_expr(self.fused):
-            if batch < self.plan.warps:
-                parts = self.plan.warps // batch
-        return parts
+        for item in cutlass.range(tid, batch * plan.packets, plan.threads, unroll=1):
+            token, packet = item // plan.packets, item % plan.packets
+            copy_async(xn + self.xn_packet(token, packet) * 4,
+                       rows.iterator + token * rows.stride[0] + k_slice * plan.cols + packet * 8)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def load_gamma(self, gamma, k_slice, lane):
@@ -497,61 +545,84 @@ class MoeTail:
 
     @cute.jit
     def normalize(self, xn, ss, scale, eps, batch, warp, lane):
-        """xn = BF16((latent · inv) · gamma) in place, inv from the cluster's ss in order."""
+        """Publish mode: xn = BF16((latent · inv) · gamma) in place, inv from the cluster's ss."""
         plan = self.plan
         packets, rounds = plan.packets, plan.rounds
-        parts = self.parts(batch)
         for token in cutlass.range(warp, batch, plan.warps, unroll=1):
-            total = Float64(0.0)  # lane l: (K slice, part) l of the ≤ 32; any order is exact
-            if lane < plan.cluster * parts:
-                total = ss[self.plan.ss_slot(lane // parts, lane % parts, token)]
-            for shift in cutlass.range_constexpr(5):
+            total = ss[self.plan.ss_slot(lane % CLUSTER, token)]  # any order is exact
+            for shift in cutlass.range_constexpr(CLUSTER.bit_length() - 1):  # every CLUSTER lanes hold them all
                 total += cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
-            inv = rsqrt_like_torch(divide(Float32(total), Float32(plan.latent)) + eps)
+            inv = inverse_rms(total, plan.latent, eps)
             for q in cutlass.range_constexpr(rounds):
                 packet = lane + 32 * q
                 if packet < packets:
                     address = xn + self.xn_packet(token, packet) * 4
-                    values = unpack_words(load_shared(address))
-                    normed = [(values[i] * inv) * scale[q][i] for i in range(8)]
-                    store_shared(address, [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)])
+                    store_shared(address, normalized(unpack_words(load_shared(address)), inv, scale[q]))
 
     def xn_packet(self, token, packet):
         """The piece of xn holding 8-column ``packet`` of ``token``."""
         return self.plan.xn_piece(packet // 8, token, packet % 8)
 
     @cute.jit
-    def project(self, xn, ring, full, empty, row_group, sub, lane, stamp):
+    def stash(self, ring, full, empty, row_group, sub, lane):
+        """The A fragments of the first ``self.stashed`` chunks, taken into registers as soon
+        as they land and their slots handed back, so that the ring refills while we wait
+        for our predecessor: the registers deepen the ring."""
+        stashed = []
+        for i in cutlass.range_constexpr(self.stashed):
+            cute.arch.mbarrier_wait(full + i, 0)
+            stashed.append(self.a_fragments(ring, i, sub, row_group, lane))
+            self.release(empty + i, lane)
+        return stashed
+
+    @cute.jit
+    def project(self, stashed, xn, ring, full, empty, row_group, sub, lane, stamp):
         """The warp's two tiles × all token groups over its chunks, FP32 accumulators in
         the m16n8 C layout: acc[p, n, 2h + e] = (row 8h + g of tile p, token 8n + 2t + e).
-        Fragments by ldmatrix.x4 from the swizzled rows (Plan.a_piece, Plan.b_piece); each
-        warp tells the producer when it has read a slot."""
+        The stashed chunks first, then the ring's; each warp tells the producer when it has
+        read a slot."""
         plan = self.plan
         acc = cute.make_rmem_tensor((TILES_PER_WARP, plan.groups, 4), Float32)
         for p in cutlass.range_constexpr(TILES_PER_WARP):
             for n in cutlass.range_constexpr(plan.groups):
                 for e in cutlass.range_constexpr(4):
                     acc[p, n, e] = Float32(0.0)
-        for i in cutlass.range(plan.warp_chunks, unroll=1):
+        for i in cutlass.range_constexpr(self.stashed):
+            self.multiply(acc, stashed[i], xn, sub * plan.warp_chunks + i, lane)
+        for i in cutlass.range(self.stashed, plan.warp_chunks, unroll=1):
             slot = i % plan.depth
             cute.arch.mbarrier_wait(full + slot, (i // plan.depth) % 2)
-            stamp.slot(i, plan.depth, plan.warp_chunks)
-            chunk = sub * plan.warp_chunks + i
-            for pair in cutlass.range_constexpr(CHUNK // 32):
-                b = [load_matrices(xn + self.plan.b_piece(chunk, n, pair, lane) * 4) for n in range(plan.groups)]
-                for u in cutlass.range_constexpr(2):
-                    a = [load_matrices(ring + self.plan.a_piece(slot, sub, row_group, p, 2 * pair + u, lane) * 4)
-                         for p in range(TILES_PER_WARP)]
-                    for n in cutlass.range_constexpr(plan.groups):
-                        for p in cutlass.range_constexpr(TILES_PER_WARP):
-                            d = mma_bf16(a[p], (b[n][2 * u], b[n][2 * u + 1]),
-                                         (acc[p, n, 0], acc[p, n, 1], acc[p, n, 2], acc[p, n, 3]))
-                            for e in cutlass.range_constexpr(4):
-                                acc[p, n, e] = d[e]
-            cute.arch.sync_warp()  # every lane has its fragments
-            if lane == 0:
-                cute.arch.mbarrier_arrive(empty + slot)
+            stamp.slot(i, self.stashed, plan.depth, plan.warp_chunks)
+            self.multiply(acc, self.a_fragments(ring, slot, sub, row_group, lane), xn, sub * plan.warp_chunks + i, lane)
+            self.release(empty + slot, lane)
         return acc
+
+    @cute.jit
+    def a_fragments(self, ring, slot, sub, row_group, lane):
+        """A slot's A fragments for the warp, [k16 step][tile] (Plan.a_piece)."""
+        return [[load_matrices(ring + self.plan.a_piece(slot, sub, row_group, p, k16, lane) * 4)
+                 for p in range(TILES_PER_WARP)] for k16 in range(CHUNK // 16)]
+
+    @cute.jit
+    def multiply(self, acc, a, xn, chunk, lane):
+        """acc += the chunk's A fragments ``a`` × xn's B fragments (Plan.b_piece)."""
+        plan = self.plan
+        for pair in cutlass.range_constexpr(CHUNK // 32):
+            b = [load_matrices(xn + plan.b_piece(chunk, n, pair, lane) * 4) for n in range(plan.groups)]
+            for u in cutlass.range_constexpr(2):
+                for n in cutlass.range_constexpr(plan.groups):
+                    for p in cutlass.range_constexpr(TILES_PER_WARP):
+                        d = mma_bf16(a[2 * pair + u][p], (b[n][2 * u], b[n][2 * u + 1]),
+                                     (acc[p, n, 0], acc[p, n, 1], acc[p, n, 2], acc[p, n, 3]))
+                        for e in cutlass.range_constexpr(4):
+                            acc[p, n, e] = d[e]
+
+    @cute.jit
+    def release(self, empty, lane):
+        """The warp has read its fragments of a slot: the producer may refill it."""
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
     def scatter(self, acc, received, batch, tile, part, lane):
@@ -571,20 +642,39 @@ class MoeTail:
                             store_cluster(bits_pointer(received, word), acc[p, n, 2 * h + e], owner)
 
     @cute.jit
-    def finish(self, received, shared, out, peers, error, batch, parity, rank, cluster, k_slice, tid):
-        """Owner epilogue, 8 rows per item: up = BF16(Σ parts in K order); out =
-        BF16(up + shared), shared = BF16(Σ reduce-scatter sources) in publish mode."""
+    def finish_item(self, round, batch, cluster, k_slice, tid):
+        """Owner packet ``round`` of this thread: (token, its 8 rows' first, whether it is one)."""
+        plan = self.plan
+        per_token = plan.owned // 8
+        item = tid + round * plan.threads
+        row = cluster * plan.tiles * TILE_ROWS + k_slice * plan.owned + item % per_token * 8
+        return item // per_token, row, (item < batch * per_token) & (row < plan.shard)
+
+    @cute.jit
+    def load_shared_rows(self, shared, batch, cluster, k_slice, tid):
+        """Functional mode: the shared expert's packets of this thread's owner packets, loaded
+        once our predecessor is done (back long before the sums, off the epilogue's path)."""
+        packets = []
+        for r in cutlass.range_constexpr(self.plan.finish_rounds):
+            token, row, _ = self.finish_item(r, batch, cluster, k_slice, tid)
+            token, row = clamp(token, batch - 1), clamp(row, self.plan.shard - 8)  # an address to read, unused
+            packets.append(load_words(shared.iterator + token * shared.stride[0] + row))
+        return packets
+
+    @cute.jit
+    def finish(self, received, shared, shared_rows, out, peers, error, batch, parity, rank, cluster, k_slice, tid):
+        """Owner epilogue, 8 rows per packet: up = BF16(Σ parts in K order); out =
+        BF16(up + shared), shared = ``shared_rows`` (functional) or BF16(Σ reduce-scatter
+        sources) (publish mode)."""
         plan = self.plan
         parts = plan.cluster * plan.split
-        per_token = plan.owned // 8
-        first_row = cluster * plan.tiles * TILE_ROWS + k_slice * plan.owned
-        for item in cutlass.range(tid, batch * per_token, plan.threads, unroll=1):
-            token, packet = item // per_token, item % per_token
-            row = first_row + packet * 8
-            if row < plan.shard:
+        for r in cutlass.range_constexpr(plan.finish_rounds):
+            token, row, valid = self.finish_item(r, batch, cluster, k_slice, tid)
+            if valid:
+                owned = row - (cluster * plan.tiles * TILE_ROWS + k_slice * plan.owned)
                 acc = [Float32(0.0)] * 8
                 for part in cutlass.range_constexpr(parts):
-                    word = (part * 8 * plan.groups + token) * plan.owned + packet * 8
+                    word = (part * 8 * plan.groups + token) * plan.owned + owned
                     sums = [bits_float(w) for h in range(2) for w in load_shared(received + word + 4 * h)]
                     acc = [acc[i] + sums[i] for i in range(8)]
                 up = [Float32(BFloat16(a)) for a in acc]
@@ -596,7 +686,7 @@ class MoeTail:
                         total = [total[i] + values[i] for i in range(8)]
                     extra = [Float32(BFloat16(v)) for v in total]
                 else:
-                    extra = unpack_words(load_words(shared.iterator + token * shared.stride[0] + row))
+                    extra = unpack_words(shared_rows[r])
                 result = [up[i] + extra[i] for i in range(8)]
                 words = [pack_bf16(result[i], result[i + 1]) for i in range(0, 8, 2)]
                 if cutlass.const_expr(self.publish):
@@ -645,6 +735,20 @@ def sum_of_squares(values):
 
 
 @cute.jit
+def inverse_rms(total: Float64, latent: int, eps: Float32) -> Float32:
+    """inv = rsqrt.approx(ss / L + eps) from the exact FP64 ss, rounded to FP32 first, as
+    the reference's float32 ss."""
+    return rsqrt_like_torch(divide(Float32(total), Float32(latent)) + eps)
+
+
+@cute.jit
+def normalized(values, inv: Float32, scale):
+    """A packet of xn = BF16((latent · inv) · gamma) as four BF16x2 words."""
+    normed = [(values[i] * inv) * scale[i] for i in range(8)]
+    return [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)]
+
+
+@cute.jit
 def clamp(value: Int32, high: Int32) -> Int32:
     result = value
     if value > high:
@@ -664,6 +768,12 @@ def load_shared(address):
 @cute.jit
 def store_shared(address, words):
     cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words])
+
+
+@cute.jit
+def copy_async(destination, source):
+    """16 bytes from global to shared memory by cp.async (L2 only: read once per CTA)."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[destination, source])
 
 
 @cute.jit
@@ -750,44 +860,40 @@ def groups_of(batch: int) -> int:
 
 
 @compiled
-def compile_front(latent: int, tp: int, publish: bool):
-    batch, rows = cute.sym_int(), cute.sym_int()
+def compile_front(latent: int, tp: int):
+    batch = cute.sym_int()
     return cute.compile(
-        TailFront(latent, tp, publish), fake(BFloat16, (batch, TOP_K, latent)),
-        fake(BFloat16, (batch, TOP_K), align=2), fake(BFloat16, (rows, latent)), fake(Int64, (tp,), align=8),
-        Int32(0), fake_stream(), options="--enable-tvm-ffi",
+        TailFront(latent, tp), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
+        fake(Int64, (tp,), align=8), Int32(0), fake_stream(), options="--enable-tvm-ffi",
+    )
+
+
+@compiled
+def compile_norm_front(latent: int):
+    batch = cute.sym_int()
+    return cute.compile(
+        NormFront(latent), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
+        fake(BFloat16, (latent,)), fake(BFloat16, (batch, latent)), Float32(1e-6), fake_stream(),
+        options="--enable-tvm-ffi",
     )
 
 
 @functools.cache
-def plan_for(tp: int, shard: int, latent: int, groups: int, fused: bool = False) -> Plan:
+def plan_for(tp: int, shard: int, latent: int, groups: int) -> Plan:
     """The Plan of a shape (planned once: the dispatch asks on every call)."""
-    return Plan(tp, shard, latent, groups, fused)
-
-
-def front_in_flight(plan: Plan, batch: int) -> int:
-    """Packets per lane the fused front keeps in flight for ``batch``: FRONT_IN_FLIGHT, but
-    no more rounds than a token's warps (MoeTail.parts, on the host) need to cover the K
-    slice (1 at B <= 2, L = 3584).
-    A round past the slice only reloads the clamped last packet, and its registers cost
-    spills: 9 warps per CTA cap a thread at 168 (measured at B = 1: 15.6 µs against 16.1)."""
-    parts = plan.warps // batch if batch < plan.warps else 1
-    return min(FRONT_IN_FLIGHT, -(-plan.packets // (32 * parts)))
+    return Plan(tp, shard, latent, groups)
 
 
 @compiled
-def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, fused: bool = False,
-                 stamps: bool = False, in_flight: int = FRONT_IN_FLIGHT):
-    plan = plan_for(tp, shard, latent, groups, fused)
+def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, stamps: bool = False):
+    plan = plan_for(tp, shard, latent, groups)
     batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if publish:
         latent_in, shared_in = fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard))
     else:
-        rows = (batch, TOP_K, latent) if fused else (batch, latent)
-        latent_in, shared_in = fake(BFloat16, rows), fake(BFloat16, (batch, shard))
+        latent_in, shared_in = fake(BFloat16, (batch, latent)), fake(BFloat16, (batch, shard))
     return cute.compile(
-        MoeTail(plan, publish, stamps, in_flight), latent_in,
-        fake(BFloat16, (cute.sym_int(), cute.sym_int()), align=2), shared_in,
+        MoeTail(plan, publish, stamps), latent_in, shared_in,
         fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
         fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4),
         Float32(1e-6), Int32(1), Int32(0), Int32(0), Int32(1), Int32(1), fake_stream(),
@@ -814,21 +920,21 @@ def aligned(*tensors) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def unsupported_shape(tp: int, shard: int, latent: int, batch: int, fused: bool = False) -> str | None:
+def unsupported_shape(tp: int, shard: int, latent: int, batch: int) -> str | None:
     if latent % (CLUSTER * CHUNK) or shard % (TILE_ROWS * 2) or tp > 16:
         return (f"the tail kernel needs L % {CLUSTER * CHUNK} == 0, N % {TILE_ROWS * 2} == 0 and "
                 f"TP <= 16 (L={latent}, N={shard}, TP={tp})")
     try:
-        plan_for(tp, shard, latent, groups_of(batch), fused)
+        plan_for(tp, shard, latent, groups_of(batch))
     except ValueError as error:
         return str(error)
     return None
 
 
 class TailKernel:
-    """``kimi::moe_tail`` on CUDA (TP1): MoeTail with the front fused in up to
-    FUSED_BATCH tokens, else TailFront then MoeTail. ``stamps`` (benchmarks only): an
-    int64 buffer of Stamps pairs per CTA, to run the stamping variant."""
+    """``kimi::moe_tail`` on CUDA (TP1): NormFront, then MoeTail on the normalized rows.
+    ``stamps`` (benchmarks only): an int64 buffer of Stamps pairs per CTA, to run the
+    stamping variant."""
 
     check = staticmethod(tail_op.check_moe_tail)
 
@@ -838,38 +944,25 @@ class TailKernel:
     def prepare(self, latent: int, hidden: int, batches) -> None:
         """Compile what the op will run for ``batches`` (shapes the kernel does not take run
         the reference: nothing to compile)."""
-        compile_front(latent, 1, False)
-        for key in sorted({self.variant(latent, hidden, b) for b in batches
-                           if not unsupported_shape(1, hidden, latent, b, b <= FUSED_BATCH)}):
-            compile_tail(*key)
-
-    def variant(self, latent: int, hidden: int, batch: int) -> tuple:
-        """compile_tail's key for ``batch``: the front fused in up to FUSED_BATCH."""
-        fused, groups = batch <= FUSED_BATCH, groups_of(batch)
-        in_flight = front_in_flight(plan_for(1, hidden, latent, groups, True), batch) if fused else FRONT_IN_FLIGHT
-        return 1, hidden, latent, groups, False, fused, self.stamps is not None, in_flight
+        compile_norm_front(latent)
+        for groups in sorted({groups_of(b) for b in batches if not unsupported_shape(1, hidden, latent, b)}):
+            compile_tail(1, hidden, latent, groups, False, self.stamps is not None)
 
     def unsupported(self, expanded, weights, shared, gamma, w_up, eps):
         if not aligned(expanded, shared, gamma, w_up):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
-        batch = expanded.shape[0]
-        return unsupported_shape(1, w_up.shape[0], expanded.shape[2], batch, batch <= FUSED_BATCH) or hopper(expanded)
+        return unsupported_shape(1, w_up.shape[0], expanded.shape[2], expanded.shape[0]) or hopper(expanded)
 
     def __call__(self, expanded, weights, shared, gamma, w_up, eps):
-        batch, hidden = expanded.shape[0], w_up.shape[0]
-        latent = expanded.shape[2]
+        batch, hidden, latent = expanded.shape[0], w_up.shape[0], expanded.shape[2]
         out = shared.new_empty((batch, hidden))
         if batch:
-            no_peers = placeholder(out, torch.int64)
+            normed = expanded.new_empty((batch, latent))
+            compile_norm_front(latent)(expanded, weights, gamma, normed, eps)
             no_error = placeholder(out if self.stamps is None else self.stamps, torch.int32)
-            fused = batch <= FUSED_BATCH
-            if fused:
-                rows = expanded
-            else:
-                rows = expanded.new_empty((batch, latent))
-                compile_front(latent, 1, False)(expanded, weights, rows, no_peers, 0)
-            compile_tail(*self.variant(latent, hidden, batch))(
-                rows, weights, shared, gamma, w_up, out, no_peers, no_error, eps, batch, 0, 0, 0, 1
+            compile_tail(1, hidden, latent, groups_of(batch), False, self.stamps is not None)(
+                normed, shared, gamma, w_up, out, placeholder(out, torch.int64), no_error, eps, batch, 0, 0,
+                0, 1
             )
         return out
 
@@ -880,7 +973,7 @@ class TailPublishKernel:
     check = staticmethod(mailbox_ops.check_moe_tail_publish)
 
     def prepare(self, latent: int, tp: int, peer_lists=()) -> None:
-        compile_front(latent, tp, True)
+        compile_front(latent, tp)
         register_addresses(peer_lists)
 
     def unsupported(self, expanded, weights, latent_boxes, parity, rank):
@@ -891,10 +984,7 @@ class TailPublishKernel:
     def __call__(self, expanded, weights, latent_boxes, parity, rank):
         latent = expanded.shape[2]
         tp, capacity = len(latent_boxes), latent_boxes[0].shape[2]
-        rows = latent_boxes[rank][parity, rank]  # placeholder: publish mode writes through ``peers``
-        compile_front(latent, tp, True)(
-            expanded, weights, rows, addresses(latent_boxes), (parity * tp + rank) * capacity
-        )
+        compile_front(latent, tp)(expanded, weights, addresses(latent_boxes), (parity * tp + rank) * capacity)
 
 
 class TailPushKernel:
@@ -938,7 +1028,7 @@ class TailPollKernel:
         tp, shard, latent = latent_box.shape[1], rs_box.shape[3], latent_box.shape[3]
         out = rs_box[parity, rank]  # placeholder: publish mode writes through ``peers``
         compile_tail(tp, shard, latent, groups_of(batch), True)(
-            latent_box, placeholder(out, torch.bfloat16, 2), rs_box, gamma, w_up, out, addresses(out_boxes), error,
+            latent_box, rs_box, gamma, w_up, out, addresses(out_boxes), error,
             eps, batch, parity, rank, rearm_parity, rearm_batch,
         )
 
