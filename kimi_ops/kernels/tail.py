@@ -251,8 +251,8 @@ class NormFront:
     """The functional front, normalized: xn = BF16((latent · inv) · gamma) of one token per
     CTA, latent = BF16(Σ_r row_r · w_r) (the FP32 FMA chain in rank order) and inv from
     the row's Σ BF16(latent²) (FP64, exact), which stays in the CTA: MoeTail then only
-    copies its K slice (``normed``) instead of every cluster redoing the front, the sum
-    and the normalization for all B tokens (28 times over at TP1)."""
+    copies its K slice instead of every cluster redoing the front, the sum and the
+    normalization for all B tokens (28 times over at TP1)."""
 
     def __init__(self, latent: int):
         self.latent, self.packets = latent, latent // 8
