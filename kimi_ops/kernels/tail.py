@@ -39,8 +39,11 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    swizzle (xn stored the same way), conflict-free; the order of the FP32 accumulation is
    the MMA's, which DESIGN §3.4 leaves free. Each MMA warp arrives on a slot's empty
    barrier once it holds its fragments.
-4. The CTA releases its dependents once its weights are consumed (the next launch may
-   prefetch during this epilogue; every dependent waits before reading what follows).
+4. The CTA releases its dependents once its producer has issued the last chunk (the
+   next launch may prefetch during our epilogue; every dependent waits before reading
+   what follows). A CTA's release is its first thread's: measured, releasing at entry or
+   after the wait costs 0.3-0.7 µs per call, after the projection 1 µs, after the
+   scatter 1.7 µs; 2-4 chunks before the last, the same.
 5. K-split reduction: each warp stores its FP32 partial sums into the owning CTA's shared
    memory (DSMEM: beside the ring where it fits, else over xn and the ring once the
    cluster has passed a barrier); the owner of rows [c·R/4, (c+1)·R/4) adds the parts in
@@ -384,7 +387,7 @@ class MoeTail:
                 cute.arch.cluster_arrive()
             box_in, box_out = self.partition_boxes(weight_copy, weight_boxes, boxes)
             self.produce(weight_copy, box_in, box_out, full, empty, waited, fronted, cluster, k_slice, lane)
-            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_launch_dependents()  # the CTA's release (module doc, step 4)
             if cutlass.const_expr(self.publish):
                 cute.arch.cluster_wait()
             for _ in cutlass.range_constexpr(1 if plan.receive_words else 2):
@@ -423,8 +426,7 @@ class MoeTail:
 
             acc = self.project(stashed, xn, ring, full, empty, row_group, sub, lane, stamp)
             stamp.at("projected")
-            # Our weights are read: the next launch may start its prefetch during our epilogue
-            # (every dependent waits for our completion before it reads what we write).
+            # Our weights are read (the producer's release, step 4, comes first).
             cute.arch.griddepcontrol_launch_dependents()
 
             if cutlass.const_expr(not plan.receive_words):
