@@ -141,7 +141,8 @@ class Plan:
         self.threads = 32 * self.warps
         self.warp_chunks = self.chunks // self.split
         self.owned = TILE_ROWS * self.tiles // CLUSTER  # output rows per CTA
-        self.finish_rounds = -(-8 * self.groups * self.owned // 8 // self.threads)  # owner packets per thread
+        # owner packets per thread: 8 · groups tokens of owned / 8 packets each
+        self.finish_rounds = -(-self.groups * self.owned // self.threads)
         self.tokens_per_pass = max(1, 4 // self.tp)  # latent loads in flight per lane: 16 × this
         self.packets = self.cols // 8  # 8-column packets of the CTA's K slice
         self.rounds = -(-self.packets // 32)  # of them per lane
