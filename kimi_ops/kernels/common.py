@@ -274,6 +274,16 @@ def clean_half(half: Uint32) -> Uint32:
 
 
 @cute.jit
+def butterfly_sum(value, lanes: cutlass.Constexpr[int]):
+    """Σ of ``value`` over each aligned group of ``lanes`` lanes (a power of 2), in every
+    lane of the group: log2(lanes) butterfly shuffles."""
+    total = value
+    for shift in cutlass.range_constexpr(lanes.bit_length() - 1):
+        total += cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+    return total
+
+
+@cute.jit
 def rearm(address):
     """Write the sentinel over a consumed packet (relaxed, system scope)."""
     armed = Uint32(SENTINEL)

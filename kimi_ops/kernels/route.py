@@ -29,8 +29,8 @@ from ..ops import mailbox_ops
 from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
 from .common import (
-    THREADS, Release, bits_float, compiled, fake, fake_stream, hopper, launch, load_words, ordered, pack_bf16,
-    poll, rearm, sigmoid, store_words, unpack_words,
+    THREADS, Release, bits_float, butterfly_sum, compiled, fake, fake_stream, hopper, launch, load_words, ordered,
+    pack_bf16, poll, rearm, sigmoid, store_words, unpack_words,
 )
 
 TOP_K = route_op.TOP_K
@@ -165,8 +165,7 @@ class Route(Release):
             j = part + share * k
             if j < count:
                 rank += Int32(dense[j] > mine)
-        for shift in cutlass.range_constexpr(share.bit_length() - 1):
-            rank += cute.arch.shuffle_sync_bfly(rank, offset=1 << shift)
+        rank = butterfly_sum(rank, share)
         if (part == 0) & (index < count):
             self.place(mine, rank, scores, chosen, picked)
 
@@ -186,9 +185,7 @@ class Route(Release):
             if lane < TOP_K:
                 ids[token, lane] = chosen[lane]
                 value = picked[lane]
-            total = value
-            for shift in cutlass.range_constexpr(4):
-                total += cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+            total = butterfly_sum(value, TOP_K)
             if lane < TOP_K:
                 value = value * scale
                 if cutlass.const_expr(self.renorm):

@@ -70,8 +70,8 @@ from .. import backend
 from ..ops import mailbox_ops
 from ..ops import tail as tail_op
 from .common import (
-    THREADS, addresses, bits_float, compiled, fake, fake_stream, hopper, launch, load_words, no_neg_zero, pack_bf16,
-    poll, poll_all, rearm, register_addresses, store_to_peers, store_words, unpack_words,
+    THREADS, addresses, bits_float, butterfly_sum, compiled, fake, fake_stream, hopper, launch, load_words,
+    no_neg_zero, pack_bf16, poll, poll_all, rearm, register_addresses, store_to_peers, store_words, unpack_words,
 )
 
 TOP_K = tail_op.TOP_K
@@ -290,17 +290,14 @@ class NormFront:
             if packets[q] < self.packets:
                 squares += sum_of_squares(rounded)
             latents.append(rounded)
-        for shift in cutlass.range_constexpr(5):
-            squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
+        squares = butterfly_sum(squares, 32)
         if lane == 0:
             sums[warp] = squares
         cute.arch.sync_threads()
         total = Float64(0.0)  # the warps' sums, one per lane; any order is exact
         if lane < self.threads // 32:
             total = sums[lane]
-        for shift in cutlass.range_constexpr(5):
-            total += cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
-        inv = inverse_rms(total, self.latent, eps)
+        inv = inverse_rms(butterfly_sum(total, 32), self.latent, eps)
         for q in cutlass.range_constexpr(self.rounds):
             if packets[q] < self.packets:
                 store_words(rows.iterator + token * rows.stride[0] + packets[q] * 8,
@@ -521,8 +518,7 @@ class MoeTail:
                         squares += sum_of_squares(rounded)
                         words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
                         store_shared(xn + self.xn_packet(token, packet) * 4, words)
-                for shift in cutlass.range_constexpr(5):
-                    squares += cute.arch.shuffle_sync_bfly(squares, offset=1 << shift)
+                squares = butterfly_sum(squares, 32)
                 if (lane < plan.cluster) & (token < batch):
                     store_cluster(ss + self.plan.ss_slot(k_slice, token), squares, lane)
 
@@ -552,9 +548,8 @@ class MoeTail:
         plan = self.plan
         packets, rounds = plan.packets, plan.rounds
         for token in cutlass.range(warp, batch, plan.warps, unroll=1):
-            total = ss[self.plan.ss_slot(lane % CLUSTER, token)]  # any order is exact
-            for shift in cutlass.range_constexpr(CLUSTER.bit_length() - 1):  # every CLUSTER lanes hold them all
-                total += cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+            # every CLUSTER lanes hold the K slices' sums; any order is exact
+            total = butterfly_sum(ss[self.plan.ss_slot(lane % CLUSTER, token)], CLUSTER)
             inv = inverse_rms(total, plan.latent, eps)
             for q in cutlass.range_constexpr(rounds):
                 packet = lane + 32 * q
@@ -646,12 +641,14 @@ class MoeTail:
 
     @cute.jit
     def finish_item(self, round, batch, cluster, k_slice, tid):
-        """Owner packet ``round`` of this thread: (token, its 8 rows' first, whether it is one)."""
+        """Owner packet ``round`` of this thread: (token, its first row among our owned rows,
+        that row in the shard, whether it is one)."""
         plan = self.plan
         per_token = plan.owned // 8
         item = tid + round * plan.threads
-        row = cluster * plan.tiles * TILE_ROWS + k_slice * plan.owned + item % per_token * 8
-        return item // per_token, row, (item < batch * per_token) & (row < plan.shard)
+        owned = item % per_token * 8
+        row = cluster * plan.tiles * TILE_ROWS + k_slice * plan.owned + owned
+        return item // per_token, owned, row, (item < batch * per_token) & (row < plan.shard)
 
     @cute.jit
     def load_shared_rows(self, shared, batch, cluster, k_slice, tid):
@@ -659,7 +656,7 @@ class MoeTail:
         once our predecessor is done (back long before the sums, off the epilogue's path)."""
         packets = []
         for r in cutlass.range_constexpr(self.plan.finish_rounds):
-            token, row, _ = self.finish_item(r, batch, cluster, k_slice, tid)
+            token, _, row, _ = self.finish_item(r, batch, cluster, k_slice, tid)
             token, row = clamp(token, batch - 1), clamp(row, self.plan.shard - 8)  # an address to read, unused
             packets.append(load_words(shared.iterator + token * shared.stride[0] + row))
         return packets
@@ -672,9 +669,8 @@ class MoeTail:
         plan = self.plan
         parts = plan.cluster * plan.split
         for r in cutlass.range_constexpr(plan.finish_rounds):
-            token, row, valid = self.finish_item(r, batch, cluster, k_slice, tid)
+            token, owned, row, valid = self.finish_item(r, batch, cluster, k_slice, tid)
             if valid:
-                owned = row - (cluster * plan.tiles * TILE_ROWS + k_slice * plan.owned)
                 acc = [Float32(0.0)] * 8
                 for part in cutlass.range_constexpr(parts):
                     word = (part * 8 * plan.groups + token) * plan.owned + owned
