@@ -22,7 +22,7 @@ CALLS = COPIES * 4
 
 
 def profile(batch: int, w_ups, gamma) -> None:
-    ctas = tail.plan_for(1, HIDDEN, LATENT, tail.groups_of(batch)).clusters * tail.CLUSTER
+    ctas = tail.functional_ctas(HIDDEN, LATENT, batch)
     phases = len(tail.Stamps.PHASES)
     buffers = torch.zeros(CALLS, ctas * phases * 2, dtype=torch.int64, device="cuda")
     kernel = tail.TailKernel()

@@ -33,6 +33,11 @@ def test_stamping_tail_compiles():  # benchmarks/profile_tail.py's variant
     assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True) is not None
 
 
+@pytest.mark.parametrize("batch, stamps", [(32, False), (64, False), (64, True)])
+def test_wave_tail_compiles(batch, stamps):
+    assert tail.compile_wave_tail.build(HIDDEN, LATENT, tail.groups_of(batch), stamps) is not None
+
+
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_fronts_and_push_compile(tp):
     assert tail.compile_front.build(LATENT, tp) is not None
@@ -62,6 +67,16 @@ def test_prepare_skips_shapes_the_kernel_does_not_take(monkeypatch):
     assert compiled == [(1, 256, 256, 1, False, False), (1, 256, 256, 2, False, False), (2, 128, 256, 2, True)]
 
 
+def test_prepare_compiles_the_wave_past_its_first_groups(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(tail, "compile_tail", lambda *key: compiled.append(("tail", *key)))
+    monkeypatch.setattr(tail, "compile_wave_tail", lambda *key: compiled.append(("wave", *key)))
+    monkeypatch.setattr(tail, "compile_norm_front", lambda *key: None)
+    tail.TailKernel().prepare(LATENT, HIDDEN, [1, 16, 32, 64])
+    assert compiled == [("tail", 1, HIDDEN, LATENT, 1, False, False), ("tail", 1, HIDDEN, LATENT, 2, False, False),
+                        ("wave", HIDDEN, LATENT, 4, False), ("wave", HIDDEN, LATENT, 8, False)]
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_plan_covers_every_row_once_in_one_wave(tp):
     for groups in range(1, 9):
@@ -72,6 +87,46 @@ def test_plan_covers_every_row_once_in_one_wave(tp):
         assert (plan.xn_words + plan.ss_words + plan.ring_words) * 4 <= tail.SMEM_BYTES
         assert plan.split * plan.warp_chunks * tail.CHUNK * plan.cluster == plan.latent
         assert plan.rows <= 256 and plan.slot_bytes == plan.split * plan.rows * tail.CHUNK * 2  # one TMA box per part
+
+
+def test_wave_plan_covers_every_row_in_one_wave_and_fits():
+    """A CTA per 64 rows over the whole K (112 at TP1: one wave, in clusters); wgmma's N in
+    whole 8-row atoms per multicasting CTA; the rings and barriers within shared memory;
+    each warpgroup's stash within its register budget (ptxas -v: no spills)."""
+    assert tail.wave_plan_for(HIDDEN, LATENT, tail.MIN_WAVE_GROUPS - 1) is None  # MoeTail's
+    for groups in range(tail.MIN_WAVE_GROUPS, tail.MAX_WAVE_GROUPS + 1):
+        plan = tail.wave_plan_for(HIDDEN, LATENT, groups)
+        assert plan.ctas * tail.WAVE_ROWS == HIDDEN and plan.ctas % tail.CLUSTER == 0
+        assert plan.ctas <= tail.ONE_WAVE_CLUSTERS * tail.CLUSTER
+        assert plan.tokens >= 8 * groups and plan.tokens % (8 * tail.CLUSTER) == 0
+        assert plan.chunks * tail.CHUNK == LATENT and plan.packets * 32 == plan.tokens
+        assert 1024 + plan.xn_depth * plan.xn_bytes + plan.depth * plan.slot_bytes <= tail.SMEM_BYTES
+        assert 8 * (2 * plan.depth + 2 * plan.xn_depth + 2) <= 1024
+        assert plan.tokens // 2 + plan.tokens // 8 + 16 * plan.stash <= tail.WAVE_REGISTERS and plan.stash >= 1
+        assert 2 * plan.stash + plan.depth < plan.chunks  # the ring refills
+    assert tail.PRODUCER_REGISTERS * 128 + tail.CONSUMER_REGISTERS * 256 <= 64 * 1024
+    assert [tail.wave_plan_for(HIDDEN, LATENT, g).stash for g in (4, 8)] == [10, 9]
+    assert tail.wave_plan_for(HIDDEN, LATENT, 9) is None and tail.wave_plan_for(7168 - 64, LATENT, 4) is None
+
+
+def test_wave_a_fragments_read_the_rows_of_their_warp():
+    """WavePlan.a_piece over TMA's swizzled 64-row box: ldmatrix.x4 gives each warp the
+    m16n8k16 A layout of its 16 rows (wgmma's register A), conflict-free."""
+    plan = tail.wave_plan_for(HIDDEN, LATENT, 8)
+    gen = torch.Generator().manual_seed(5)
+    slot = plan.depth - 1
+    box = torch.randn(tail.WAVE_ROWS, tail.CHUNK, generator=gen, dtype=torch.float64)
+    ring = {tail.swizzled(slot * tail.WAVE_ROWS, row, piece): box[row, 8 * piece : 8 * piece + 8]
+            for row in range(tail.WAVE_ROWS) for piece in range(tail.CHUNK // 8)}
+    b = torch.randn(tail.CHUNK, 8, generator=gen, dtype=torch.float64)
+    for warp in range(tail.WAVE_WARPS):
+        acc = torch.zeros(16, 8, dtype=torch.float64)
+        for k16 in range(tail.CHUNK // 16):
+            a = ldmatrix_x4(ring, [plan.a_piece(slot, warp, k16, lane) for lane in range(32)])
+            b_regs = [((b[16 * k16 + 2 * (l % 4), l // 4], b[16 * k16 + 2 * (l % 4) + 1, l // 4]),
+                       (b[16 * k16 + 8 + 2 * (l % 4), l // 4], b[16 * k16 + 9 + 2 * (l % 4), l // 4])) for l in range(32)]
+            acc += mma_m16n8k16(a, b_regs)
+        torch.testing.assert_close(acc, box[16 * warp : 16 * warp + 16] @ b, rtol=1e-12, atol=1e-12)
 
 
 def mma_m16n8k16(a_regs, b_regs):

@@ -55,6 +55,8 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    the latent and reduce-scatter boxes) while the weights stream.
 
 Batches compile per 8-token group count (the MMA's N); the batch is a runtime argument.
+From MIN_WAVE_GROUPS groups on, the functional tail is ``WaveMoeTail`` instead: no K
+split, wgmma, xn multicast across the cluster (see its docstring).
 """
 
 import functools
@@ -63,7 +65,9 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from .. import backend
@@ -90,6 +94,16 @@ STASH_REGISTERS = 144  # per MMA lane for stashed A fragments, accumulators, B f
 MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
 LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
+WAVE_ROWS = 64  # rows per WaveMoeTail CTA: wgmma's M
+WAVE_WARPS = 4  # per WaveMoeTail consumer warpgroup (two, taking alternate chunks)
+WAVE_THREADS = 3 * 32 * WAVE_WARPS  # the consumers, then the producers' warpgroup
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232  # setmaxnreg: 128 · 40 + 256 · 232 <= 64 K
+XN_BYTES = 96 * 1024  # the xn ring (L2 hits: slots in flight cover the cluster's round trip)
+WGMMA_PENDING = 1  # chunks whose wgmmas stay in flight while the next chunk issues (measured: 1-3 alike)
+WAVE_PACE = 8  # 8 KB slots in flight before xn is in: the bytes of MoeTail's PACE slots
+MAX_WAVE_DEPTH = 32
+MIN_WAVE_GROUPS, MAX_WAVE_GROUPS = 4, 8  # WaveMoeTail's batches (MoeTail is faster up to 16 tokens)
+WAVE_REGISTERS = 184  # of CONSUMER_REGISTERS for the stash, accumulators and shared packets (ptxas: no spills)
 
 
 class Plan:
@@ -148,17 +162,16 @@ class Plan:
         self.rounds = -(-self.packets // 32)  # of them per lane
 
     # The shared-memory layouts, in 16-byte pieces (kernel and CPU layout test alike): rows
-    # of 128 bytes in TMA's 128-byte swizzle (piece p of row r at p XOR r % 8), so that the
-    # eight rows of every ldmatrix 8x8 matrix fall in distinct banks.
+    # of 128 bytes in TMA's 128-byte swizzle (``swizzled``).
 
     def ring_piece(self, slot, sub, row, piece):
         """Piece ``piece`` (columns 8·piece..+7 of the slot's chunk) of CTA row ``row`` for
         the warps of K part ``sub``: [slot][sub][row], as TMA stores the box."""
-        return ((slot * self.split + sub) * self.rows + row) * 8 + (piece ^ (row % 8))
+        return swizzled((slot * self.split + sub) * self.rows, row, piece)
 
     def xn_piece(self, chunk, token, piece):
         """Piece ``piece`` of K chunk ``chunk`` (of the CTA's slice) of ``token``: [chunk][token]."""
-        return (chunk * 8 * self.groups + token) * 8 + (piece ^ (token % 8))
+        return swizzled(chunk * 8 * self.groups, token, piece)
 
     def a_piece(self, slot, sub, row_group, p, k16, lane):
         """``lane``'s ldmatrix.x4 row for the A fragment of tile ``p`` (of the warp's row
@@ -334,8 +347,7 @@ class MoeTail:
 
     def ring_layout(self, stages):
         """``stages`` ring boxes of rows × CHUNK BF16 in the 128-byte swizzle (Plan.ring_piece)."""
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        return cute.tile_to_shape(atom, (self.plan.rows, CHUNK, stages), (0, 1, 2))
+        return swizzled_stages(self.plan.rows, stages)
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, weight_copy: cute.CopyAtom,
@@ -469,21 +481,13 @@ class MoeTail:
 
     @cute.jit
     def pace(self, i, full, waited, fronted):
-        """Before chunk ``i``: a whole ring queued at once (21 MB) holds every other load 2-5
-        µs behind it (measured), and our predecessor's and step 2's loads are the critical
-        path. So until step 2's loads are back, PACE slots stay in flight (chunk i - PACE has
-        landed), the stash's refills included, and once our predecessor is done (``waited``)
-        the rest waits for step 2's loads (``fronted``), which then queue behind at most
-        PACE slots. Publish mode paces its first fill only: its polls wait for the peers,
-        not for the stream."""
-        landed, phase = full + (i - PACE) % self.plan.depth, ((i - PACE) // self.plan.depth) % 2
+        """Before chunk ``i``: ``paced``; publish mode paces its first fill only (its polls
+        wait for the peers, not for the stream)."""
         if cutlass.const_expr(self.publish):
             if i < self.plan.depth:
-                cute.arch.mbarrier_wait(landed, phase)
-        elif not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
-            cute.arch.mbarrier_wait(landed, phase)
-            if cute.arch.mbarrier_test_wait(waited, 0):
-                cute.arch.mbarrier_wait(fronted, 0)
+                cute.arch.mbarrier_wait(full + (i - PACE) % self.plan.depth, 0)
+        else:
+            paced(i, PACE, self.plan.depth, full, waited, fronted)
 
     @cute.jit
     def load_latent(self, latent, xn, ss, error, batch, parity, k_slice, warp, lane):
@@ -570,7 +574,7 @@ class MoeTail:
         for i in cutlass.range_constexpr(self.stashed):
             cute.arch.mbarrier_wait(full + i, 0)
             stashed.append(self.a_fragments(ring, i, sub, row_group, lane))
-            self.release(empty + i, lane)
+            release(empty + i, lane)
         return stashed
 
     @cute.jit
@@ -592,7 +596,7 @@ class MoeTail:
             cute.arch.mbarrier_wait(full + slot, (i // plan.depth) % 2)
             stamp.slot(i, self.stashed, plan.depth, plan.warp_chunks)
             self.multiply(acc, self.a_fragments(ring, slot, sub, row_group, lane), xn, sub * plan.warp_chunks + i, lane)
-            self.release(empty + slot, lane)
+            release(empty + slot, lane)
         return acc
 
     @cute.jit
@@ -614,13 +618,6 @@ class MoeTail:
                                      (acc[p, n, 0], acc[p, n, 1], acc[p, n, 2], acc[p, n, 3]))
                         for e in cutlass.range_constexpr(4):
                             acc[p, n, e] = d[e]
-
-    @cute.jit
-    def release(self, empty, lane):
-        """The warp has read its fragments of a slot: the producer may refill it."""
-        cute.arch.sync_warp()
-        if lane == 0:
-            cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
     def scatter(self, acc, received, batch, tile, part, lane):
@@ -708,6 +705,350 @@ class MoeTail:
                 token, packet = rest // per_row, rest % per_row
                 row = (rearm_parity * plan.tp + source) * box.shape[2] + token
                 rearm(box.iterator + row * width + packet * 8)
+
+
+class WavePlan:
+    """WaveMoeTail's partition (functional, TP1, past one token group): a CTA per WAVE_ROWS
+    rows of the shard over the whole K, so no partial sum crosses CTAs; the CTAs of a
+    cluster share each xn chunk (TMA multicast, each loading a quarter of its tokens)."""
+
+    def __init__(self, shard: int, latent: int, groups: int):
+        self.shard, self.latent, self.groups = shard, latent, groups
+        # wgmma's N: whole 8-row swizzle atoms per multicasting CTA
+        self.tokens = -(-groups // CLUSTER) * 8 * CLUSTER
+        self.ctas, self.chunks = shard // WAVE_ROWS, latent // CHUNK
+        self.slot_bytes, self.xn_bytes = WAVE_ROWS * CHUNK * 2, self.tokens * CHUNK * 2
+        self.xn_depth = XN_BYTES // self.xn_bytes
+        room = SMEM_BYTES - 2048 - XN_BYTES  # the barriers take the first KB
+        self.depth = min(self.chunks, MAX_WAVE_DEPTH, room // self.slot_bytes)
+        # chunks each consumer warpgroup holds in registers (16 per lane each) beside its
+        # accumulators (tokens / 2) and shared rows' packets (tokens / 8)
+        self.stash = min(self.chunks // 2, (WAVE_REGISTERS - self.tokens // 2 - self.tokens // 8) // 16)
+        self.packets = self.tokens // 32  # output packets (8 rows of a token) per consumer thread
+        if (latent % (2 * CHUNK) or shard % (WAVE_ROWS * CLUSTER) or groups > MAX_WAVE_GROUPS
+                or self.depth < WAVE_PACE or 8 * (2 * self.depth + 2 * self.xn_depth + 2) > 1024):
+            raise ValueError(f"the wave tail does not take N={shard}, L={latent}, {8 * groups} tokens")
+
+    def a_piece(self, slot, warp, k16, lane):
+        """``lane``'s ldmatrix.x4 row for warp ``warp``'s A fragment (its 16 of wgmma's 64
+        rows, the m16n8k16 A layout), k16 step ``k16`` of weight slot ``slot``."""
+        return swizzled(slot * WAVE_ROWS, 16 * warp + lane % 16, 2 * k16 + lane // 16)
+
+
+class WaveMoeTail:
+    """The one-wave tail from MIN_WAVE_GROUPS token groups on (functional, TP1): xn → up
+    projection + shared on wgmma, a CTA per WAVE_ROWS rows over the whole K. MoeTail's K
+    split keeps xn resident, which leaves a 3-slot ring at 64 tokens, and reduces the
+    partial sums through DSMEM, 3.4 µs there; here no sum crosses a CTA (measured at 64
+    tokens: 24.9 → 19.2 µs per call; at 32: 19.4 → 18.3; at 16 MoeTail stays ahead,
+    15.9 against 18.9).
+
+    1. A producer warp streams the CTA's w_up rows through a ring of ``depth`` 8 KB slots
+       (TMA, evict-first, ``paced``) from launch on. Two consumer warpgroups take
+       alternate chunks; each holds its first ``stash`` chunks in registers as they land
+       and hands their slots back (setmaxnreg gives the consumers the producers'
+       registers): about 60 % of the weights can be in before xn.
+    2. A second producer warp waits for NormFront, then streams xn chunks [tokens, CHUNK]
+       through ``xn_depth`` slots: each CTA of the cluster loads a quarter of the tokens
+       and multicasts it to all four (the cluster's L2 reads once), rows past the batch
+       zero-filled by TMA. A slot is refilled once the consuming warpgroup of every CTA
+       of the cluster has released it.
+    3. Each consumer warpgroup runs wgmma m64nNk16 (N = tokens) per K step, the stashed
+       chunks' A from registers, the ring's from shared memory, FP32 accumulation in the
+       tensor core's order (DESIGN §3.4).
+    4. Epilogue: the odd chunks' sums join the even ones' through shared memory, up =
+       BF16(Σ) staged as [token][row] over the drained ring, out = BF16(up + shared) in
+       16-byte packets, the shared rows loaded after the wait.
+    The CTA's release is the weight producer's, after its last chunk (MoeTail, step 4).
+    Past xn the CTA is bound by shared memory: wgmma reads A and B and TMA writes both,
+    32 KB per chunk at 64 tokens, 0.14 µs at 128 bytes per clock, as measured."""
+
+    def __init__(self, plan: WavePlan, stamps: bool = False):
+        self.plan, self.stamps = plan, stamps
+
+    @cute.jit
+    def __call__(self, normed: cute.Tensor, shared: cute.Tensor, w_up: cute.Tensor, out: cute.Tensor,
+                 stamps: cute.Tensor, batch: Int32, stream):
+        plan = self.plan
+        weight_copy, weight_boxes = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), w_up, swizzled_stages(WAVE_ROWS, 1), (WAVE_ROWS, CHUNK)
+        )
+        xn_copy, xn_boxes = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SMulticastOp(), normed, swizzled_stages(plan.tokens, 1), (plan.tokens, CHUNK),
+            num_multicast=CLUSTER,
+        )
+        self.kernel(weight_copy, weight_boxes, xn_copy, xn_boxes, shared, out, stamps, batch).launch(
+            grid=[plan.ctas, 1, 1], block=[WAVE_THREADS, 1, 1], cluster=[CLUSTER, 1, 1], stream=stream, use_pdl=True,
+            min_blocks_per_mp=1,  # ptxas: the registers at entry, for setmaxnreg
+        )
+
+    @cute.kernel
+    def kernel(self, weight_copy: cute.CopyAtom, weight_boxes: cute.Tensor, xn_copy: cute.CopyAtom,
+               xn_boxes: cute.Tensor, shared: cute.Tensor, out: cute.Tensor, stamps: cute.Tensor, batch: Int32):
+        plan = self.plan
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp, lane = tid // 32, tid % 32
+        stamp = Stamps(self.stamps, stamps, cta, tid)
+        stamp.at("start")
+        smem = SmemAllocator()
+        # mbarriers: full and empty per weight slot and per xn slot; the consumers' wait, xn in
+        full = smem.allocate_tensor(Int64, cute.make_layout(2 * plan.depth + 2 * plan.xn_depth + 2), 16).iterator
+        empty, xn_full = full + plan.depth, full + 2 * plan.depth
+        xn_empty, waited = xn_full + plan.xn_depth, xn_full + 2 * plan.xn_depth
+        fronted = waited + 1
+        xn = smem.allocate_tensor(Uint32, cute.make_layout(XN_BYTES // 4), 1024).iterator
+        ring = smem.allocate_tensor(Uint32, cute.make_layout(plan.depth * plan.slot_bytes // 4), 1024).iterator
+        barriers = Barriers(full, empty, xn_full, xn_empty, waited, fronted)
+
+        if tid == 0:
+            for slot in cutlass.range_constexpr(plan.depth):
+                cute.arch.mbarrier_init(full + slot, 1)  # the producer's expect_tx
+                cute.arch.mbarrier_init(empty + slot, WAVE_WARPS)  # the consuming warpgroup's warps
+            for slot in cutlass.range_constexpr(plan.xn_depth):
+                cute.arch.mbarrier_init(xn_full + slot, 1)  # our producer's expect_tx; the cluster's copies
+                cute.arch.mbarrier_init(xn_empty + slot, WAVE_WARPS * CLUSTER)  # every CTA's consuming warps
+            cute.arch.mbarrier_init(waited, 1)
+            cute.arch.mbarrier_init(fronted, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        cute.arch.cluster_arrive_relaxed()  # multicasts and remote arrivals need the cluster's barriers initialized
+
+        if warp >= 2 * WAVE_WARPS:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            cute.arch.cluster_wait()
+            if warp == 2 * WAVE_WARPS:
+                self.produce_weights(weight_copy, weight_boxes, ring, barriers, cta, lane)
+            elif warp == 2 * WAVE_WARPS + 1:
+                self.produce_xn(xn_copy, xn_boxes, xn, barriers, cta, lane)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            if warp < WAVE_WARPS:
+                self.consume(0, xn, ring, barriers, shared, out, batch, cta, tid, stamp)
+            else:
+                self.consume(1, xn, ring, barriers, shared, out, batch, cta, tid, stamp)
+        # No CTA leaves while a peer may still multicast into it or arrive on its barriers.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def produce_weights(self, weight_copy, weight_boxes, ring, barriers, cta, lane):
+        """The CTA's rows, chunk by chunk, evict-first, ``paced``; then the CTA's release."""
+        plan = self.plan
+        stages = swizzled_stages(WAVE_ROWS, plan.depth)
+        box_in, box_out = cpasync.tma_partition(
+            weight_copy, 0, cute.make_layout(1),
+            cute.group_modes(cute.make_tensor(cute.recast_ptr(ring, stages.inner, dtype=BFloat16), stages.outer), 0, 2),
+            cute.group_modes(cute.local_tile(weight_boxes, (WAVE_ROWS, CHUNK), (None, None)), 0, 2),
+        )
+        evict_first = l2_evict_first()
+        for i in cutlass.range(plan.chunks, unroll=1):
+            slot = i % plan.depth
+            if i >= plan.depth:
+                cute.arch.mbarrier_wait(barriers.empty + slot, (i // plan.depth + 1) % 2)
+            if i >= WAVE_PACE:
+                paced(i, WAVE_PACE, plan.depth, barriers.full, barriers.waited, barriers.fronted)
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(barriers.full + slot, plan.slot_bytes)
+            cute.arch.sync_warp()
+            cute.copy(weight_copy, box_out[(None, cta, i)], box_in[(None, slot)], tma_bar_ptr=barriers.full + slot,
+                      cache_policy=evict_first)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def produce_xn(self, xn_copy, xn_boxes, xn, barriers, cta, lane):
+        """Once NormFront is done, our quarter of each xn chunk's tokens to every CTA of the
+        cluster, a slot once all of them have released it."""
+        plan = self.plan
+        stages = swizzled_stages(plan.tokens, plan.xn_depth)
+        box_in, box_out = cpasync.tma_partition(
+            xn_copy, cta % CLUSTER, cute.make_layout(CLUSTER),
+            cute.group_modes(cute.make_tensor(cute.recast_ptr(xn, stages.inner, dtype=BFloat16), stages.outer), 0, 2),
+            cute.group_modes(cute.local_tile(xn_boxes, (plan.tokens, CHUNK), (None, None)), 0, 2),
+        )
+        cute.arch.griddepcontrol_wait()
+        for i in cutlass.range(plan.chunks, unroll=1):
+            slot = i % plan.xn_depth
+            if i >= plan.xn_depth:
+                cute.arch.mbarrier_wait(barriers.xn_empty + slot, (i // plan.xn_depth + 1) % 2)
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(barriers.xn_full + slot, plan.xn_bytes)
+            cute.arch.sync_warp()
+            cute.copy(xn_copy, box_out[(None, 0, i)], box_in[(None, slot)], tma_bar_ptr=barriers.xn_full + slot,
+                      mcast_mask=Int32((1 << CLUSTER) - 1))
+
+    @cute.jit
+    def consume(self, parity: cutlass.Constexpr[int], xn, ring, barriers, shared, out, batch, cta, tid, stamp):
+        """Consumer warpgroup ``parity``: chunks parity, parity + 2, …; then the epilogue."""
+        plan = self.plan
+        warp, lane = tid // 32 % WAVE_WARPS, tid % 32
+        stashed = []
+        for j in cutlass.range_constexpr(plan.stash):
+            slot = (2 * j + parity) % plan.depth
+            cute.arch.mbarrier_wait(barriers.full + slot, ((2 * j + parity) // plan.depth) % 2)
+            stashed.append(self.a_fragments(ring, slot, warp, lane))
+            release(barriers.empty + slot, lane)
+        cute.arch.griddepcontrol_wait()
+        if tid == 0:
+            cute.arch.mbarrier_arrive(barriers.waited)  # after the stash: the stream's pace lets it land
+        stamp.at("waited")
+        shared_rows = []
+        for q in cutlass.range_constexpr(plan.packets):
+            token, row = self.packet(q, tid)
+            shared_rows.append(load_words(shared.iterator + clamp(token, batch - 1) * shared.stride[0]
+                                          + cta * WAVE_ROWS + row))
+        cute.arch.cluster_wait()
+        acc = self.project(parity, stashed, xn, ring, barriers, warp, lane, stamp)
+        stamp.at("projected")
+        # Both warpgroups' wgmmas are done: the ring is free for the epilogue.
+        cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)
+        partial = cute.recast_ptr(ring, dtype=Float32)
+        position = tid % (32 * WAVE_WARPS)  # the same accumulator in both warpgroups
+        if cutlass.const_expr(parity == 1):
+            for k in cutlass.range_constexpr(plan.tokens // 2):
+                partial[k * 32 * WAVE_WARPS + position] = acc[k]
+        cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)
+        staging = cute.make_tensor(cute.recast_ptr(ring + plan.tokens * WAVE_ROWS, dtype=BFloat16),
+                                   cute.make_layout((plan.tokens, WAVE_ROWS), stride=(WAVE_ROWS, 1)))
+        if cutlass.const_expr(parity == 0):
+            g, t = lane // 4, lane % 4
+            for j in cutlass.range_constexpr(plan.tokens // 8):
+                for h in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        k = 4 * j + 2 * h + e
+                        total = acc[k] + partial[k * 32 * WAVE_WARPS + position]
+                        staging[8 * j + 2 * t + e, 16 * warp + 8 * h + g] = BFloat16(total)
+        cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)
+        for q in cutlass.range_constexpr(plan.packets):
+            token, row = self.packet(q, tid)
+            if token < batch:
+                up = unpack_words(load_shared(staging.iterator.toint() + (token * WAVE_ROWS + row) * 2))
+                extra = unpack_words(shared_rows[q])
+                result = [up[i] + extra[i] for i in range(8)]
+                store_words(out.iterator + token * out.stride[0] + cta * WAVE_ROWS + row,
+                            [pack_bf16(result[i], result[i + 1]) for i in range(0, 8, 2)])
+        stamp.at("end")
+
+    @cute.jit
+    def a_fragments(self, ring, slot, warp, lane):
+        """The warp's A fragments of a slot per k16 step (WavePlan.a_piece)."""
+        return [load_matrices(ring + self.plan.a_piece(slot, warp, k16, lane) * 4) for k16 in range(CHUNK // 16)]
+
+    @cute.jit
+    def project(self, parity: cutlass.Constexpr[int], stashed, xn, ring, barriers, warp, lane, stamp):
+        """acc[4j + 2h + e] = (row 16·warp + 8h + g, token 8j + 2t + e) over the warpgroup's
+        chunks, the stashed ones first; a chunk's slots go back once its wgmmas are done."""
+        plan = self.plan
+        acc = cute.make_rmem_tensor((plan.tokens // 2,), Float32)
+        zeros = pinned([Float32(0.0)] * (plan.tokens // 2))  # set before the first wgmma.fence
+        for k in cutlass.range_constexpr(plan.tokens // 2):
+            acc[k] = zeros[k]
+        # Unrolled: across a loop's back edge with a chunk in flight ptxas serializes the
+        # wgmmas (C7514).
+        for j in cutlass.range_constexpr(plan.chunks // 2):
+            i = 2 * j + parity
+            if cutlass.const_expr(j < plan.stash):
+                a = stashed[j]
+            else:
+                slot = i % plan.depth
+                cute.arch.mbarrier_wait(barriers.full + slot, (i // plan.depth) % 2)
+                stamp.slot(i, 2 * plan.stash, plan.depth, plan.chunks - 1)  # warpgroup 0: even chunks
+                a = [descriptor(ring.toint() + slot * plan.slot_bytes + 32 * k16) for k16 in range(CHUNK // 16)]
+            cute.arch.mbarrier_wait(barriers.xn_full + i % plan.xn_depth, (i // plan.xn_depth) % 2)
+            if cutlass.const_expr(i == 0):
+                stamp.at("latent")
+                if (warp == 0) & (lane == 0):
+                    cute.arch.mbarrier_arrive(barriers.fronted)
+            self.multiply(acc, a, xn, i)
+            if cutlass.const_expr(j >= WGMMA_PENDING):
+                self.retire(i - 2 * WGMMA_PENDING, barriers, lane)
+        warpgroup.wait_group(0)
+        return pinned([acc[k] for k in range(plan.tokens // 2)])
+
+    @cute.jit
+    def multiply(self, acc, a, xn, i):
+        """acc += chunk ``i``'s A (four k16 steps: registers or descriptors) × its xn slot."""
+        base = xn.toint() + (i % self.plan.xn_depth) * self.plan.xn_bytes
+        warpgroup.fence()
+        for k16 in cutlass.range_constexpr(CHUNK // 16):
+            d = wgmma_bf16([acc[k] for k in range(self.plan.tokens // 2)], a[k16], descriptor(base + 32 * k16))
+            for k in cutlass.range_constexpr(self.plan.tokens // 2):
+                acc[k] = d[k]
+        warpgroup.commit_group()
+        warpgroup.wait_group(WGMMA_PENDING)  # the warpgroup's chunk WGMMA_PENDING back is done
+
+    @cute.jit
+    def retire(self, i, barriers, lane):
+        """Chunk ``i``'s wgmmas are done: its xn slot back to every producer of the cluster,
+        its weight slot (unless stashed: handed back already) to ours."""
+        cute.arch.sync_warp()
+        if lane < CLUSTER:
+            cute.arch.mbarrier_arrive(barriers.xn_empty + i % self.plan.xn_depth, lane)
+        if cutlass.const_expr(i >= 2 * self.plan.stash):
+            if lane == 0:
+                cute.arch.mbarrier_arrive(barriers.empty + i % self.plan.depth)
+
+    def packet(self, q, tid):
+        """Output packet ``q`` of consumer thread ``tid``: (token, first of its 8 rows)."""
+        item = tid + q * 64 * WAVE_WARPS
+        return item // (WAVE_ROWS // 8), item % (WAVE_ROWS // 8) * 8
+
+
+class Barriers:
+    """WaveMoeTail's mbarriers (shared-memory pointers), one DSL value."""
+
+    NAMES = ("full", "empty", "xn_full", "xn_empty", "waited", "fronted")
+
+    def __init__(self, *pointers):
+        for name, pointer in zip(self.NAMES, pointers):
+            setattr(self, name, pointer)
+
+    def __extract_mlir_values__(self):
+        return [v for name in self.NAMES for v in cutlass.extract_mlir_values(getattr(self, name))]
+
+    def __new_from_mlir_values__(self, values):
+        pointers, at = [], 0
+        for name in self.NAMES:
+            n = len(cutlass.extract_mlir_values(getattr(self, name)))
+            pointers.append(cutlass.new_from_mlir_values(getattr(self, name), values[at:at + n]))
+            at += n
+        return Barriers(*pointers)
+
+
+@cute.jit
+def paced(i, lag: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], full, waited, fronted):
+    """Before chunk ``i`` of a weight stream through ``depth`` slots: a whole ring queued at
+    once (21 MB) holds every other load 2-5 µs behind it (measured), and our
+    predecessor's and xn's loads are the critical path. So until xn is in (``fronted``),
+    ``lag`` slots stay in flight (chunk i - lag has landed), and once our predecessor is
+    done (``waited``) the rest waits for xn, whose loads then queue behind at most
+    ``lag`` slots."""
+    if not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
+        cute.arch.mbarrier_wait(full + (i - lag) % depth, ((i - lag) // depth) % 2)
+        if cute.arch.mbarrier_test_wait(waited, 0):
+            cute.arch.mbarrier_wait(fronted, 0)
+
+
+@cute.jit
+def release(empty, lane):
+    """The warp is done with its part of a slot: the producer may refill it."""
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.mbarrier_arrive(empty)
+
+
+def swizzled(first, row, piece):
+    """The 16-byte piece ``piece`` of 128-byte row ``first + row`` (``first`` a multiple of
+    8) in TMA's 128-byte swizzle (at piece XOR row % 8), so that the eight rows of an
+    ldmatrix 8x8 matrix fall in distinct banks."""
+    return (first + row) * 8 + (piece ^ (row % 8))
+
+
+def swizzled_stages(rows, stages):
+    """``stages`` boxes of rows × CHUNK BF16 in the 128-byte swizzle (``swizzled``), as TMA
+    stores them and wgmma's descriptors read them."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    return cute.tile_to_shape(atom, (rows, CHUNK, stages), (0, 1, 2))
 
 
 @cute.jit
@@ -828,6 +1169,58 @@ def mma_bf16(a, b, c):
     )
 
 
+# wgmma's shared-memory matrix descriptor, all but the start address: the 128-byte swizzle
+# (bits 62-63), 8-row groups 1024 bytes apart (stride, bits 32-45), leading offset unused (1)
+DESCRIPTOR_FIELDS = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)
+
+
+@cute.jit
+def descriptor(address: Int32) -> Int64:
+    """wgmma's descriptor of a K-major [rows, 64] BF16 tile in the 128-byte swizzle at
+    shared ``address`` (a 1024-aligned box, + 32 bytes per k16 step within its rows)."""
+    return Int64(DESCRIPTOR_FIELDS) | Int64((address >> 4) & 0x3FFF)
+
+
+@dsl_user_op
+def wgmma_bf16(acc, a, b, *, loc=None, ip=None):
+    """acc + A·B by wgmma.mma_async m64nNk16 (N = 2 · len(acc)), BF16 → FP32: A a shared
+    descriptor or, from registers, four words in mma.sync's m16n8k16 A layout per warp;
+    B a descriptor (K-major). Asynchronous: the results are not to be read before
+    wgmma.wait_group (then through ``pinned``)."""
+    n = len(acc)
+    registers = isinstance(a, (list, tuple))
+    a_values = [Uint32(w).ir_value(loc=loc, ip=ip) for w in a] if registers else [Int64(a).ir_value(loc=loc, ip=ip)]
+    at = 2 * n  # after the outputs and the tied accumulators
+    a_text = "{" + ", ".join(f"${at + k}" for k in range(4)) + "}" if registers else f"${at}"
+    b_at = at + len(a_values)
+    transpose = "" if registers else ", 0"  # K-major A: register A takes no transpose flag
+    ptx = (f"{{ .reg .pred p; setp.ne.b32 p, ${b_at + 1}, 0; wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.bf16.bf16 "
+           + "{" + ", ".join(f"${k}" for k in range(n)) + f"}}, {a_text}, ${b_at}, p, 1, 1{transpose}, 0; }}")
+    constraints = ",".join(["=f"] * n + [str(k) for k in range(n)] + ["r" if registers else "l"] * len(a_values)
+                           + ["l", "r"])
+    operands = [Float32(x).ir_value(loc=loc, ip=ip) for x in acc] + a_values + [
+        Int64(b).ir_value(loc=loc, ip=ip), Int32(1).ir_value(loc=loc, ip=ip)]
+    return unpacked(llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * n), operands, ptx, constraints,
+                                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                    loc=loc, ip=ip), n, loc, ip)
+
+
+@dsl_user_op
+def pinned(values, *, loc=None, ip=None):
+    """``values`` through an empty volatile asm: their uses stay after what precedes it
+    (wgmma.wait_group; the compiler would otherwise move arithmetic above it)."""
+    n = len(values)
+    result = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * n),
+                             [Float32(x).ir_value(loc=loc, ip=ip) for x in values], "",
+                             ",".join(["=f"] * n + [str(k) for k in range(n)]), has_side_effects=True,
+                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return unpacked(result, n, loc, ip)
+
+
+def unpacked(struct, n, loc, ip):
+    return [Float32(llvm.extractvalue(T.f32(), struct, [k], loc=loc, ip=ip)) for k in range(n)]
+
+
 class ShardPush:
     """The shared expert's reduce-scatter stores (the seeds' ``WaveMoeTail.push``): packet
     p of token b goes to rank p·8 // N's box, row ``row0 + b`` of rows of N."""
@@ -900,6 +1293,32 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, s
     )
 
 
+@functools.cache
+def wave_plan_for(shard: int, latent: int, groups: int) -> WavePlan | None:
+    """WaveMoeTail's plan of a shape, or None where MoeTail runs (fewer than MIN_WAVE_GROUPS
+    token groups, or a shape the wave does not take)."""
+    try:
+        return WavePlan(shard, latent, groups) if groups >= MIN_WAVE_GROUPS else None
+    except ValueError:
+        return None
+
+
+@compiled
+def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False):
+    batch = cute.sym_int()
+    return cute.compile(
+        WaveMoeTail(wave_plan_for(shard, latent, groups), stamps), fake(BFloat16, (batch, latent)),
+        fake(BFloat16, (batch, shard)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
+        fake(Int32, (1,), align=4), Int32(1), fake_stream(), options="--enable-tvm-ffi",
+    )
+
+
+def functional_ctas(shard: int, latent: int, batch: int) -> int:
+    """The CTAs of the functional tail's launch (benchmarks/profile_tail.py's stamps)."""
+    wave = wave_plan_for(shard, latent, groups_of(batch))
+    return wave.ctas if wave else plan_for(1, shard, latent, groups_of(batch)).clusters * CLUSTER
+
+
 @compiled
 def compile_push(hidden: int, tp: int):
     return cute.compile(
@@ -931,9 +1350,9 @@ def unsupported_shape(tp: int, shard: int, latent: int, batch: int) -> str | Non
 
 
 class TailKernel:
-    """``kimi::moe_tail`` on CUDA (TP1): NormFront, then MoeTail on the normalized rows.
-    ``stamps`` (benchmarks only): an int64 buffer of Stamps pairs per CTA, to run the
-    stamping variant."""
+    """``kimi::moe_tail`` on CUDA (TP1): NormFront, then WaveMoeTail past one token group
+    (MoeTail at one) on the normalized rows. ``stamps`` (benchmarks only): an int64 buffer
+    of Stamps pairs per CTA, to run the stamping variant."""
 
     check = staticmethod(tail_op.check_moe_tail)
 
@@ -941,16 +1360,23 @@ class TailKernel:
         self.stamps = stamps
 
     def prepare(self, latent: int, hidden: int, batches) -> None:
-        """Compile what the op will run for ``batches`` (shapes the kernel does not take run
+        """Compile what the op will run for ``batches`` (shapes the kernels do not take run
         the reference: nothing to compile)."""
         compile_norm_front(latent)
-        for groups in sorted({groups_of(b) for b in batches if not unsupported_shape(1, hidden, latent, b)}):
-            compile_tail(1, hidden, latent, groups, False, self.stamps is not None)
+        stamps = self.stamps is not None
+        for groups in sorted({groups_of(b) for b in batches}):
+            if wave_plan_for(hidden, latent, groups):
+                compile_wave_tail(hidden, latent, groups, stamps)
+            elif not unsupported_shape(1, hidden, latent, 8 * groups):
+                compile_tail(1, hidden, latent, groups, False, stamps)
 
     def unsupported(self, expanded, weights, shared, gamma, w_up, eps):
         if not aligned(expanded, shared, gamma, w_up):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
-        return unsupported_shape(1, w_up.shape[0], expanded.shape[2], expanded.shape[0]) or hopper(expanded)
+        hidden, latent, batch = w_up.shape[0], expanded.shape[2], expanded.shape[0]
+        if wave_plan_for(hidden, latent, groups_of(batch)):
+            return hopper(expanded)
+        return unsupported_shape(1, hidden, latent, batch) or hopper(expanded)
 
     def __call__(self, expanded, weights, shared, gamma, w_up, eps):
         batch, hidden, latent = expanded.shape[0], w_up.shape[0], expanded.shape[2]
@@ -958,11 +1384,17 @@ class TailKernel:
         if batch:
             normed = expanded.new_empty((batch, latent))
             compile_norm_front(latent)(expanded, weights, gamma, normed, eps)
-            no_error = placeholder(out if self.stamps is None else self.stamps, torch.int32)
-            compile_tail(1, hidden, latent, groups_of(batch), False, self.stamps is not None)(
-                normed, shared, gamma, w_up, out, placeholder(out, torch.int64), no_error, eps, batch, 0, 0,
-                0, 1
-            )
+            stamps = placeholder(out if self.stamps is None else self.stamps, torch.int32)
+            groups = groups_of(batch)
+            if wave_plan_for(hidden, latent, groups):
+                compile_wave_tail(hidden, latent, groups, self.stamps is not None)(
+                    normed, shared, w_up, out, stamps, batch
+                )
+            else:
+                compile_tail(1, hidden, latent, groups, False, self.stamps is not None)(
+                    normed, shared, gamma, w_up, out, placeholder(out, torch.int64), stamps, eps, batch, 0, 0,
+                    0, 1
+                )
         return out
 
 
