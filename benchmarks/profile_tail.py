@@ -1,5 +1,5 @@
-"""Where the time of kimi::moe_tail goes: MoeTail's phase clock (kernels.tail.Stamps)
-at TP1, CUDA-graph replayed with the weights L2-cold as in bench_tail.py. Per phase,
+"""Where the time of kimi::moe_tail goes: the phase clock (kernels.tail.Stamps) of MoeTail or
+WaveMoeTail at TP1, CUDA-graph replayed with the weights L2-cold as in bench_tail.py. Per phase,
 µs from the call's first CTA start: earliest / median / latest CTA (median over the
 graph's calls), and the CTAs' median by their own SM clock from their own start.
 

@@ -192,9 +192,10 @@ class Plan:
 
 
 class Stamps:
-    """MoeTail's phase clock for benchmarks/profile_tail.py (functional mode; compiled out
-    unless ``on``): thread 0 of each CTA stores (%globaltimer, %clock64) of phase k at
-    int64 pair [cta][k] of the buffer that comes in as the error word."""
+    """The functional tails' phase clock for benchmarks/profile_tail.py (compiled out unless
+    ``on``): thread 0 of each CTA stores (%globaltimer, %clock64) of phase k at int64 pair
+    [cta][k] of the buffer that comes in as the error word (MoeTail) or stamps
+    (WaveMoeTail: "latent" is its first xn chunk in, the slots its warpgroup 0's)."""
 
     PHASES = ("start", "waited", "latent", "clustered", "normed", "first slot", "refilled slot", "last slot",
               "projected", "ring free", "scattered", "end")
@@ -705,9 +706,10 @@ class MoeTail:
 
 
 class WavePlan:
-    """WaveMoeTail's partition (functional, TP1, past one token group): a CTA per WAVE_ROWS
-    rows of the shard over the whole K, so no partial sum crosses CTAs; the CTAs of a
-    cluster share each xn chunk (TMA multicast, each loading a quarter of its tokens)."""
+    """WaveMoeTail's partition (functional, TP1, MIN_WAVE_GROUPS token groups on): a CTA
+    per WAVE_ROWS rows of the shard over the whole K, so no partial sum crosses CTAs; the
+    CTAs of a cluster share each xn chunk (TMA multicast, each loading a quarter of its
+    tokens)."""
 
     def __init__(self, shard: int, latent: int, groups: int):
         self.shard, self.latent, self.groups = shard, latent, groups
@@ -737,8 +739,8 @@ class WaveMoeTail:
     projection + shared on wgmma, a CTA per WAVE_ROWS rows over the whole K. MoeTail's K
     split keeps xn resident, which leaves a 3-slot ring at 64 tokens, and reduces the
     partial sums through DSMEM, 3.4 µs there; here no sum crosses a CTA (measured at 64
-    tokens: 24.9 → 19.2 µs per call; at 32: 19.4 → 18.3; at 16 MoeTail stays ahead,
-    15.9 against 18.9).
+    tokens: 24.9 → 19.0 µs per call; at 32: 19.4 → 18.8; at 16 MoeTail stays ahead,
+    16.0 against 18.9).
 
     1. A producer warp streams the CTA's w_up rows through a ring of ``depth`` 8 KB slots
        (TMA, evict-first, ``paced``) from launch on. Two consumer warpgroups take
