@@ -2,13 +2,11 @@
 for sm_90a without a GPU; on a Hopper GPU each matches the reference backend on the same
 device."""
 
-import os
 
 import pytest
 import torch
 
 cute_dsl = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
 
 from kimi_ops.kernels import route  # noqa: E402
 from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402

@@ -2,13 +2,11 @@
 on a Hopper GPU the functional op and the mailbox ops match the reference backend, polls
 are bounded, and a 6-layer tail stack replays from a CUDA graph 1000 times."""
 
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile-only on CPU machines
 
 from kimi_ops.kernels import tail  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
