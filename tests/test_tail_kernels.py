@@ -94,9 +94,9 @@ def test_wave_plan_covers_every_row_in_one_wave_and_fits():
     assert tail.wave_plan_for(HIDDEN, LATENT, tail.MIN_WAVE_GROUPS - 1) is None  # MoeTail's
     for groups in range(tail.MIN_WAVE_GROUPS, tail.MAX_WAVE_GROUPS + 1):
         plan = tail.wave_plan_for(HIDDEN, LATENT, groups)
-        assert plan.ctas * tail.WAVE_ROWS == HIDDEN and plan.ctas % tail.CLUSTER == 0
+        assert plan.ctas * tail.WAVE_ROWS == HIDDEN and plan.ctas % tail.WAVE_CLUSTER == 0
         assert plan.ctas <= tail.ONE_WAVE_CLUSTERS * tail.CLUSTER
-        assert plan.tokens >= 8 * groups and plan.tokens % (8 * tail.CLUSTER) == 0
+        assert plan.tokens >= 8 * groups and plan.tokens % (8 * tail.WAVE_CLUSTER) == 0
         assert plan.chunks * tail.CHUNK == LATENT and plan.packets * 32 == plan.tokens
         assert 1024 + plan.xn_depth * plan.xn_bytes + plan.depth * plan.slot_bytes <= tail.SMEM_BYTES
         assert 8 * (2 * plan.depth + 2 * plan.xn_depth + 2) <= 1024

@@ -95,6 +95,7 @@ MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
 LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
 WAVE_ROWS = 64  # rows per WaveMoeTail CTA: wgmma's M
+WAVE_CLUSTER = 4  # WaveMoeTail CTAs sharing each xn chunk by multicast
 WAVE_WARPS = 4  # per WaveMoeTail consumer warpgroup (two, taking alternate chunks)
 WAVE_THREADS = 3 * 32 * WAVE_WARPS  # the consumers, then the producers' warpgroup
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232  # setmaxnreg: 128 · 40 + 256 · 232 <= 64 K
@@ -714,7 +715,7 @@ class WavePlan:
     def __init__(self, shard: int, latent: int, groups: int):
         self.shard, self.latent, self.groups = shard, latent, groups
         # wgmma's N: whole 8-row swizzle atoms per multicasting CTA
-        self.tokens = -(-groups // CLUSTER) * 8 * CLUSTER
+        self.tokens = -(-groups // WAVE_CLUSTER) * 8 * WAVE_CLUSTER
         self.ctas, self.chunks = shard // WAVE_ROWS, latent // CHUNK
         self.slot_bytes, self.xn_bytes = WAVE_ROWS * CHUNK * 2, self.tokens * CHUNK * 2
         self.xn_depth = XN_BYTES // self.xn_bytes
@@ -724,7 +725,7 @@ class WavePlan:
         # accumulators (tokens / 2) and shared rows' packets (tokens / 8)
         self.stash = min(self.chunks // 2, (WAVE_REGISTERS - self.tokens // 2 - self.tokens // 8) // 16)
         self.packets = self.tokens // 32  # output packets (8 rows of a token) per consumer thread
-        if (latent % (2 * CHUNK) or shard % (WAVE_ROWS * CLUSTER) or groups > MAX_WAVE_GROUPS
+        if (latent % (2 * CHUNK) or shard % (WAVE_ROWS * WAVE_CLUSTER) or groups > MAX_WAVE_GROUPS
                 or self.depth < WAVE_PACE or 8 * (2 * self.depth + 2 * self.xn_depth + 2) > 1024):
             raise ValueError(f"the wave tail does not take N={shard}, L={latent}, {8 * groups} tokens")
 
@@ -774,11 +775,11 @@ class WaveMoeTail:
         )
         xn_copy, xn_boxes = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp(), normed, swizzled_stages(plan.tokens, 1), (plan.tokens, CHUNK),
-            num_multicast=CLUSTER,
+            num_multicast=WAVE_CLUSTER,
         )
         self.kernel(weight_copy, weight_boxes, xn_copy, xn_boxes, shared, out, stamps, batch).launch(
-            grid=[plan.ctas, 1, 1], block=[WAVE_THREADS, 1, 1], cluster=[CLUSTER, 1, 1], stream=stream, use_pdl=True,
-            min_blocks_per_mp=1,  # ptxas: the registers at entry, for setmaxnreg
+            grid=[plan.ctas, 1, 1], block=[WAVE_THREADS, 1, 1], cluster=[WAVE_CLUSTER, 1, 1], stream=stream,
+            use_pdl=True, min_blocks_per_mp=1,  # ptxas: the registers at entry, for setmaxnreg
         )
 
     @cute.kernel
@@ -806,7 +807,7 @@ class WaveMoeTail:
                 cute.arch.mbarrier_init(empty + slot, WAVE_WARPS)  # the consuming warpgroup's warps
             for slot in cutlass.range_constexpr(plan.xn_depth):
                 cute.arch.mbarrier_init(xn_full + slot, 1)  # our producer's expect_tx; the cluster's copies
-                cute.arch.mbarrier_init(xn_empty + slot, WAVE_WARPS * CLUSTER)  # every CTA's consuming warps
+                cute.arch.mbarrier_init(xn_empty + slot, WAVE_WARPS * WAVE_CLUSTER)  # every CTA's consuming warps
             cute.arch.mbarrier_init(waited, 1)
             cute.arch.mbarrier_init(fronted, 1)
             cute.arch.mbarrier_init_fence()
@@ -861,7 +862,7 @@ class WaveMoeTail:
         plan = self.plan
         stages = swizzled_stages(plan.tokens, plan.xn_depth)
         box_in, box_out = cpasync.tma_partition(
-            xn_copy, cta % CLUSTER, cute.make_layout(CLUSTER),
+            xn_copy, cta % WAVE_CLUSTER, cute.make_layout(WAVE_CLUSTER),
             cute.group_modes(cute.make_tensor(cute.recast_ptr(xn, stages.inner, dtype=BFloat16), stages.outer), 0, 2),
             cute.group_modes(cute.local_tile(xn_boxes, (plan.tokens, CHUNK), (None, None)), 0, 2),
         )
@@ -874,7 +875,7 @@ class WaveMoeTail:
                 cute.arch.mbarrier_arrive_and_expect_tx(barriers.xn_full + slot, plan.xn_bytes)
             cute.arch.sync_warp()
             cute.copy(xn_copy, box_out[(None, 0, i)], box_in[(None, slot)], tma_bar_ptr=barriers.xn_full + slot,
-                      mcast_mask=Int32((1 << CLUSTER) - 1))
+                      mcast_mask=Int32((1 << WAVE_CLUSTER) - 1))
 
     @cute.jit
     def consume(self, parity: cutlass.Constexpr[int], xn, ring, barriers, shared, out, batch, cta, tid, stamp):
@@ -981,7 +982,7 @@ class WaveMoeTail:
         """Chunk ``i``'s wgmmas are done: its xn slot back to every producer of the cluster,
         its weight slot (unless stashed: handed back already) to ours."""
         cute.arch.sync_warp()
-        if lane < CLUSTER:
+        if lane < WAVE_CLUSTER:
             cute.arch.mbarrier_arrive(barriers.xn_empty + i % self.plan.xn_depth, lane)
         if cutlass.const_expr(i >= 2 * self.plan.stash):
             if lane == 0:
