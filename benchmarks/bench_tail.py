@@ -4,7 +4,7 @@ the CuTe kernels vs the eager PyTorch composite (BF16 cuBLAS up projection), tor
 of it, the library peer (cuBLAS: the up projection GEMM alone, a lower bound for any
 cuBLAS-based tail) and the HBM floor (w_up + the expert rows + shared, at 4.26 TB/s).
 
-    python benchmarks/bench_tail.py
+    python benchmarks/bench_tail.py [B ...]   # default: B in BATCHES
 """
 
 import os
@@ -64,7 +64,7 @@ def main() -> None:
     compiled = torch.compile(composite, fullgraph=True, dynamic=False)  # one specialized graph per batch
     w_ups, gamma = layer_weights()
     rows = []
-    for batch in BATCHES:
+    for batch in [int(b) for b in sys.argv[1:]] or BATCHES:
         expanded, weights, shared = activations(batch)
         turn = [0]
 
