@@ -59,6 +59,7 @@ From MIN_WAVE_GROUPS groups on, the functional tail is ``WaveMoeTail`` instead: 
 split, wgmma, xn multicast across the cluster (see its docstring).
 """
 
+import copy
 import functools
 
 import cutlass
@@ -192,7 +193,25 @@ class Plan:
         return k_slice * 8 * self.groups + token
 
 
-class Stamps:
+class Values:
+    """A DSL value made of the attributes named in ``DYNAMIC`` (their runtime parts travel
+    through dynamic ifs and loops); the other attributes ride along as Python values."""
+
+    DYNAMIC: tuple = ()
+
+    def __extract_mlir_values__(self):
+        return [v for name in self.DYNAMIC for v in cutlass.extract_mlir_values(getattr(self, name))]
+
+    def __new_from_mlir_values__(self, values):
+        new, at = copy.copy(self), 0
+        for name in self.DYNAMIC:
+            n = len(cutlass.extract_mlir_values(getattr(self, name)))
+            setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name), values[at:at + n]))
+            at += n
+        return new
+
+
+class Stamps(Values):
     """The functional tails' phase clock for benchmarks/profile_tail.py (compiled out unless
     ``on``): thread 0 of each CTA stores (%globaltimer, %clock64) of phase k at int64 pair
     [cta][k] of the buffer that comes in as the error word (MoeTail) or stamps
@@ -201,19 +220,10 @@ class Stamps:
     PHASES = ("start", "waited", "latent", "clustered", "normed", "first slot", "refilled slot", "last slot",
               "projected", "ring free", "scattered", "end")
 
+    DYNAMIC = ("buffer", "cta", "tid")
+
     def __init__(self, on: bool, buffer: cute.Tensor, cta, tid):
         self.on, self.buffer, self.cta, self.tid = on, buffer, cta, tid
-
-    # A DSL value (its runtime parts travel through dynamic ifs and loops).
-    def __extract_mlir_values__(self):
-        return [*cutlass.extract_mlir_values(self.buffer), *cutlass.extract_mlir_values(self.cta),
-                *cutlass.extract_mlir_values(self.tid)]
-
-    def __new_from_mlir_values__(self, values):
-        n = len(cutlass.extract_mlir_values(self.buffer))
-        return Stamps(self.on, cutlass.new_from_mlir_values(self.buffer, values[:n]),
-                      cutlass.new_from_mlir_values(self.cta, values[n:n + 1]),
-                      cutlass.new_from_mlir_values(self.tid, values[n + 1:]))
 
     @cute.jit
     def at(self, phase: cutlass.Constexpr):
@@ -466,13 +476,10 @@ class MoeTail:
         evict_first = l2_evict_first()
         for i in cutlass.range(plan.warp_chunks, unroll=1):
             slot = i % plan.depth
-            if i >= plan.depth:
-                cute.arch.mbarrier_wait(empty + slot, (i // plan.depth + 1) % 2)
+            released(empty, i, plan.depth)
             if i >= PACE:
                 self.pace(i, full, fronted)
-            if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(full + slot, plan.slot_bytes)
-            cute.arch.sync_warp()
+            expect(full, slot, plan.slot_bytes, lane)
             for sub in cutlass.range_constexpr(plan.split):  # the copy elects its lane
                 chunk = k_slice * plan.chunks + sub * plan.warp_chunks + i
                 cute.copy(weight_copy, box_out[(None, cluster, chunk)], box_in[(None, slot * plan.split + sub)],
@@ -571,7 +578,7 @@ class MoeTail:
         for our predecessor: the registers deepen the ring."""
         stashed = []
         for i in cutlass.range_constexpr(self.stashed):
-            cute.arch.mbarrier_wait(full + i, 0)
+            landed(full, i, self.plan.depth)
             stashed.append(self.a_fragments(ring, i, sub, row_group, lane))
             release(empty + i, lane)
         return stashed
@@ -592,7 +599,7 @@ class MoeTail:
             self.multiply(acc, stashed[i], xn, sub * plan.warp_chunks + i, lane)
         for i in cutlass.range(self.stashed, plan.warp_chunks, unroll=1):
             slot = i % plan.depth
-            cute.arch.mbarrier_wait(full + slot, (i // plan.depth) % 2)
+            landed(full, i, plan.depth)
             stamp.slot(i, self.stashed, plan.depth, plan.warp_chunks)
             self.multiply(acc, self.a_fragments(ring, slot, sub, row_group, lane), xn, sub * plan.warp_chunks + i, lane)
             release(empty + slot, lane)
@@ -682,8 +689,7 @@ class MoeTail:
                     extra = [Float32(BFloat16(v)) for v in total]
                 else:
                     extra = unpack_words(shared_rows[r])
-                result = [up[i] + extra[i] for i in range(8)]
-                words = [pack_bf16(result[i], result[i + 1]) for i in range(0, 8, 2)]
+                words = output_packet(up, extra)
                 if cutlass.const_expr(self.publish):
                     offset = (Int64(token) * plan.shard * plan.tp + rank * plan.shard + row) * 2
                     store_to_peers(peers, plan.tp, offset, words)
@@ -844,13 +850,10 @@ class WaveMoeTail:
         evict_first = l2_evict_first()
         for i in cutlass.range(plan.chunks, unroll=1):
             slot = i % plan.depth
-            if i >= plan.depth:
-                cute.arch.mbarrier_wait(barriers.empty + slot, (i // plan.depth + 1) % 2)
+            released(barriers.empty, i, plan.depth)
             if i >= WAVE_PACE:
                 paced(i, WAVE_PACE, plan.depth, barriers.full, barriers.fronted, barriers.waited)
-            if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(barriers.full + slot, plan.slot_bytes)
-            cute.arch.sync_warp()
+            expect(barriers.full, slot, plan.slot_bytes, lane)
             cute.copy(weight_copy, box_out[(None, cta, i)], box_in[(None, slot)], tma_bar_ptr=barriers.full + slot,
                       cache_policy=evict_first)
         cute.arch.griddepcontrol_launch_dependents()
@@ -869,11 +872,8 @@ class WaveMoeTail:
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(plan.chunks, unroll=1):
             slot = i % plan.xn_depth
-            if i >= plan.xn_depth:
-                cute.arch.mbarrier_wait(barriers.xn_empty + slot, (i // plan.xn_depth + 1) % 2)
-            if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(barriers.xn_full + slot, plan.xn_bytes)
-            cute.arch.sync_warp()
+            released(barriers.xn_empty, i, plan.xn_depth)
+            expect(barriers.xn_full, slot, plan.xn_bytes, lane)
             cute.copy(xn_copy, box_out[(None, 0, i)], box_in[(None, slot)], tma_bar_ptr=barriers.xn_full + slot,
                       mcast_mask=Int32((1 << WAVE_CLUSTER) - 1))
 
@@ -885,7 +885,7 @@ class WaveMoeTail:
         stashed = []
         for j in cutlass.range_constexpr(plan.stash):
             slot = (2 * j + parity) % plan.depth
-            cute.arch.mbarrier_wait(barriers.full + slot, ((2 * j + parity) // plan.depth) % 2)
+            landed(barriers.full, 2 * j + parity, plan.depth)
             stashed.append(self.a_fragments(ring, slot, warp, lane))
             release(barriers.empty + slot, lane)
         cute.arch.griddepcontrol_wait()
@@ -924,9 +924,7 @@ class WaveMoeTail:
             if token < batch:
                 up = unpack_words(load_shared(staging.iterator.toint() + (token * WAVE_ROWS + row) * 2))
                 extra = unpack_words(shared_rows[q])
-                result = [up[i] + extra[i] for i in range(8)]
-                store_words(out.iterator + token * out.stride[0] + cta * WAVE_ROWS + row,
-                            [pack_bf16(result[i], result[i + 1]) for i in range(0, 8, 2)])
+                store_words(out.iterator + token * out.stride[0] + cta * WAVE_ROWS + row, output_packet(up, extra))
         stamp.at("end")
 
     @cute.jit
@@ -951,10 +949,10 @@ class WaveMoeTail:
                 a = stashed[j]
             else:
                 slot = i % plan.depth
-                cute.arch.mbarrier_wait(barriers.full + slot, (i // plan.depth) % 2)
+                landed(barriers.full, i, plan.depth)
                 stamp.slot(i, 2 * plan.stash, plan.depth, plan.chunks - 1)  # warpgroup 0: even chunks
                 a = [descriptor(ring.toint() + slot * plan.slot_bytes + 32 * k16) for k16 in range(CHUNK // 16)]
-            cute.arch.mbarrier_wait(barriers.xn_full + i % plan.xn_depth, (i // plan.xn_depth) % 2)
+            landed(barriers.xn_full, i, plan.xn_depth)
             if cutlass.const_expr(i == 0):
                 stamp.at("latent")
                 if (warp == 0) & (lane == 0):
@@ -994,25 +992,14 @@ class WaveMoeTail:
         return item // (WAVE_ROWS // 8), item % (WAVE_ROWS // 8) * 8
 
 
-class Barriers:
-    """WaveMoeTail's mbarriers (shared-memory pointers), one DSL value."""
+class Barriers(Values):
+    """WaveMoeTail's mbarriers (shared-memory pointers)."""
 
-    NAMES = ("full", "empty", "xn_full", "xn_empty", "waited", "fronted")
+    DYNAMIC = ("full", "empty", "xn_full", "xn_empty", "waited", "fronted")
 
     def __init__(self, *pointers):
-        for name, pointer in zip(self.NAMES, pointers):
+        for name, pointer in zip(self.DYNAMIC, pointers):
             setattr(self, name, pointer)
-
-    def __extract_mlir_values__(self):
-        return [v for name in self.NAMES for v in cutlass.extract_mlir_values(getattr(self, name))]
-
-    def __new_from_mlir_values__(self, values):
-        pointers, at = [], 0
-        for name in self.NAMES:
-            n = len(cutlass.extract_mlir_values(getattr(self, name)))
-            pointers.append(cutlass.new_from_mlir_values(getattr(self, name), values[at:at + n]))
-            at += n
-        return Barriers(*pointers)
 
 
 @cute.jit
@@ -1025,10 +1012,34 @@ def paced(i, lag: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], full, f
     WaveMoeTail 0.2-0.5 µs per call at 32-64 tokens (xn is its critical path) and costs
     MoeTail 0.2 µs at B <= 8 (its ring and stash cover the wait)."""
     if not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
-        cute.arch.mbarrier_wait(full + (i - lag) % depth, ((i - lag) // depth) % 2)
+        landed(full, i - lag, depth)
         if cutlass.const_expr(waited is not None):
             if cute.arch.mbarrier_test_wait(waited, 0):
                 cute.arch.mbarrier_wait(fronted, 0)
+
+
+@cute.jit
+def landed(full, i, depth: cutlass.Constexpr[int]):
+    """Wait until chunk ``i`` of a ring of ``depth`` slots has landed (phase i // depth of
+    its slot's full barrier)."""
+    cute.arch.mbarrier_wait(full + i % depth, (i // depth) % 2)
+
+
+@cute.jit
+def released(empty, i, depth: cutlass.Constexpr[int]):
+    """Before chunk ``i`` goes into a ring of ``depth`` slots: wait until the readers of the
+    slot's previous chunk have handed it back."""
+    if i >= depth:
+        cute.arch.mbarrier_wait(empty + i % depth, (i // depth + 1) % 2)
+
+
+@cute.jit
+def expect(full, slot, size: cutlass.Constexpr[int], lane):
+    """Lane 0 arms slot ``slot``'s full barrier for ``size`` bytes of TMA copies, which the
+    warp then issues."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, size)
+    cute.arch.sync_warp()
 
 
 @cute.jit
@@ -1081,6 +1092,12 @@ def inverse_rms(total: Float64, latent: int, eps: Float32) -> Float32:
     """inv = rsqrt.approx(ss / L + eps) from the exact FP64 ss, rounded to FP32 first, as
     the reference's float32 ss."""
     return rsqrt_like_torch(divide(Float32(total), Float32(latent)) + eps)
+
+
+@cute.jit
+def output_packet(up, extra):
+    """A packet of out = BF16(up + shared) (8 FP32 values each) as four BF16x2 words."""
+    return [pack_bf16(up[i] + extra[i], up[i + 1] + extra[i + 1]) for i in range(0, 8, 2)]
 
 
 @cute.jit
