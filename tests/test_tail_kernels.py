@@ -127,6 +127,41 @@ def test_wave_a_fragments_read_the_rows_of_their_warp():
         torch.testing.assert_close(acc, box[16 * warp : 16 * warp + 16] @ b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("groups", [4, 8])
+def test_wave_epilogue_hands_each_sum_to_its_half_and_stores_every_packet_once(groups):
+    """CPU model of WaveMoeTail.consume's epilogue through WavePlan's maps: each warpgroup
+    writes the other half's accumulators (WavePlan.partial_word) without overlap, reads
+    back the other warpgroup's sum of the same (token, row), and its threads' packets
+    (WavePlan.packet) cover exactly its half, every (token, 8 rows) once."""
+    plan = tail.wave_plan_for(HIDDEN, LATENT, groups)
+    threads, half = 32 * tail.WAVE_WARPS, plan.tokens // 16
+
+    def element(k, position):  # the m64nN C layout: (token, row) of accumulator k
+        warp, g, t = position // 32, position % 32 // 4, position % 4
+        return 8 * (k // 4) + 2 * t + k % 2, 16 * warp + 8 * (k % 4 // 2) + g
+
+    handed = {}
+    for writer in range(2):
+        for position in range(threads):
+            for j in range(half):
+                for r in range(4):
+                    word = plan.partial_word(writer, j, r, position)
+                    assert word not in handed
+                    handed[word] = (writer, element(4 * ((1 - writer) * half + j) + r, position))
+    assert sorted(handed) == list(range(plan.tokens * tail.WAVE_ROWS))  # the staging starts after
+    for owner in range(2):
+        for position in range(threads):
+            for j in range(half):
+                for r in range(4):
+                    writer, at = handed[plan.partial_word(1 - owner, j, r, position)]
+                    assert writer == 1 - owner and at == element(4 * (owner * half + j) + r, position)
+                    assert (at[0] >= plan.tokens // 2) == owner
+    stored = [plan.packet(q, tid) + (tid // threads,) for tid in range(2 * threads) for q in range(plan.packets)]
+    assert sorted((token, row) for token, row, _ in stored) == [(token, row) for token in range(plan.tokens)
+                                                                for row in range(0, tail.WAVE_ROWS, 8)]
+    assert all((token >= plan.tokens // 2) == owner for token, _, owner in stored)
+
+
 def mma_m16n8k16(a_regs, b_regs):
     """The PTX fragment layout of mma.sync.m16n8k16.row.col: ``a_regs[lane]`` the four A
     registers and ``b_regs[lane]`` the two B registers of each lane, each register a pair

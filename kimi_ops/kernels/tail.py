@@ -740,6 +740,22 @@ class WavePlan:
         rows, the m16n8k16 A layout), k16 step ``k16`` of weight slot ``slot``."""
         return swizzled(slot * WAVE_ROWS, 16 * warp + lane % 16, 2 * k16 + lane // 16)
 
+    # The epilogue: warpgroup c owns tokens [c·T/2, (c+1)·T/2). Its accumulators
+    # acc[4j + r] hold tokens 8j..8j+7 (the m64nN C layout), so n8 blocks j < T/16 are the
+    # first half.
+
+    def partial_word(self, writer, j, r, position):
+        """The FP32 word where warpgroup ``writer`` hands accumulator r of n8 block j of the
+        other half (at consumer ``position``) to its owner: [writer][4j + r][position]."""
+        return writer * 32 * self.tokens + (4 * j + r) * 32 * WAVE_WARPS + position
+
+    def packet(self, q, tid):
+        """Output packet ``q`` of consumer thread ``tid``: (token, first of its 8 rows), in
+        its warpgroup's half of the tokens."""
+        item = tid % (32 * WAVE_WARPS) + q * 32 * WAVE_WARPS
+        token = tid // (32 * WAVE_WARPS) * (self.tokens // 2) + item // (WAVE_ROWS // 8)
+        return token, item % (WAVE_ROWS // 8) * 8
+
 
 class WaveMoeTail:
     """The one-wave tail from MIN_WAVE_GROUPS token groups on (functional, TP1): xn → up
@@ -894,33 +910,36 @@ class WaveMoeTail:
         stamp.at("waited")
         shared_rows = []
         for q in cutlass.range_constexpr(plan.packets):
-            token, row = self.packet(q, tid)
+            token, row = plan.packet(q, tid)
             shared_rows.append(load_words(shared.iterator + clamp(token, batch - 1) * shared.stride[0]
                                           + cta * WAVE_ROWS + row))
         cute.arch.cluster_wait()
         acc = self.project(parity, stashed, xn, ring, barriers, warp, lane, stamp)
         stamp.at("projected")
-        # Both warpgroups' wgmmas are done: the ring is free for the epilogue.
+        # Both warpgroups' wgmmas are done: the ring is free for the epilogue. Each warpgroup
+        # owns half the tokens: it hands the other half of its sums over, adds the other's
+        # sums of its half, stages up = BF16(Σ) and stores its half.
         cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)
         partial = cute.recast_ptr(ring, dtype=Float32)
         position = tid % (32 * WAVE_WARPS)  # the same accumulator in both warpgroups
-        if cutlass.const_expr(parity == 1):
-            for k in cutlass.range_constexpr(plan.tokens // 2):
-                partial[k * 32 * WAVE_WARPS + position] = acc[k]
+        half = plan.tokens // 16  # n8 blocks per half: acc[4j..4j+3] holds tokens 8j..8j+7
+        for j in cutlass.range_constexpr(half):
+            for r in cutlass.range_constexpr(4):
+                k = 4 * ((1 - parity) * half + j) + r  # the other warpgroup's half
+                partial[plan.partial_word(parity, j, r, position)] = acc[k]
         cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)
         staging = cute.make_tensor(cute.recast_ptr(ring + plan.tokens * WAVE_ROWS, dtype=BFloat16),
                                    cute.make_layout((plan.tokens, WAVE_ROWS), stride=(WAVE_ROWS, 1)))
-        if cutlass.const_expr(parity == 0):
-            g, t = lane // 4, lane % 4
-            for j in cutlass.range_constexpr(plan.tokens // 8):
-                for h in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(2):
-                        k = 4 * j + 2 * h + e
-                        total = acc[k] + partial[k * 32 * WAVE_WARPS + position]
-                        staging[8 * j + 2 * t + e, 16 * warp + 8 * h + g] = BFloat16(total)
-        cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)
+        g, t = lane // 4, lane % 4
+        for j in cutlass.range_constexpr(half):
+            for h in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    k = 4 * (parity * half + j) + 2 * h + e
+                    total = acc[k] + partial[plan.partial_word(1 - parity, j, 2 * h + e, position)]
+                    staging[8 * (parity * half + j) + 2 * t + e, 16 * warp + 8 * h + g] = BFloat16(total)
+        cute.arch.barrier(barrier_id=2 + parity, number_of_threads=32 * WAVE_WARPS)  # our half is staged
         for q in cutlass.range_constexpr(plan.packets):
-            token, row = self.packet(q, tid)
+            token, row = plan.packet(q, tid)
             if token < batch:
                 up = unpack_words(load_shared(staging.iterator.toint() + (token * WAVE_ROWS + row) * 2))
                 extra = unpack_words(shared_rows[q])
@@ -985,11 +1004,6 @@ class WaveMoeTail:
         if cutlass.const_expr(i >= 2 * self.plan.stash):
             if lane == 0:
                 cute.arch.mbarrier_arrive(barriers.empty + i % self.plan.depth)
-
-    def packet(self, q, tid):
-        """Output packet ``q`` of consumer thread ``tid``: (token, first of its 8 rows)."""
-        item = tid + q * 64 * WAVE_WARPS
-        return item // (WAVE_ROWS // 8), item % (WAVE_ROWS // 8) * 8
 
 
 class Barriers(Values):
