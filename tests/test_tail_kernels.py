@@ -259,6 +259,15 @@ def test_tail_kernel(batch):
 
 
 @on_hopper
+@pytest.mark.parametrize("batch", [40, 57])
+def test_tail_kernel_batches_between_compiled_sizes(batch):
+    """Batches the wave pads (tokens past the batch zero-filled, their outputs not stored)."""
+    args = tail_args(batch, seed=batch)
+    out = kimi.moe_tail(*args, 1e-6)
+    assert_tail_close(out, reference(kimi.moe_tail, *args, 1e-6), args[2])
+
+
+@on_hopper
 def test_tail_kernel_negative_zero_and_nan_rows():
     expanded, weights, shared, gamma, w_up = tail_args(4, seed=9)
     expanded[1] = -0.0

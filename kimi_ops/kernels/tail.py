@@ -61,6 +61,7 @@ split, wgmma, xn multicast across the cluster (see its docstring).
 
 import copy
 import functools
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -96,7 +97,10 @@ MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
 LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
 WAVE_ROWS = 64  # rows per WaveMoeTail CTA: wgmma's M
-WAVE_CLUSTER = 4  # WaveMoeTail CTAs sharing each xn chunk by multicast
+# WaveMoeTail CTAs sharing each xn chunk by multicast. Pairs: clusters of 2 fit 66 at a
+# time, of 4 only 30 (the wave needs 28), so NormFront's CTAs block fewer of its
+# placements (measured, B = 32 / 64: 16.2 / 17.9 µs, with 4: 18.0 / 18.3).
+WAVE_CLUSTER = 2
 WAVE_WARPS = 4  # per WaveMoeTail consumer warpgroup (two, taking alternate chunks)
 WAVE_THREADS = 3 * 32 * WAVE_WARPS  # the consumers, then the producers' warpgroup
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232  # setmaxnreg: 128 · 40 + 256 · 232 <= 64 K
@@ -292,7 +296,8 @@ class NormFront:
     def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
                  eps: Float32, stream):
         self.kernel(expanded, weights, gamma, rows, eps).launch(
-            grid=[expanded.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True
+            grid=[expanded.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
+            min_blocks_per_mp=1,  # else ptxas keeps ~2 of a thread's 16 row loads in flight (40 registers)
         )
 
     @cute.kernel
@@ -715,13 +720,15 @@ class MoeTail:
 class WavePlan:
     """WaveMoeTail's partition (functional, TP1, MIN_WAVE_GROUPS token groups on): a CTA
     per WAVE_ROWS rows of the shard over the whole K, so no partial sum crosses CTAs; the
-    CTAs of a cluster share each xn chunk (TMA multicast, each loading a quarter of its
-    tokens)."""
+    CTAs of a cluster share each xn chunk (TMA multicast, each loading 1 / WAVE_CLUSTER of
+    its tokens)."""
 
     def __init__(self, shard: int, latent: int, groups: int):
         self.shard, self.latent, self.groups = shard, latent, groups
-        # wgmma's N: whole 8-row swizzle atoms per multicasting CTA
-        self.tokens = -(-groups // WAVE_CLUSTER) * 8 * WAVE_CLUSTER
+        # wgmma's N: whole 8-row swizzle atoms per multicasting CTA, and the same count of
+        # output packets (WAVE_ROWS / 8 per token) for every consumer thread
+        step = math.lcm(8 * WAVE_CLUSTER, 64 * WAVE_WARPS // (WAVE_ROWS // 8))
+        self.tokens = -(-8 * groups // step) * step
         self.ctas, self.chunks = shard // WAVE_ROWS, latent // CHUNK
         self.slot_bytes, self.xn_bytes = WAVE_ROWS * CHUNK * 2, self.tokens * CHUNK * 2
         self.xn_depth = XN_BYTES // self.xn_bytes
@@ -771,8 +778,8 @@ class WaveMoeTail:
        and hands their slots back (setmaxnreg gives the consumers the producers'
        registers): about 60 % of the weights can be in before xn.
     2. A second producer warp waits for NormFront, then streams xn chunks [tokens, CHUNK]
-       through ``xn_depth`` slots: each CTA of the cluster loads a quarter of the tokens
-       and multicasts it to all four (the cluster's L2 reads once), rows past the batch
+       through ``xn_depth`` slots: each CTA of the cluster loads 1 / WAVE_CLUSTER of the
+       tokens and multicasts it to every CTA (the cluster's L2 reads once), rows past the batch
        zero-filled by TMA. A slot is refilled once the consuming warpgroup of every CTA
        of the cluster has released it.
     3. Each consumer warpgroup runs wgmma m64nNk16 (N = tokens) per K step, the stashed
@@ -781,7 +788,12 @@ class WaveMoeTail:
     4. Epilogue: the odd chunks' sums join the even ones' through shared memory, up =
        BF16(Σ) staged as [token][row] over the drained ring, out = BF16(up + shared) in
        16-byte packets, the shared rows loaded after the wait.
-    The CTA's release is the weight producer's, after its last chunk (MoeTail, step 4).
+    The CTA releases its dependents at entry, unlike MoeTail (step 4): a dependent
+    launched once every CTA is resident lands on the 20 SMs the grid leaves free; released
+    after the last chunk it lands on the SMs of our first CTAs to finish, where the next
+    call's clusters would start (measured at 32 tokens: the next call's last cluster
+    started 4-6 µs after its first, 0.4-0.6 µs released at entry; per call 17.0 against
+    18.6 µs with clusters of 4).
     Past xn the CTA is bound by shared memory: wgmma reads A and B and TMA writes both,
     32 KB per chunk at 64 tokens, 0.14 µs at 128 bytes per clock, as measured."""
 
@@ -813,6 +825,7 @@ class WaveMoeTail:
         warp, lane = tid // 32, tid % 32
         stamp = Stamps(self.stamps, stamps, cta, tid)
         stamp.at("start")
+        cute.arch.griddepcontrol_launch_dependents()  # see the class doc
         smem = SmemAllocator()
         # mbarriers: full and empty per weight slot and per xn slot; the consumers' wait, xn in
         full = smem.allocate_tensor(Int64, cute.make_layout(2 * plan.depth + 2 * plan.xn_depth + 2), 16).iterator
@@ -855,7 +868,7 @@ class WaveMoeTail:
 
     @cute.jit
     def produce_weights(self, weight_copy, weight_boxes, ring, barriers, cta, lane):
-        """The CTA's rows, chunk by chunk, evict-first, ``paced``; then the CTA's release."""
+        """The CTA's rows, chunk by chunk, evict-first, ``paced``."""
         plan = self.plan
         stages = swizzled_stages(WAVE_ROWS, plan.depth)
         box_in, box_out = cpasync.tma_partition(
@@ -872,11 +885,10 @@ class WaveMoeTail:
             expect(barriers.full, slot, plan.slot_bytes, lane)
             cute.copy(weight_copy, box_out[(None, cta, i)], box_in[(None, slot)], tma_bar_ptr=barriers.full + slot,
                       cache_policy=evict_first)
-        cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def produce_xn(self, xn_copy, xn_boxes, xn, barriers, cta, lane):
-        """Once NormFront is done, our quarter of each xn chunk's tokens to every CTA of the
+        """Once NormFront is done, our share of each xn chunk's tokens to every CTA of the
         cluster, a slot once all of them have released it."""
         plan = self.plan
         stages = swizzled_stages(plan.tokens, plan.xn_depth)
@@ -1083,12 +1095,15 @@ def weighted_rows(expanded, weights, token, column):
     """Σ_r row_r · w_r over the 8 columns from ``column`` of ``token``'s TOP_K expert rows
     (``expanded`` [B, TOP_K, L], ``weights`` [B, TOP_K]): the front's FP32 FMA chain in
     rank order, unrounded (the caller rounds once to BF16)."""
+    # Every row's load first, all TOP_K in flight at once where the registers allow
+    # (NormFront: 8 round trips became one, 107 registers).
+    rows = [load_words(expanded.iterator + token * expanded.stride[0] + r * expanded.stride[1] + column)
+            for r in range(TOP_K)]
+    scales = [Float32(weights[token, r]) for r in range(TOP_K)]
     acc = [Float32(0.0)] * 8
     for r in cutlass.range_constexpr(TOP_K):
-        weight = Float32(weights[token, r])
-        row = expanded.iterator + token * expanded.stride[0] + r * expanded.stride[1]
-        values = unpack_words(load_words(row + column))
-        acc = [acc[i] + values[i] * weight for i in range(8)]
+        values = unpack_words(rows[r])
+        acc = [acc[i] + values[i] * scales[r] for i in range(8)]
     return acc
 
 
