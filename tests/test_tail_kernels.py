@@ -85,6 +85,9 @@ def test_plan_covers_every_row_once_in_one_wave(tp):
         assert (plan.xn_words + plan.ss_words + plan.ring_words) * 4 <= tail.SMEM_BYTES
         assert plan.split * plan.warp_chunks * tail.CHUNK * plan.cluster == plan.latent
         assert plan.rows <= 256 and plan.slot_bytes == plan.split * plan.rows * tail.CHUNK * 2  # one TMA box per part
+        # publish mode's polls: every round in some pass, at most LATENT_LOADS packets in flight per lane
+        assert plan.rounds_per_pass * plan.tp * plan.tokens_per_pass <= max(tail.LATENT_LOADS, 16)
+        assert plan.rounds_per_pass >= 1 and plan.rounds % plan.rounds_per_pass == 0
 
 
 def test_wave_plan_covers_every_row_in_one_wave_and_fits():

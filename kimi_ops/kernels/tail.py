@@ -97,6 +97,7 @@ TILES_PER_WARP = 2
 STASH_REGISTERS = 144  # per MMA lane for stashed A fragments, accumulators, B fragments (ptxas: no spills)
 MAX_WARPS = 8
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
+LATENT_LOADS = 32  # latent packets a lane polls at once (MoeTail.load_latent)
 LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
 WAVE_ROWS = 64  # rows per WaveMoeTail CTA: wgmma's M
 # WaveMoeTail CTAs sharing each xn chunk by multicast. Pairs: clusters of 2 fit 66 at a
@@ -168,6 +169,9 @@ class Plan:
         self.tokens_per_pass = max(1, 4 // self.tp)  # latent loads in flight per lane: 16 × this
         self.packets = self.cols // 8  # 8-column packets of the CTA's K slice
         self.rounds = -(-self.packets // 32)  # of them per lane
+        # a pass's rounds: at most LATENT_LOADS packets in flight per lane (TP16 polled all 64
+        # at once: ptxas fell back to 32 registers and 7 KB of spills)
+        self.rounds_per_pass = max(1, min(self.rounds, LATENT_LOADS // self.tp))
 
     # The shared-memory layouts, in 16-byte pieces (kernel and CPU layout test alike): rows
     # of 128 bytes in TMA's 128-byte swizzle (``swizzled``).
@@ -507,37 +511,41 @@ class MoeTail:
         """Publish mode: latent = BF16(Σ sources, rank order) of this CTA's K slice into
         ``xn``, polled from the latent boxes; each token's Σ BF16(latent²) over the slice
         into slot ``k_slice`` of every CTA's ss. A warp per token, ``tokens_per_pass``
-        tokens' polls in flight at once."""
+        tokens' polls in flight at once, ``rounds_per_pass`` rounds of them."""
         plan = self.plan
-        packets, rounds, sources = plan.packets, plan.rounds, plan.tp
-        per_pass = plan.tokens_per_pass
+        packets, sources = plan.packets, plan.tp
+        per_pass, rounds = plan.tokens_per_pass, plan.rounds_per_pass
         for base in cutlass.range(warp, batch, plan.warps * per_pass, unroll=1):
-            addresses = []
+            squares = cute.make_rmem_tensor((per_pass,), Float64)  # per token, over the passes
             for u in cutlass.range_constexpr(per_pass):
-                token = clamp(base + u * plan.warps, batch - 1)  # past the batch: read a valid row, unused
-                for q in cutlass.range_constexpr(rounds):
-                    column = k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8
-                    for source in cutlass.range_constexpr(sources):
-                        row = (parity * plan.tp + source) * latent.shape[2] + token
-                        addresses.append(latent.iterator + row * plan.latent + column)
-            packets_in = poll_all(addresses, error, LATENT_POLL)
-            for u in cutlass.range_constexpr(per_pass):
-                token = base + u * plan.warps
-                squares = Float64(0.0)
-                for q in cutlass.range_constexpr(rounds):
-                    packet = lane + 32 * q
-                    acc = [Float32(0.0)] * 8
-                    for source in cutlass.range_constexpr(sources):
-                        values = unpack_words(packets_in[(u * rounds + q) * sources + source])
-                        acc = [acc[i] + values[i] for i in range(8)]
-                    rounded = [Float32(BFloat16(a)) for a in acc]
-                    if (packet < packets) & (token < batch):
-                        squares += sum_of_squares(rounded)
-                        words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
-                        store_shared(xn + self.xn_packet(token, packet) * 4, words)
-                squares = butterfly_sum(squares, 32)
-                if (lane < plan.cluster) & (token < batch):
-                    store_cluster(ss + self.plan.ss_slot(k_slice, token), squares, lane)
+                squares[u] = Float64(0.0)
+            for first in cutlass.range_constexpr(0, plan.rounds, rounds):
+                addresses = []
+                for u in cutlass.range_constexpr(per_pass):
+                    token = clamp(base + u * plan.warps, batch - 1)  # past the batch: read a valid row, unused
+                    for q in cutlass.range_constexpr(first, first + rounds):
+                        column = k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8
+                        for source in cutlass.range_constexpr(sources):
+                            row = (parity * plan.tp + source) * latent.shape[2] + token
+                            addresses.append(latent.iterator + row * plan.latent + column)
+                packets_in = poll_all(addresses, error, LATENT_POLL)
+                for u in cutlass.range_constexpr(per_pass):
+                    token = base + u * plan.warps
+                    for q in cutlass.range_constexpr(first, first + rounds):
+                        packet = lane + 32 * q
+                        acc = [Float32(0.0)] * 8
+                        for source in cutlass.range_constexpr(sources):
+                            values = unpack_words(packets_in[(u * rounds + q - first) * sources + source])
+                            acc = [acc[i] + values[i] for i in range(8)]
+                        rounded = [Float32(BFloat16(a)) for a in acc]
+                        if (packet < packets) & (token < batch):
+                            squares[u] += sum_of_squares(rounded)
+                            words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
+                            store_shared(xn + self.xn_packet(token, packet) * 4, words)
+                    if cutlass.const_expr(first + rounds >= plan.rounds):  # the token's last pass
+                        total = butterfly_sum(squares[u], 32)
+                        if (lane < plan.cluster) & (token < batch):
+                            store_cluster(ss + self.plan.ss_slot(k_slice, token), total, lane)
 
     @cute.jit
     def load_normed(self, rows, xn, batch, k_slice, tid):
