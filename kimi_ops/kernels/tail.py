@@ -514,16 +514,16 @@ class MoeTail:
         tokens' polls in flight at once, ``rounds_per_pass`` rounds of them."""
         plan = self.plan
         packets, sources = plan.packets, plan.tp
-        per_pass, rounds = plan.tokens_per_pass, plan.rounds_per_pass
+        per_pass, pass_rounds = plan.tokens_per_pass, plan.rounds_per_pass
         for base in cutlass.range(warp, batch, plan.warps * per_pass, unroll=1):
             squares = cute.make_rmem_tensor((per_pass,), Float64)  # per token, over the passes
             for u in cutlass.range_constexpr(per_pass):
                 squares[u] = Float64(0.0)
-            for first in cutlass.range_constexpr(0, plan.rounds, rounds):
+            for first in cutlass.range_constexpr(0, plan.rounds, pass_rounds):
                 addresses = []
                 for u in cutlass.range_constexpr(per_pass):
                     token = clamp(base + u * plan.warps, batch - 1)  # past the batch: read a valid row, unused
-                    for q in cutlass.range_constexpr(first, first + rounds):
+                    for q in cutlass.range_constexpr(first, first + pass_rounds):
                         column = k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8
                         for source in cutlass.range_constexpr(sources):
                             row = (parity * plan.tp + source) * latent.shape[2] + token
@@ -531,18 +531,18 @@ class MoeTail:
                 packets_in = poll_all(addresses, error, LATENT_POLL)
                 for u in cutlass.range_constexpr(per_pass):
                     token = base + u * plan.warps
-                    for q in cutlass.range_constexpr(first, first + rounds):
+                    for q in cutlass.range_constexpr(first, first + pass_rounds):
                         packet = lane + 32 * q
                         acc = [Float32(0.0)] * 8
                         for source in cutlass.range_constexpr(sources):
-                            values = unpack_words(packets_in[(u * rounds + q - first) * sources + source])
+                            values = unpack_words(packets_in[(u * pass_rounds + q - first) * sources + source])
                             acc = [acc[i] + values[i] for i in range(8)]
                         rounded = [Float32(BFloat16(a)) for a in acc]
                         if (packet < packets) & (token < batch):
                             squares[u] += sum_of_squares(rounded)
                             words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
                             store_shared(xn + self.xn_packet(token, packet) * 4, words)
-                    if cutlass.const_expr(first + rounds >= plan.rounds):  # the token's last pass
+                    if cutlass.const_expr(first + pass_rounds >= plan.rounds):  # the token's last pass
                         total = butterfly_sum(squares[u], 32)
                         if (lane < plan.cluster) & (token < batch):
                             store_cluster(ss + self.plan.ss_slot(k_slice, token), total, lane)
@@ -789,15 +789,16 @@ class WaveMoeTail:
        registers): about 60 % of the weights can be in before xn.
     2. A second producer warp waits for NormFront, then streams xn chunks [tokens, CHUNK]
        through ``xn_depth`` slots: each CTA of the cluster loads 1 / WAVE_CLUSTER of the
-       tokens and multicasts it to every CTA (the cluster's L2 reads once), rows past the batch
-       zero-filled by TMA. A slot is refilled once the consuming warpgroup of every CTA
-       of the cluster has released it.
+       tokens and multicasts it to every CTA (the cluster's L2 reads once), rows past the
+       batch zero-filled by TMA. A slot is refilled once the consuming warpgroup of every
+       CTA of the cluster has released it.
     3. Each consumer warpgroup runs wgmma m64nNk16 (N = tokens) per K step, the stashed
        chunks' A from registers, the ring's from shared memory, FP32 accumulation in the
        tensor core's order (DESIGN §3.4).
-    4. Epilogue: the odd chunks' sums join the even ones' through shared memory, up =
-       BF16(Σ) staged as [token][row] over the drained ring, out = BF16(up + shared) in
-       16-byte packets, the shared rows loaded after the wait.
+    4. Epilogue, each warpgroup owning half the tokens: it hands the other half of its
+       sums over through shared memory, adds the other's sums of its half, stages up =
+       BF16(Σ) as [token][row] over the drained ring and stores out = BF16(up + shared)
+       of its half in 16-byte packets, the shared rows loaded after the wait.
     The CTA releases its dependents at entry, unlike MoeTail (step 4): a dependent
     launched once every CTA is resident lands on the 20 SMs the grid leaves free; released
     after the last chunk it lands on the SMs of our first CTAs to finish, where the next
