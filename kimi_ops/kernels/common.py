@@ -143,10 +143,12 @@ def not_hopper(device: int) -> str | None:
     return None
 
 
-def launch(kernel, grid, stream) -> None:
+def launch(kernel, grid, stream, min_blocks_per_mp: int = 0) -> None:
     """Launch a traced ``kernel(...)`` call over ``grid`` CTAs of THREADS threads, with
-    programmatic dependent launch."""
-    kernel.launch(grid=[*grid, *[1] * (3 - len(grid))], block=[THREADS, 1, 1], stream=stream, use_pdl=True)
+    programmatic dependent launch; ``min_blocks_per_mp`` 1 lets ptxas take the registers
+    to keep a thread's loads in flight (see tail.weighted_rows)."""
+    kernel.launch(grid=[*grid, *[1] * (3 - len(grid))], block=[THREADS, 1, 1], stream=stream, use_pdl=True,
+                  min_blocks_per_mp=min_blocks_per_mp)
 
 
 class Release:
@@ -232,8 +234,10 @@ def store_to_peers(peers: cute.Tensor, count: cutlass.Constexpr[int], offset: In
     """One mailbox packet to byte ``offset`` of each of ``count`` peers' boxes (base
     addresses ``peers``), made unable to equal the sentinel (:func:`no_neg_zero`)."""
     clean = [no_neg_zero(w) for w in words]
+    # Every base first: a load after a system-scope store waits for it (ptxas keeps the order).
+    bases = [Int64(peers[peer]) for peer in range(count)]
     for peer in cutlass.range_constexpr(count):
-        store_words(Int64(peers[peer]) + offset, clean, mailbox=True)
+        store_words(bases[peer] + offset, clean, mailbox=True)
 
 
 @cute.jit

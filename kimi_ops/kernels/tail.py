@@ -267,7 +267,7 @@ class TailFront:
     @cute.jit
     def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, peers: cute.Tensor, row0: Int32, stream):
         grid = [expanded.shape[0], -(-self.packets // FRONT_PACKETS)]
-        launch(self.kernel(expanded, weights, peers, row0), grid, stream)
+        launch(self.kernel(expanded, weights, peers, row0), grid, stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, peers: cute.Tensor, row0: Int32):
