@@ -41,7 +41,8 @@ def test_fronts_and_push_compile(tp):
     assert tail.compile_front.build(LATENT, tp) is not None
     assert tail.compile_push.build(HIDDEN, tp) is not None
     if tp == 1:
-        assert tail.compile_norm_front.build(LATENT) is not None
+        for per_sm in (1, 2):
+            assert tail.compile_norm_front.build(LATENT, per_sm) is not None
 
 
 def test_stash_takes_what_the_registers_hold():
@@ -50,6 +51,14 @@ def test_stash_takes_what_the_registers_hold():
     129 at B = 16, 168 at B = 32, 152 at B = 64); publish mode's polls leave no room."""
     assert [tail.plan_for(1, HIDDEN, LATENT, g).stash for g in (1, 2, 4, 8)] == [4, 3, 3, 1]
     assert tail.MoeTail(tail.plan_for(2, HIDDEN // 2, LATENT, 1), publish=True).stashed == 0
+
+
+def test_front_takes_two_per_sm_where_its_ctas_fit_beside_the_tail(monkeypatch):
+    """H200 (132 SMs): the wave's 112 CTAs leave 20 SMs, 40 NormFront CTAs at two per SM;
+    MoeTail's 28 clusters of 4 as well."""
+    monkeypatch.setattr(tail, "multiprocessors", lambda device: 132)
+    assert tail.functional_ctas(HIDDEN, LATENT, 16) == 112
+    assert [tail.front_per_sm(HIDDEN, LATENT, b, 0) for b in (1, 8, 16, 32, 40, 48, 64)] == [2, 2, 2, 2, 2, 1, 1]
 
 
 def test_prepare_skips_shapes_the_kernel_does_not_take(monkeypatch):

@@ -13,7 +13,10 @@ a [B, L] tensor. The tail's clusters then only copy their K slice: redoing the f
 the sum and the normalization in every cluster (28 at TP1) cost 2.3 µs per call at
 B = 8 and 8 µs at B = 64 (measured, 18.8 → 16.5 and 33.0 → 25.1 µs). A thread's 16 row
 loads are all in flight (one HBM round trip; ptxas kept two at a time until the launch
-let it take the registers): B = 16 / 32 / 64 −0.7 / −1.0 / −0.3 µs per call.
+let it take the registers): B = 16 / 32 / 64 −0.7 / −1.0 / −0.3 µs per call. Where all
+its CTAs fit two per SM on the SMs the tail leaves free (B ≤ 40 on 132 SMs) it launches
+for two per SM (72 registers, about half the loads in flight), so that the next call's
+tail CTAs never wait for a front CTA's SM: B = 16 / 32 −0.35 / −1.3 µs.
 
 ``TailFront`` (publish mode; grid B × L/2048 CTAs of 256 threads): the partial latent
 BF16(Σ_r row_r · w_r) of one packet per thread, stored (−0 → +0, NaN canonical) as
@@ -291,19 +294,23 @@ class NormFront:
     CTA, latent = BF16(Σ_r row_r · w_r) (the FP32 FMA chain in rank order) and inv from
     the row's Σ BF16(latent²) (FP64, exact), which stays in the CTA: MoeTail then only
     copies its K slice instead of every cluster redoing the front, the sum and the
-    normalization for all B tokens (28 times over at TP1)."""
+    normalization for all B tokens (28 times over at TP1). ``per_sm``: the CTAs an SM fits,
+    ptxas's register target (``front_per_sm`` picks it per batch)."""
 
-    def __init__(self, latent: int):
-        self.latent, self.packets = latent, latent // 8
+    def __init__(self, latent: int, per_sm: int):
+        self.latent, self.packets, self.per_sm = latent, latent // 8, per_sm
         self.threads = min(1024, -(-self.packets // 32) * 32)
         self.rounds = -(-self.packets // self.threads)  # packets per thread
 
     @cute.jit
     def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
                  eps: Float32, stream):
+        # min_blocks_per_mp sets ptxas's register target: 1 keeps a thread's 16 row loads in
+        # flight (107 registers; unset, 40 kept ~2), 2 about 9 (72). The carveout attribute
+        # lets a multi-CTA target compile without a device.
         self.kernel(expanded, weights, gamma, rows, eps).launch(
             grid=[expanded.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
-            min_blocks_per_mp=1,  # else ptxas keeps ~2 of a thread's 16 row loads in flight (40 registers)
+            min_blocks_per_mp=self.per_sm, preferred_smem_carveout=-1,
         )
 
     @cute.kernel
@@ -1320,10 +1327,10 @@ def compile_front(latent: int, tp: int):
 
 
 @compiled
-def compile_norm_front(latent: int):
+def compile_norm_front(latent: int, per_sm: int):
     batch = cute.sym_int()
     return cute.compile(
-        NormFront(latent), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
+        NormFront(latent, per_sm), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
         fake(BFloat16, (latent,)), fake(BFloat16, (batch, latent)), Float32(1e-6), fake_stream(),
         options="--enable-tvm-ffi",
     )
@@ -1370,6 +1377,21 @@ def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False
         fake(BFloat16, (batch, shard)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
         fake(Int32, (1,), align=4), Int32(1), fake_stream(), options="--enable-tvm-ffi",
     )
+
+
+@functools.cache
+def multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def front_per_sm(shard: int, latent: int, batch: int, device: int) -> int:
+    """NormFront's CTAs per SM for a batch: two (72 registers, ~9 of a thread's 16 row loads
+    in flight) where all its CTAs then fit on the SMs the tail's grid leaves free, so the
+    next call's tail CTAs never wait for them; else one (all 16 in flight, one round trip).
+    H200 op-only, µs: B = 16 / 32 / 40 two 14.75 / 15.23 / 19.1 against one's 15.1 / 16.6
+    / 19.35; B = 48 / 64 one 19.0 / 17.9 against two's 19.6 / 18.9."""
+    free = multiprocessors(device) - functional_ctas(shard, latent, batch)
+    return 2 if batch <= 2 * free else 1
 
 
 def functional_ctas(shard: int, latent: int, batch: int) -> int:
@@ -1421,7 +1443,8 @@ class TailKernel:
     def prepare(self, latent: int, hidden: int, batches) -> None:
         """Compile what the op will run for ``batches`` (shapes the kernels do not take run
         the reference: nothing to compile)."""
-        compile_norm_front(latent)
+        for per_sm in (1, 2):  # front_per_sm's choices
+            compile_norm_front(latent, per_sm)
         stamps = self.stamps is not None
         for groups in sorted({groups_of(b) for b in batches}):
             if wave_plan_for(hidden, latent, groups):
@@ -1442,7 +1465,8 @@ class TailKernel:
         out = shared.new_empty((batch, hidden))
         if batch:
             normed = expanded.new_empty((batch, latent))
-            compile_norm_front(latent)(expanded, weights, gamma, normed, eps)
+            per_sm = front_per_sm(hidden, latent, batch, expanded.device.index)
+            compile_norm_front(latent, per_sm)(expanded, weights, gamma, normed, eps)
             stamps = placeholder(out if self.stamps is None else self.stamps, torch.int32)
             groups = groups_of(batch)
             if wave_plan_for(hidden, latent, groups):
