@@ -1389,8 +1389,9 @@ def front_per_sm(shard: int, latent: int, batch: int, device: int) -> int:
     """NormFront's CTAs per SM for a batch: two (72 registers, ~9 of a thread's 16 row loads
     in flight) where all its CTAs then fit on the SMs the tail's grid leaves free, so the
     next call's tail CTAs never wait for them; else one (all 16 in flight, one round trip).
-    H200 op-only, µs: B = 16 / 32 / 40 two 14.75 / 15.23 / 19.1 against one's 15.1 / 16.6
-    / 19.35; B = 48 / 64 one 19.0 / 17.9 against two's 19.6 / 18.9."""
+    H200 op-only, µs: B = 16 / 32 two 14.75 / 15.23 against one's 15.1 / 16.6; B = 64 one
+    17.9 against two's 18.9 (B = 40 / 48, before xn's rows were padded: two 19.1 / 19.6,
+    one 19.35 / 19.0)."""
     free = multiprocessors(device) - functional_ctas(shard, latent, batch)
     return 2 if batch <= 2 * free else 1
 
