@@ -2,7 +2,6 @@
 for sm_90a without a GPU; on a Hopper GPU each matches the reference backend on the same
 device."""
 
-
 import pytest
 import torch
 

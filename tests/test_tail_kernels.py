@@ -2,7 +2,6 @@
 on a Hopper GPU the functional op and the mailbox ops match the reference backend, polls
 are bounded, and a 6-layer tail stack replays from a CUDA graph 1000 times."""
 
-
 import pytest
 import torch
 

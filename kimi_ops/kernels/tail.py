@@ -509,7 +509,7 @@ class MoeTail:
         wait for the peers, not for the stream)."""
         if cutlass.const_expr(self.publish):
             if i < self.plan.depth:
-                cute.arch.mbarrier_wait(full + (i - PACE) % self.plan.depth, 0)
+                landed(full, i - PACE, self.plan.depth)
         else:
             paced(i, PACE, self.plan.depth, full, fronted)
 
