@@ -35,6 +35,13 @@ def test_wave_tail_compiles(batch, stamps):
     assert tail.compile_wave_tail.build(HIDDEN, LATENT, tail.groups_of(batch), stamps) is not None
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("batch", [32, 64])
+def test_poll_wave_compiles(tp, batch):
+    assert tail.compile_poll_front.build(LATENT, tp, HIDDEN // tp) is not None
+    assert tail.compile_wave_tail.build(HIDDEN // tp, LATENT, tail.groups_of(batch), False, tp) is not None
+
+
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_fronts_and_push_compile(tp):
     assert tail.compile_front.build(LATENT, tp) is not None
@@ -81,6 +88,21 @@ def test_prepare_compiles_the_wave_past_its_first_groups(monkeypatch):
     tail.TailKernel().prepare(LATENT, HIDDEN, [1, 16, 32, 64])
     assert compiled == [("tail", 1, HIDDEN, LATENT, 1, False, False), ("tail", 1, HIDDEN, LATENT, 2, False, False),
                         ("wave", HIDDEN, LATENT, 4, False), ("wave", HIDDEN, LATENT, 8, False)]
+
+
+def test_poll_prepare_compiles_the_wave_up_to_max_wave_tp(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(tail, "compile_tail", lambda *key: compiled.append(("tail", *key)))
+    monkeypatch.setattr(tail, "compile_wave_tail", lambda *key: compiled.append(("wave", *key)))
+    monkeypatch.setattr(tail, "compile_poll_front", lambda *key: compiled.append(("front", *key)))
+    for tp in (1, 2, 8):
+        tail.TailPollKernel().prepare(tp, HIDDEN // tp, LATENT, [1, 64])
+    assert compiled == [
+        ("tail", 1, HIDDEN, LATENT, 1, True), ("front", LATENT, 1, HIDDEN), ("wave", HIDDEN, LATENT, 8, False, 1),
+        ("tail", 2, HIDDEN // 2, LATENT, 1, True), ("front", LATENT, 2, HIDDEN // 2),
+        ("wave", HIDDEN // 2, LATENT, 8, False, 2),
+        ("tail", 8, HIDDEN // 8, LATENT, 1, True), ("tail", 8, HIDDEN // 8, LATENT, 8, True),
+    ]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])

@@ -60,8 +60,10 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    the latent and reduce-scatter boxes) while the weights stream.
 
 Batches compile per 8-token group count (the MMA's N); the batch is a runtime argument.
-From MIN_WAVE_GROUPS groups on, the functional tail is ``WaveMoeTail`` instead: no K
-split, wgmma, xn multicast across the cluster (see its docstring).
+From MIN_WAVE_GROUPS groups on, the tail is ``WaveMoeTail`` instead: no K split, wgmma,
+xn multicast across the cluster (see its docstring). Publish mode takes it up to
+MAX_WAVE_TP, after ``PollNormFront``: NormFront's rows from the polled latent boxes,
+with the re-arm of step 6.
 """
 
 import copy
@@ -82,7 +84,7 @@ from ..ops import mailbox_ops
 from ..ops import tail as tail_op
 from .common import (
     THREADS, addresses, bits_float, butterfly_sum, compiled, fake, fake_stream, hopper, launch, load_words,
-    no_neg_zero, pack_bf16, poll, poll_all, rearm, register_addresses, store_to_peers, store_words, unpack_words,
+    no_neg_zero, pack_bf16, poll_all, rearm, register_addresses, store_to_peers, store_words, unpack_words,
 )
 
 TOP_K = tail_op.TOP_K
@@ -107,6 +109,7 @@ WAVE_ROWS = 64  # rows per WaveMoeTail CTA: wgmma's M
 # time, of 4 only 30 (the wave needs 28), so NormFront's CTAs block fewer of its
 # placements (measured, B = 32 / 64: 16.2 / 17.9 µs, with 4: 18.0 / 18.3).
 WAVE_CLUSTER = 2
+MAX_WAVE_TP = 2  # publish mode's wave (poll_wave_plan)
 WAVE_WARPS = 4  # per WaveMoeTail consumer warpgroup (two, taking alternate chunks)
 WAVE_THREADS = 3 * 32 * WAVE_WARPS  # the consumers, then the producers' warpgroup
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232  # setmaxnreg: 128 · 40 + 256 · 232 <= 64 K
@@ -305,34 +308,53 @@ class NormFront:
     @cute.jit
     def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
                  eps: Float32, stream):
+        self.launch_rows(self.kernel(expanded, weights, gamma, rows, eps), rows, stream)
+
+    def launch_rows(self, kernel, rows, stream):
+        """One CTA per row of ``rows``."""
         # min_blocks_per_mp sets ptxas's register target: 1 keeps a thread's 16 row loads in
         # flight (107 registers; unset, 40 kept ~2), 2 about 9 (72). The carveout attribute
         # lets a multi-CTA target compile without a device.
-        self.kernel(expanded, weights, gamma, rows, eps).launch(
-            grid=[expanded.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
+        kernel.launch(
+            grid=[rows.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
             min_blocks_per_mp=self.per_sm, preferred_smem_carveout=-1,
         )
 
     @cute.kernel
     def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
                eps: Float32):
-        tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
-        warp, lane = tid // 32, tid % 32
-        sums = SmemAllocator().allocate_tensor(Float64, cute.make_layout(32), 16)
-        packets = [tid + q * self.threads for q in range(self.rounds)]
-        columns = [clamp(packet, self.packets - 1) * 8 for packet in packets]
-        scale = [unpack_words(load_words(gamma.iterator + column)) for column in columns]  # a weight: before the wait
+        columns, scale = self.gamma_packets(gamma)
         # Release at once: our dependent (MoeTail) only prefetches weights before it waits.
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
+        latents = [[Float32(BFloat16(a)) for a in weighted_rows(expanded, weights, token, columns[q])]
+                   for q in range(self.rounds)]
+        self.store_normed(latents, scale, rows, token, eps)
+
+    def packets_of(self, tid):
+        return [tid + q * self.threads for q in range(self.rounds)]
+
+    @cute.jit
+    def gamma_packets(self, gamma):
+        """(each round's first column, clamped; its gamma packet): a weight, loaded before
+        the wait."""
+        tid, _, _ = cute.arch.thread_idx()
+        columns = [clamp(packet, self.packets - 1) * 8 for packet in self.packets_of(tid)]
+        return columns, [unpack_words(load_words(gamma.iterator + column)) for column in columns]
+
+    @cute.jit
+    def store_normed(self, latents, scale, rows, token, eps):
+        """``token``'s row of xn from its rounded latent packets (one list of 8 per round):
+        Σ BF16(latent²) over the CTA in FP64, inv, then the normalized packets."""
+        tid, _, _ = cute.arch.thread_idx()
+        warp, lane = tid // 32, tid % 32
+        sums = SmemAllocator().allocate_tensor(Float64, cute.make_layout(32), 16)
+        packets = self.packets_of(tid)
         squares = Float64(0.0)
-        latents = []
         for q in cutlass.range_constexpr(self.rounds):
-            rounded = [Float32(BFloat16(a)) for a in weighted_rows(expanded, weights, token, columns[q])]
             if packets[q] < self.packets:
-                squares += sum_of_squares(rounded)
-            latents.append(rounded)
+                squares += sum_of_squares(latents[q])
         squares = butterfly_sum(squares, 32)
         if lane == 0:
             sums[warp] = squares
@@ -345,6 +367,45 @@ class NormFront:
             if packets[q] < self.packets:
                 store_words(rows.iterator + token * rows.stride[0] + packets[q] * 8,
                             normalized(latents[q], inv, scale[q]))
+
+
+class PollNormFront(NormFront):
+    """Publish mode's front for WaveMoeTail: NormFront's xn rows from the latent boxes,
+    latent = BF16(Σ of the TP sources in rank order) polled per packet (bounded, into the
+    error word), and the previous MoE layer's parity re-armed over the grid. Its loads
+    are TP packets per thread, in flight at any register target: two CTAs per SM."""
+
+    def __init__(self, latent: int, tp: int):
+        super().__init__(latent, per_sm=2)
+        self.tp = tp
+
+    @cute.jit
+    def __call__(self, latent_box: cute.Tensor, shared_box: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
+                 error: cute.Tensor, eps: Float32, parity: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
+        self.launch_rows(self.kernel(latent_box, shared_box, gamma, rows, error, eps, parity, rearm_parity,
+                                     rearm_batch), rows, stream)
+
+    @cute.kernel
+    def kernel(self, latent_box: cute.Tensor, shared_box: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
+               error: cute.Tensor, eps: Float32, parity: Int32, rearm_parity: Int32, rearm_batch: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        columns, scale = self.gamma_packets(gamma)
+        # Release at once: the wave only streams weights before it waits for us.
+        cute.arch.griddepcontrol_launch_dependents()
+        rearm_previous(latent_box, shared_box, self.tp, rearm_parity, rearm_batch,
+                       token * self.threads + tid, rows.shape[0] * self.threads)
+        first_row = (parity * self.tp) * latent_box.shape[2] + token
+        polled = poll_all([latent_box.iterator + (first_row + source * latent_box.shape[2]) * self.latent + column
+                           for column in columns for source in range(self.tp)], error, LATENT_POLL)
+        latents = []
+        for q in cutlass.range_constexpr(self.rounds):
+            acc = [Float32(0.0)] * 8
+            for source in cutlass.range_constexpr(self.tp):
+                values = unpack_words(polled[q * self.tp + source])
+                acc = [acc[i] + values[i] for i in range(8)]
+            latents.append([Float32(BFloat16(a)) for a in acc])
+        self.store_normed(latents, scale, rows, token, eps)
 
 
 class MoeTail:
@@ -438,7 +499,8 @@ class MoeTail:
             scale = self.load_gamma(gamma, k_slice, lane) if self.publish else None
             stashed = self.stash(ring, full, empty, row_group, sub, lane)
             if cutlass.const_expr(self.publish):
-                self.rearm_previous(latent, shared, rearm_parity, rearm_batch, cta, tid)
+                rearm_previous(latent, shared, plan.tp, rearm_parity, rearm_batch, cta * plan.threads + tid,
+                               plan.clusters * plan.cluster * plan.threads)
             else:
                 cute.arch.griddepcontrol_wait()
             stamp.at("waited")
@@ -703,39 +765,53 @@ class MoeTail:
                     acc = [acc[i] + sums[i] for i in range(8)]
                 up = [Float32(BFloat16(a)) for a in acc]
                 if cutlass.const_expr(self.publish):
-                    total = [Float32(0.0)] * 8
-                    for source in cutlass.range_constexpr(plan.tp):
-                        box_row = (parity * plan.tp + source) * shared.shape[2] + token
-                        values = unpack_words(poll(shared.iterator + box_row * plan.shard + row, error, SHARED_POLL))
-                        total = [total[i] + values[i] for i in range(8)]
-                    extra = [Float32(BFloat16(v)) for v in total]
+                    extra = reduced_shared(shared, plan.tp, parity, [(token, row)], error)[0]
+                    publish_out(peers, plan.tp, plan.shard, rank, token, row, output_packet(up, extra))
                 else:
-                    extra = unpack_words(shared_rows[r])
-                words = output_packet(up, extra)
-                if cutlass.const_expr(self.publish):
-                    offset = (Int64(token) * plan.shard * plan.tp + rank * plan.shard + row) * 2
-                    store_to_peers(peers, plan.tp, offset, words)
-                else:
-                    store_words(out.iterator + token * out.stride[0] + row, words)
+                    store_words(out.iterator + token * out.stride[0] + row,
+                                output_packet(up, unpack_words(shared_rows[r])))
 
-    @cute.jit
-    def rearm_previous(self, latent_box, shared_box, rearm_parity, rearm_batch, cta, tid):
-        """Sentinels over rows [0, rearm_batch) of every source at ``rearm_parity``, spread
-        over the grid (the previous MoE layer's boxes: consumed before we were launched)."""
-        plan = self.plan
-        threads = plan.clusters * plan.cluster * plan.threads
-        for box, width in ((latent_box, plan.latent), (shared_box, plan.shard)):
-            per_row = width // 8
-            rows = plan.tp * rearm_batch
-            for item in cutlass.range(cta * plan.threads + tid, rows * per_row, threads, unroll=1):
-                source, rest = item // (rearm_batch * per_row), item % (rearm_batch * per_row)
-                token, packet = rest // per_row, rest % per_row
-                row = (rearm_parity * plan.tp + source) * box.shape[2] + token
-                rearm(box.iterator + row * width + packet * 8)
+
+@cute.jit
+def rearm_previous(latent_box, shared_box, tp: cutlass.Constexpr[int], rearm_parity, rearm_batch, first, threads):
+    """Sentinels over rows [0, rearm_batch) of every source at ``rearm_parity`` of both
+    boxes [3, TP, CAP, width], packet ``first`` on in steps of ``threads`` (the previous MoE
+    layer's boxes: consumed before we were launched)."""
+    for box in (latent_box, shared_box):
+        per_row = box.shape[3] // 8
+        for item in cutlass.range(first, tp * rearm_batch * per_row, threads, unroll=1):
+            source, rest = item // (rearm_batch * per_row), item % (rearm_batch * per_row)
+            token, packet = rest // per_row, rest % per_row
+            row = (rearm_parity * tp + source) * box.shape[2] + token
+            rearm(box.iterator + row * box.shape[3] + packet * 8)
+
+
+@cute.jit
+def reduced_shared(shared_box, tp: cutlass.Constexpr[int], parity, items, error):
+    """BF16(Σ of the TP sources' shared reduce-scatter packets, rank order) at each (token,
+    row) of ``items``, all polled at once (bounded, into the error word): 8 values each."""
+    first = parity * tp * shared_box.shape[2]
+    polled = poll_all([shared_box.iterator + (first + source * shared_box.shape[2] + token) * shared_box.shape[3] + row
+                       for token, row in items for source in range(tp)], error, SHARED_POLL)
+    reduced = []
+    for u in cutlass.range_constexpr(len(items)):
+        total = [Float32(0.0)] * 8
+        for source in cutlass.range_constexpr(tp):
+            values = unpack_words(polled[u * tp + source])
+            total = [total[i] + values[i] for i in range(8)]
+        reduced.append([Float32(BFloat16(v)) for v in total])
+    return reduced
+
+
+@cute.jit
+def publish_out(peers, tp: cutlass.Constexpr[int], shard: cutlass.Constexpr[int], rank, token, row, words):
+    """An output packet (``row`` of our shard) to columns [rank · shard, …) of ``token``'s
+    row in every rank's output box [1, CAP, H]."""
+    store_to_peers(peers, tp, (Int64(token) * shard * tp + rank * shard + row) * 2, words)
 
 
 class WavePlan:
-    """WaveMoeTail's partition (functional, TP1, MIN_WAVE_GROUPS token groups on): a CTA
+    """WaveMoeTail's partition (MIN_WAVE_GROUPS token groups on): a CTA
     per WAVE_ROWS rows of the shard over the whole K, so no partial sum crosses CTAs; the
     CTAs of a cluster share each xn chunk (TMA multicast, each loading 1 / WAVE_CLUSTER of
     its tokens)."""
@@ -782,8 +858,9 @@ class WavePlan:
 
 
 class WaveMoeTail:
-    """The one-wave tail from MIN_WAVE_GROUPS token groups on (functional, TP1): xn → up
-    projection + shared on wgmma, a CTA per WAVE_ROWS rows over the whole K. MoeTail's K
+    """The one-wave tail from MIN_WAVE_GROUPS token groups on (``tp`` 0: functional, TP1;
+    else publish mode, after PollNormFront): xn → up projection + shared on wgmma, a CTA
+    per WAVE_ROWS rows over the whole K. MoeTail's K
     split keeps xn resident, which leaves a 3-slot ring at 64 tokens, and reduces the
     partial sums through DSMEM, 3.4 µs there; here no sum crosses a CTA (measured at 64
     tokens: 24.9 → 19.0 µs per call; at 32: 19.4 → 18.8; at 16 MoeTail stays ahead,
@@ -806,7 +883,9 @@ class WaveMoeTail:
     4. Epilogue, each warpgroup owning half the tokens: it hands the other half of its
        sums over through shared memory, adds the other's sums of its half, stages up =
        BF16(Σ) as [token][row] over the drained ring and stores out = BF16(up + shared)
-       of its half in 16-byte packets, the shared rows loaded after the wait.
+       of its half in 16-byte packets, the shared rows loaded after the wait. Publish
+       mode polls them instead, BF16(Σ of the TP sources), and stores out to columns
+       [rank·N, …) of every rank's output box.
     The CTA releases its dependents at entry, unlike MoeTail (step 4): a dependent
     launched once every CTA is resident lands on the 20 SMs the grid leaves free; released
     after the last chunk it lands on the SMs of our first CTAs to finish, where the next
@@ -816,12 +895,16 @@ class WaveMoeTail:
     Past xn the CTA is bound by shared memory: wgmma reads A and B and TMA writes both,
     32 KB per chunk at 64 tokens, 0.14 µs at 128 bytes per clock, as measured."""
 
-    def __init__(self, plan: WavePlan, stamps: bool = False):
-        self.plan, self.stamps = plan, stamps
+    def __init__(self, plan: WavePlan, stamps: bool = False, tp: int = 0):
+        self.plan, self.stamps, self.tp = plan, stamps, tp  # tp 0: functional
 
     @cute.jit
     def __call__(self, normed: cute.Tensor, shared: cute.Tensor, w_up: cute.Tensor, out: cute.Tensor,
-                 stamps: cute.Tensor, batch: Int32, stream):
+                 peers: cute.Tensor, error: cute.Tensor, stamps: cute.Tensor, batch: Int32, parity: Int32,
+                 rank: Int32, stream):
+        """Functional: ``shared`` and ``out`` [B, N]. Publish mode: ``shared`` the reduce-
+        scatter box [3, TP, CAP, N], ``peers`` the output boxes' base addresses, ``error``
+        the poll error word (``out`` unused)."""
         plan = self.plan
         weight_copy, weight_boxes = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), w_up, swizzled_stages(WAVE_ROWS, 1), (WAVE_ROWS, CHUNK)
@@ -830,20 +913,23 @@ class WaveMoeTail:
             cpasync.CopyBulkTensorTileG2SMulticastOp(), normed, swizzled_stages(plan.tokens, 1), (plan.tokens, CHUNK),
             num_multicast=WAVE_CLUSTER,
         )
-        self.kernel(weight_copy, weight_boxes, xn_copy, xn_boxes, shared, out, stamps, batch).launch(
+        self.kernel(weight_copy, weight_boxes, xn_copy, xn_boxes, shared, out, peers, error, stamps, batch, parity,
+                    rank).launch(
             grid=[plan.ctas, 1, 1], block=[WAVE_THREADS, 1, 1], cluster=[WAVE_CLUSTER, 1, 1], stream=stream,
             use_pdl=True, min_blocks_per_mp=1,  # ptxas: the registers at entry, for setmaxnreg
         )
 
     @cute.kernel
     def kernel(self, weight_copy: cute.CopyAtom, weight_boxes: cute.Tensor, xn_copy: cute.CopyAtom,
-               xn_boxes: cute.Tensor, shared: cute.Tensor, out: cute.Tensor, stamps: cute.Tensor, batch: Int32):
+               xn_boxes: cute.Tensor, shared: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor,
+               stamps: cute.Tensor, batch: Int32, parity: Int32, rank: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tid // 32, tid % 32
         stamp = Stamps(self.stamps, stamps, cta, tid)
         stamp.at("start")
+        outbox = Outbox(peers, error, parity, rank)
         cute.arch.griddepcontrol_launch_dependents()  # see the class doc
         smem = SmemAllocator()
         # mbarriers: full and empty per weight slot and per xn slot; the consumers' wait, xn in
@@ -878,9 +964,9 @@ class WaveMoeTail:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             if warp < WAVE_WARPS:
-                self.consume(0, xn, ring, barriers, shared, out, batch, cta, tid, stamp)
+                self.consume(0, xn, ring, barriers, shared, out, outbox, batch, cta, tid, stamp)
             else:
-                self.consume(1, xn, ring, barriers, shared, out, batch, cta, tid, stamp)
+                self.consume(1, xn, ring, barriers, shared, out, outbox, batch, cta, tid, stamp)
         # No CTA leaves while a peer may still multicast into it or arrive on its barriers.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
@@ -925,27 +1011,24 @@ class WaveMoeTail:
                       mcast_mask=Int32((1 << WAVE_CLUSTER) - 1))
 
     @cute.jit
-    def consume(self, parity: cutlass.Constexpr[int], xn, ring, barriers, shared, out, batch, cta, tid, stamp):
-        """Consumer warpgroup ``parity``: chunks parity, parity + 2, …; then the epilogue."""
+    def consume(self, group: cutlass.Constexpr[int], xn, ring, barriers, shared, out, outbox, batch, cta, tid,
+                stamp):
+        """Consumer warpgroup ``group``: chunks group, group + 2, …; then the epilogue."""
         plan = self.plan
         warp, lane = tid // 32 % WAVE_WARPS, tid % 32
         stashed = []
         for j in cutlass.range_constexpr(plan.stash):
-            slot = (2 * j + parity) % plan.depth
-            landed(barriers.full, 2 * j + parity, plan.depth)
+            slot = (2 * j + group) % plan.depth
+            landed(barriers.full, 2 * j + group, plan.depth)
             stashed.append(self.a_fragments(ring, slot, warp, lane))
             release(barriers.empty + slot, lane)
         cute.arch.griddepcontrol_wait()
         if tid == 0:
             cute.arch.mbarrier_arrive(barriers.waited)  # after the stash: the stream's pace lets it land
         stamp.at("waited")
-        shared_rows = []
-        for q in cutlass.range_constexpr(plan.packets):
-            token, row = plan.packet(q, tid)
-            shared_rows.append(load_words(shared.iterator + clamp(token, batch - 1) * shared.stride[0]
-                                          + cta * WAVE_ROWS + row))
+        shared_rows = self.shared_rows(shared, outbox, batch, cta, tid)
         cute.arch.cluster_wait()
-        acc = self.project(parity, stashed, xn, ring, barriers, warp, lane, stamp)
+        acc = self.project(group, stashed, xn, ring, barriers, warp, lane, stamp)
         stamp.at("projected")
         # Both warpgroups' wgmmas are done: the ring is free for the epilogue. Each warpgroup
         # owns half the tokens: it hands the other half of its sums over, adds the other's
@@ -956,8 +1039,8 @@ class WaveMoeTail:
         half = plan.tokens // 16  # n8 blocks per half: acc[4j..4j+3] holds tokens 8j..8j+7
         for j in cutlass.range_constexpr(half):
             for r in cutlass.range_constexpr(4):
-                k = 4 * ((1 - parity) * half + j) + r  # the other warpgroup's half
-                partial[plan.partial_word(parity, j, r, position)] = acc[k]
+                k = 4 * ((1 - group) * half + j) + r  # the other warpgroup's half
+                partial[plan.partial_word(group, j, r, position)] = acc[k]
         cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)
         staging = cute.make_tensor(cute.recast_ptr(ring + plan.tokens * WAVE_ROWS, dtype=BFloat16),
                                    cute.make_layout((plan.tokens, WAVE_ROWS), stride=(WAVE_ROWS, 1)))
@@ -965,17 +1048,34 @@ class WaveMoeTail:
         for j in cutlass.range_constexpr(half):
             for h in cutlass.range_constexpr(2):
                 for e in cutlass.range_constexpr(2):
-                    k = 4 * (parity * half + j) + 2 * h + e
-                    total = acc[k] + partial[plan.partial_word(1 - parity, j, 2 * h + e, position)]
-                    staging[8 * (parity * half + j) + 2 * t + e, 16 * warp + 8 * h + g] = BFloat16(total)
-        cute.arch.barrier(barrier_id=2 + parity, number_of_threads=32 * WAVE_WARPS)  # our half is staged
+                    k = 4 * (group * half + j) + 2 * h + e
+                    total = acc[k] + partial[plan.partial_word(1 - group, j, 2 * h + e, position)]
+                    staging[8 * (group * half + j) + 2 * t + e, 16 * warp + 8 * h + g] = BFloat16(total)
+        cute.arch.barrier(barrier_id=2 + group, number_of_threads=32 * WAVE_WARPS)  # our half is staged
         for q in cutlass.range_constexpr(plan.packets):
             token, row = plan.packet(q, tid)
             if token < batch:
                 up = unpack_words(load_shared(staging.iterator.toint() + (token * WAVE_ROWS + row) * 2))
-                extra = unpack_words(shared_rows[q])
-                store_words(out.iterator + token * out.stride[0] + cta * WAVE_ROWS + row, output_packet(up, extra))
+                words, column = output_packet(up, unpack_words(shared_rows[q])), cta * WAVE_ROWS + row
+                if cutlass.const_expr(self.tp):
+                    publish_out(outbox.peers, self.tp, plan.shard, outbox.rank, token, column, words)
+                else:
+                    store_words(out.iterator + token * out.stride[0] + column, words)
         stamp.at("end")
+
+    @cute.jit
+    def shared_rows(self, shared, outbox, batch, cta, tid):
+        """The shared expert's packets of the thread's output packets as BF16x2 words, once
+        our predecessor is done (off the epilogue's path): loaded (functional), or BF16(Σ
+        of the TP sources) polled from the reduce-scatter box (publish mode; each rank
+        pushes them before it publishes the latent our front polled)."""
+        plan = self.plan
+        items = [plan.packet(q, tid) for q in range(plan.packets)]
+        items = [(clamp(token, batch - 1), cta * WAVE_ROWS + row) for token, row in items]  # past the batch: unused
+        if cutlass.const_expr(self.tp):
+            reduced = reduced_shared(shared, self.tp, outbox.parity, items, outbox.error)
+            return [[pack_bf16(v[i], v[i + 1]) for i in range(0, 8, 2)] for v in reduced]
+        return [load_words(shared.iterator + token * shared.stride[0] + column) for token, column in items]
 
     @cute.jit
     def a_fragments(self, ring, slot, warp, lane):
@@ -983,7 +1083,7 @@ class WaveMoeTail:
         return [load_matrices(ring + self.plan.a_piece(slot, warp, k16, lane) * 4) for k16 in range(CHUNK // 16)]
 
     @cute.jit
-    def project(self, parity: cutlass.Constexpr[int], stashed, xn, ring, barriers, warp, lane, stamp):
+    def project(self, group: cutlass.Constexpr[int], stashed, xn, ring, barriers, warp, lane, stamp):
         """acc[4j + 2h + e] = (row 16·warp + 8h + g, token 8j + 2t + e) over the warpgroup's
         chunks, the stashed ones first; a chunk's slots go back once its wgmmas are done."""
         plan = self.plan
@@ -994,7 +1094,7 @@ class WaveMoeTail:
         # Unrolled: across a loop's back edge with a chunk in flight ptxas serializes the
         # wgmmas (C7514).
         for j in cutlass.range_constexpr(plan.chunks // 2):
-            i = 2 * j + parity
+            i = 2 * j + group
             if cutlass.const_expr(j < plan.stash):
                 a = stashed[j]
             else:
@@ -1035,6 +1135,16 @@ class WaveMoeTail:
         if cutlass.const_expr(i >= 2 * self.plan.stash):
             if lane == 0:
                 cute.arch.mbarrier_arrive(barriers.empty + i % self.plan.depth)
+
+
+class Outbox(Values):
+    """WaveMoeTail's publish side: the output boxes' base addresses, the poll error word,
+    the mailbox parity and our rank (placeholders in functional mode)."""
+
+    DYNAMIC = ("peers", "error", "parity", "rank")
+
+    def __init__(self, peers, error, parity, rank):
+        self.peers, self.error, self.parity, self.rank = peers, error, parity, rank
 
 
 class Barriers(Values):
@@ -1370,13 +1480,34 @@ def wave_plan_for(shard: int, latent: int, groups: int) -> WavePlan | None:
         return None
 
 
+def poll_wave_plan(tp: int, shard: int, latent: int, groups: int) -> WavePlan | None:
+    """WaveMoeTail's plan for publish mode, or None where MoeTail polls instead: a CTA per
+    64 rows leaves TP4's shard 28 CTAs, too few SMs to stream it at the HBM's rate."""
+    return wave_plan_for(shard, latent, groups) if tp <= MAX_WAVE_TP else None
+
+
 @compiled
-def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False):
+def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False, tp: int = 0):
     batch = cute.sym_int()
+    if tp:
+        shared_in, out_in = fake(BFloat16, (3, tp, cute.sym_int(), shard)), fake(BFloat16, (cute.sym_int(), shard))
+    else:
+        shared_in, out_in = fake(BFloat16, (batch, shard)), fake(BFloat16, (batch, shard))
     return cute.compile(
-        WaveMoeTail(wave_plan_for(shard, latent, groups), stamps), fake(BFloat16, (cute.sym_int(), latent)),
-        fake(BFloat16, (batch, shard)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
-        fake(Int32, (1,), align=4), Int32(1), fake_stream(), options="--enable-tvm-ffi",
+        WaveMoeTail(wave_plan_for(shard, latent, groups), stamps, tp), fake(BFloat16, (cute.sym_int(), latent)),
+        shared_in, fake(BFloat16, (shard, latent)), out_in, fake(Int64, (max(tp, 1),), align=8),
+        fake(Int32, (1,), align=4), fake(Int32, (1,), align=4), Int32(1), Int32(0), Int32(0), fake_stream(),
+        options="--enable-tvm-ffi",
+    )
+
+
+@compiled
+def compile_poll_front(latent: int, tp: int, shard: int):
+    capacity = cute.sym_int()
+    return cute.compile(
+        PollNormFront(latent, tp), fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard)),
+        fake(BFloat16, (latent,)), fake(BFloat16, (cute.sym_int(), latent)), fake(Int32, (1,), align=4),
+        Float32(1e-6), Int32(0), Int32(1), Int32(1), fake_stream(), options="--enable-tvm-ffi",
     )
 
 
@@ -1477,7 +1608,8 @@ class TailKernel:
             stamps = placeholder(out if self.stamps is None else self.stamps, torch.int32)
             if wave:
                 compile_wave_tail(hidden, latent, groups, self.stamps is not None)(
-                    normed, shared, w_up, out, stamps, batch
+                    normed, shared, w_up, out, placeholder(out, torch.int64), placeholder(out, torch.int32), stamps,
+                    batch, 0, 0
                 )
             else:
                 compile_tail(1, hidden, latent, groups, False, self.stamps is not None)(
@@ -1527,30 +1659,49 @@ class TailPushKernel:
 
 
 class TailPollKernel:
-    """``kimi::moe_tail_poll`` on CUDA: MoeTail in publish mode."""
+    """``kimi::moe_tail_poll`` on CUDA: PollNormFront, then WaveMoeTail in publish mode past
+    one token group at TP <= MAX_WAVE_TP; else MoeTail in publish mode."""
 
     check = staticmethod(mailbox_ops.check_moe_tail_poll)
 
     def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=()) -> None:
-        for groups in sorted({groups_of(b) for b in batches if not unsupported_shape(tp, shard, latent, b)}):
-            compile_tail(tp, shard, latent, groups, True)
+        for groups in sorted({groups_of(b) for b in batches}):
+            if poll_wave_plan(tp, shard, latent, groups):
+                compile_poll_front(latent, tp, shard)
+                compile_wave_tail(shard, latent, groups, False, tp)
+            elif not unsupported_shape(tp, shard, latent, 8 * groups):
+                compile_tail(tp, shard, latent, groups, True)
         register_addresses(peer_lists)
 
     def unsupported(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                     rearm_batch, rank, batch):
         if not aligned(latent_box, rs_box, gamma, w_up, *out_boxes):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
-        tp, latent = latent_box.shape[1], latent_box.shape[3]
-        return unsupported_shape(tp, rs_box.shape[3], latent, batch) or hopper(latent_box)
+        tp, shard, latent = latent_box.shape[1], rs_box.shape[3], latent_box.shape[3]
+        if poll_wave_plan(tp, shard, latent, groups_of(batch)):
+            return hopper(latent_box)
+        return unsupported_shape(tp, shard, latent, batch) or hopper(latent_box)
 
     def __call__(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                  rearm_batch, rank, batch):
         tp, shard, latent = latent_box.shape[1], rs_box.shape[3], latent_box.shape[3]
         out = rs_box[parity, rank]  # placeholder: publish mode writes through ``peers``
-        compile_tail(tp, shard, latent, groups_of(batch), True)(
-            latent_box, rs_box, gamma, w_up, out, addresses(out_boxes), error,
-            eps, batch, parity, rank, rearm_parity, rearm_batch,
-        )
+        groups = groups_of(batch)
+        wave = poll_wave_plan(tp, shard, latent, groups)
+        if wave:
+            normed = latent_box.new_empty((wave.tokens, latent))  # padded: see TailKernel
+            compile_poll_front(latent, tp, shard)(
+                latent_box, rs_box, gamma, normed[:batch], error, eps, parity, rearm_parity, rearm_batch
+            )
+            compile_wave_tail(shard, latent, groups, False, tp)(
+                normed, rs_box, w_up, out, addresses(out_boxes), error, placeholder(error, torch.int32), batch,
+                parity, rank
+            )
+        else:
+            compile_tail(tp, shard, latent, groups, True)(
+                latent_box, rs_box, gamma, w_up, out, addresses(out_boxes), error,
+                eps, batch, parity, rank, rearm_parity, rearm_batch,
+            )
 
 
 def register() -> None:
