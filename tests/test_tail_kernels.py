@@ -349,6 +349,49 @@ def test_tail_mailbox_ops_match_the_reference(batch):
 
 
 @on_hopper
+@pytest.mark.parametrize("batch", [8, 32, 64])  # 32, 64: WaveMoeTail's publish mode (TP <= MAX_WAVE_TP)
+def test_tail_poll_sums_the_sources_of_tp2(batch):
+    """TP2's polled tail, both ranks on one device: each rank's latent and reduce-scatter
+    boxes hold both sources (what the ranks' publish and push leave), and each rank's
+    poll writes its shard's columns of out into both output boxes; against the
+    reference, the previous parity re-armed, the rows past the batch left armed."""
+    tp, shard = 2, HIDDEN // 2
+    gen = torch.Generator().manual_seed(500 + batch)
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
+    gamma, w_up = rand(LATENT, scale=0.1) + 1, rand(HIDDEN, LATENT, scale=LATENT**-0.5)
+    latent = rand(tp, batch, LATENT, scale=0.3)  # every rank receives both partials
+    shards = [rand(tp, batch, shard) for _ in range(tp)]  # rank r's box: every source's shard r
+    previous = [rand(tp, batch, width) for width in (LATENT, shard)]
+
+    def run():
+        boxes = []
+        for rank in range(tp):
+            latent_box, rs_box = armed_box(3, tp, CAPACITY, LATENT), armed_box(3, tp, CAPACITY, shard)
+            latent_box[0, :, :batch], rs_box[0, :, :batch] = latent, shards[rank]
+            latent_box[2, :, :batch], rs_box[2, :, :batch] = previous
+            boxes.append((latent_box, rs_box, torch.zeros(1, dtype=torch.int32, device="cuda")))
+        outs = [armed_box(1, 1, CAPACITY, HIDDEN) for _ in range(tp)]
+        for rank, (latent_box, rs_box, error) in enumerate(boxes):
+            kimi.moe_tail_poll(latent_box, rs_box, gamma, w_up[rank * shard:(rank + 1) * shard], 1e-6, outs, error,
+                               0, 2, batch, rank, batch)
+        return boxes, outs
+
+    (boxes, outs), (_, want) = run(), reference(run)
+    shared = torch.cat([s.float().sum(0).bfloat16() for s in shards], dim=1)
+    for out in outs:
+        assert_tail_close(out[0, 0, :batch], want[0][0, 0, :batch], shared)
+        assert armed(out[0, 0, batch:])
+    for latent_box, rs_box, error in boxes:
+        assert armed(latent_box[2]) and armed(rs_box[2]) and int(error) == 0
+
+
+def armed_box(*shape):
+    box = torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
+    kimi.mailbox_arm(box)
+    return box
+
+
+@on_hopper
 def test_tail_poll_times_out_into_the_error_word():
     boxes = tail_boxes()  # nothing published
     _, _, _, gamma, w_up = tail_args(1, seed=3)
