@@ -44,11 +44,13 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    swizzle (xn stored the same way), conflict-free; the order of the FP32 accumulation is
    the MMA's, which DESIGN §3.4 leaves free. Each MMA warp arrives on a slot's empty
    barrier once it holds its fragments.
-4. The CTA releases its dependents once its producer has issued the last chunk (the
-   next launch may prefetch during our epilogue; every dependent waits before reading
-   what follows). A CTA's release is its first thread's: measured, releasing at entry or
-   after the wait costs 0.3-0.7 µs per call, after the projection 1 µs, after the
-   scatter 1.7 µs; 2-4 chunks before the last, the same.
+4. The CTA releases its dependents once its xn is in (its first MMA warp's loads back; a
+   CTA's release is its first thread's), so that the next call's two launches are done
+   before our last CTA is (every dependent waits before reading what follows). Measured
+   on the H200 after other graphs (a serving process's state; bench_tail's), µs per
+   call at B = 1 / 4 / 8: 13.04 / 13.42 / 13.70 here, 13.25 / 13.62 / 13.95 at entry,
+   14.22 / 14.33 / 14.43 after the producer's last chunk (which a process's first graph
+   had measured best).
 5. K-split reduction: each warp stores its FP32 partial sums into the owning CTA's shared
    memory (DSMEM: beside the ring where it fits, else over xn and the ring once the
    cluster has passed a barrier); the owner of rows [c·R/4, (c+1)·R/4) adds the parts in
@@ -487,7 +489,6 @@ class MoeTail:
                 cute.arch.cluster_arrive()
             box_in, box_out = self.partition_boxes(weight_copy, weight_boxes, boxes)
             self.produce(weight_copy, box_in, box_out, full, empty, fronted, cluster, k_slice, lane)
-            cute.arch.griddepcontrol_launch_dependents()  # the CTA's release (module doc, step 4)
             if cutlass.const_expr(self.publish):
                 cute.arch.cluster_wait()
             for _ in cutlass.range_constexpr(1 if plan.receive_words else 2):
@@ -512,6 +513,7 @@ class MoeTail:
                 self.load_normed(latent, xn, batch, k_slice, tid)
                 shared_rows = self.load_shared_rows(shared, batch, cluster, k_slice, tid)
             cute.arch.sync_warp()
+            cute.arch.griddepcontrol_launch_dependents()  # the CTA's release (module doc, step 4)
             if lane == 0:
                 cute.arch.mbarrier_arrive(fronted)  # the warp's loads are back
             stamp.at("latent")
@@ -525,8 +527,6 @@ class MoeTail:
 
             acc = self.project(stashed, xn, ring, full, empty, row_group, sub, lane, stamp)
             stamp.at("projected")
-            # Our weights are read (the producer's release, step 4, comes first).
-            cute.arch.griddepcontrol_launch_dependents()
 
             if cutlass.const_expr(not plan.receive_words):
                 cute.arch.cluster_arrive()  # every CTA is done with its ring: it becomes the receive buffer
