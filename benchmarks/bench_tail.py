@@ -63,9 +63,10 @@ def activations(batch: int):
 def main() -> None:
     compiled = torch.compile(composite, fullgraph=True, dynamic=False)  # one specialized graph per batch
     w_ups, gamma = layer_weights()
-    # Every column in the same state: measured on an H200, the first graph of a process
-    # runs ours 0.5-0.7 µs faster at B <= 8 than after other graphs (ours' own included)
-    # or a cuBLAS call (cause not found), so one untimed graph of the composite first.
+    # Every column in the same state, a serving process's: on an H200 the first graphs of a
+    # process run ours 0.15-0.3 µs faster at B <= 8 than after other graphs (ours' own
+    # included) or a cuBLAS call, whose PDL launches come later (cause not found), so one
+    # untimed graph of the composite first.
     expanded, weights, shared = activations(1)
     graph_us(lambda: composite(expanded, weights, shared, gamma, w_ups[0], 1e-6))
     rows = []
