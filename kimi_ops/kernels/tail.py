@@ -400,14 +400,7 @@ class PollNormFront(NormFront):
         first_row = (parity * self.tp) * latent_box.shape[2] + token
         polled = poll_all([latent_box.iterator + (first_row + source * latent_box.shape[2]) * self.latent + column
                            for column in columns for source in range(self.tp)], error, LATENT_POLL)
-        latents = []
-        for q in cutlass.range_constexpr(self.rounds):
-            acc = [Float32(0.0)] * 8
-            for source in cutlass.range_constexpr(self.tp):
-                values = unpack_words(polled[q * self.tp + source])
-                acc = [acc[i] + values[i] for i in range(8)]
-            latents.append([Float32(BFloat16(a)) for a in acc])
-        self.store_normed(latents, scale, rows, token, eps)
+        self.store_normed(rank_sums(polled, self.tp), scale, rows, token, eps)
 
 
 class MoeTail:
@@ -601,12 +594,8 @@ class MoeTail:
                 for u in cutlass.range_constexpr(per_pass):
                     token = base + u * plan.warps
                     for q in cutlass.range_constexpr(first, first + pass_rounds):
-                        packet = lane + 32 * q
-                        acc = [Float32(0.0)] * 8
-                        for source in cutlass.range_constexpr(sources):
-                            values = unpack_words(packets_in[(u * pass_rounds + q - first) * sources + source])
-                            acc = [acc[i] + values[i] for i in range(8)]
-                        rounded = [Float32(BFloat16(a)) for a in acc]
+                        packet, at = lane + 32 * q, (u * pass_rounds + q - first) * sources
+                        rounded = rank_sums(packets_in[at:at + sources], sources)[0]
                         if (packet < packets) & (token < batch):
                             squares[u] += sum_of_squares(rounded)
                             words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
@@ -791,16 +780,24 @@ def reduced_shared(shared_box, tp: cutlass.Constexpr[int], parity, items, error)
     """BF16(Σ of the TP sources' shared reduce-scatter packets, rank order) at each (token,
     row) of ``items``, all polled at once (bounded, into the error word): 8 values each."""
     first = parity * tp * shared_box.shape[2]
-    polled = poll_all([shared_box.iterator + (first + source * shared_box.shape[2] + token) * shared_box.shape[3] + row
-                       for token, row in items for source in range(tp)], error, SHARED_POLL)
-    reduced = []
-    for u in cutlass.range_constexpr(len(items)):
+    return rank_sums(poll_all([shared_box.iterator + (first + source * shared_box.shape[2] + token)
+                               * shared_box.shape[3] + row for token, row in items for source in range(tp)],
+                              error, SHARED_POLL), tp)
+
+
+@cute.jit
+def rank_sums(polled, tp: cutlass.Constexpr[int]):
+    """Per packet of a mailbox row, its TP sources' words (``polled``, source-minor) summed
+    in rank order in FP32 and rounded to BF16: 8 values each (DESIGN §3, moe_tail's
+    rounding points 2 and 6)."""
+    sums = []
+    for u in cutlass.range_constexpr(len(polled) // tp):
         total = [Float32(0.0)] * 8
         for source in cutlass.range_constexpr(tp):
             values = unpack_words(polled[u * tp + source])
             total = [total[i] + values[i] for i in range(8)]
-        reduced.append([Float32(BFloat16(v)) for v in total])
-    return reduced
+        sums.append([Float32(BFloat16(v)) for v in total])
+    return sums
 
 
 @cute.jit
