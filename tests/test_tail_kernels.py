@@ -284,7 +284,7 @@ def poisoned(*shape):
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", KERNEL_BATCHES + (40, 57))  # 40, 57: batches the wave pads
+@pytest.mark.parametrize("batch", KERNEL_BATCHES + (24, 40, 57))  # 24, 40, 57: batches the wave pads
 def test_tail_kernel(batch):
     args = tail_args(batch, seed=batch)
     out = kimi.moe_tail(*args, 1e-6)

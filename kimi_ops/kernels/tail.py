@@ -119,7 +119,7 @@ XN_BYTES = 96 * 1024  # the xn ring (L2 hits: slots in flight cover the cluster'
 WGMMA_PENDING = 1  # chunks whose wgmmas stay in flight while the next chunk issues (measured: 1-3 alike)
 WAVE_PACE = 8  # 8 KB slots in flight before xn is in: the bytes of MoeTail's PACE slots
 MAX_WAVE_DEPTH = 32
-MIN_WAVE_GROUPS, MAX_WAVE_GROUPS = 4, 8  # WaveMoeTail's batches (MoeTail is faster up to 16 tokens)
+MIN_WAVE_GROUPS, MAX_WAVE_GROUPS = 3, 8  # WaveMoeTail's batches (MoeTail is faster up to 16 tokens)
 WAVE_REGISTERS = 184  # of CONSUMER_REGISTERS for the stash, accumulators and shared packets (ptxas: no spills)
 
 
