@@ -1591,29 +1591,34 @@ class TailKernel:
         return unsupported_shape(1, hidden, latent, batch) or hopper(expanded)
 
     def __call__(self, expanded, weights, shared, gamma, w_up, eps):
-        batch, hidden, latent = expanded.shape[0], w_up.shape[0], expanded.shape[2]
-        out = shared.new_empty((batch, hidden))
-        if batch:
-            groups = groups_of(batch)
-            wave = wave_plan_for(hidden, latent, groups)
-            # the wave's xn boxes span its padded tokens: rows past the batch are left
-            # unwritten (they only reach accumulators of tokens never stored), since TMA's
-            # out-of-bounds fill of a partial box cost 1.4-1.5 µs per call at B = 40 / 48
-            normed = expanded.new_empty((wave.tokens if wave else batch, latent))
-            per_sm = front_per_sm(hidden, latent, batch, expanded.device.index)
-            compile_norm_front(latent, per_sm)(expanded, weights, gamma, normed[:batch], eps)
-            stamps = placeholder(out if self.stamps is None else self.stamps, torch.int32)
-            if wave:
-                compile_wave_tail(hidden, latent, groups, self.stamps is not None)(
-                    normed, shared, w_up, out, placeholder(out, torch.int64), placeholder(out, torch.int32), stamps,
-                    batch, 0, 0
-                )
-            else:
-                compile_tail(1, hidden, latent, groups, False, self.stamps is not None)(
-                    normed, shared, gamma, w_up, out, placeholder(out, torch.int64), stamps, eps, batch, 0, 0,
-                    0, 1
-                )
+        out = shared.new_empty((expanded.shape[0], w_up.shape[0]))
+        if out.shape[0]:
+            front, tail = self.launches(expanded, weights, shared, gamma, w_up, eps, out)
+            front()
+            tail()
         return out
+
+    def launches(self, expanded, weights, shared, gamma, w_up, eps, out):
+        """The op's two kernels as calls (benchmarks/tail_parts.py times them apart):
+        NormFront into a new xn buffer, then the tail from it into ``out``."""
+        batch, hidden, latent = expanded.shape[0], w_up.shape[0], expanded.shape[2]
+        groups = groups_of(batch)
+        wave = wave_plan_for(hidden, latent, groups)
+        # the wave's xn boxes span its padded tokens: rows past the batch are left
+        # unwritten (they only reach accumulators of tokens never stored), since TMA's
+        # out-of-bounds fill of a partial box cost 1.4-1.5 µs per call at B = 40 / 48
+        normed = expanded.new_empty((wave.tokens if wave else batch, latent))
+        front = compile_norm_front(latent, front_per_sm(hidden, latent, batch, expanded.device.index))
+        stamps = placeholder(out if self.stamps is None else self.stamps, torch.int32)
+        if wave:
+            tail = compile_wave_tail(hidden, latent, groups, self.stamps is not None)
+            tail_args = (normed, shared, w_up, out, placeholder(out, torch.int64), placeholder(out, torch.int32),
+                         stamps, batch, 0, 0)
+        else:
+            tail = compile_tail(1, hidden, latent, groups, False, self.stamps is not None)
+            tail_args = (normed, shared, gamma, w_up, out, placeholder(out, torch.int64), stamps, eps, batch, 0, 0, 0,
+                         1)
+        return lambda: front(expanded, weights, gamma, normed[:batch], eps), lambda: tail(*tail_args)
 
 
 class TailPublishKernel:

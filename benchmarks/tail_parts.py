@@ -1,0 +1,51 @@
+"""Where kimi::moe_tail's time goes between its two kernels: the op (NormFront, then the
+tail), the tail alone (on xn made once) and NormFront alone, each CUDA-graph replayed with
+w_up L2-cold and in bench_tail.py's state (after a graph of the composite). The op's
+excess over the tail alone is what the front costs on the tail's path: its latency where
+the tail's prefetch does not cover it, and the SMs its CTAs hold when the next call's
+tail CTAs would start.
+
+    python benchmarks/tail_parts.py [B ...]
+"""
+
+import os
+import sys
+
+import kimi_ops  # noqa: F401
+from kimi_ops.kernels import tail
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_tail import COPIES, activations, composite, layer_weights  # noqa: E402
+from timing import graph_us, print_table  # noqa: E402
+
+BATCHES = (1, 8, 16, 32, 64)
+
+
+def main() -> None:
+    w_ups, gamma = layer_weights()
+    expanded, weights, shared = activations(1)
+    graph_us(lambda: composite(expanded, weights, shared, gamma, w_ups[0], 1e-6))  # bench_tail's state
+    kernel, rows = tail.TailKernel(), []
+    for batch in [int(b) for b in sys.argv[1:]] or BATCHES:
+        expanded, weights, shared = activations(batch)
+        out = shared.new_empty((batch, w_ups[0].shape[0]))
+        # one pair of launches per w_up copy, each with its own xn rows, made once for the tail alone
+        launches = [kernel.launches(expanded, weights, shared, gamma, w_up, 1e-6, out) for w_up in w_ups]
+        for front, _ in launches:
+            front()
+        turn = [0]
+
+        def rotating(*parts):
+            def call():
+                for part in parts:
+                    launches[turn[0] % COPIES][part]()
+                turn[0] += 1
+            return call
+
+        rows.append((batch, *(graph_us(rotating(*parts), calls=COPIES * 4) for parts in [(0, 1), (1,), (0,)])))
+    print("kimi::moe_tail TP1 by kernel, median µs per call, CUDA-graph replay, L2-cold w_up")
+    print_table(rows, ("B", "op", "tail alone", "front alone"))
+
+
+if __name__ == "__main__":
+    main()
