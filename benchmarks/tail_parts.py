@@ -19,6 +19,7 @@ from bench_tail import COPIES, activations, composite, layer_weights  # noqa: E4
 from timing import graph_us, print_table  # noqa: E402
 
 BATCHES = (1, 8, 16, 32, 64)
+FRONT, TAIL = 0, 1  # TailKernel.launches' calls
 
 
 def main() -> None:
@@ -42,7 +43,8 @@ def main() -> None:
                 turn[0] += 1
             return call
 
-        rows.append((batch, *(graph_us(rotating(*parts), calls=COPIES * 4) for parts in [(0, 1), (1,), (0,)])))
+        graphs = [rotating(FRONT, TAIL), rotating(TAIL), rotating(FRONT)]
+        rows.append((batch, *(graph_us(call, calls=COPIES * 4) for call in graphs)))
     print("kimi::moe_tail TP1 by kernel, median µs per call, CUDA-graph replay, L2-cold w_up")
     print_table(rows, ("B", "op", "tail alone", "front alone"))
 
