@@ -71,6 +71,7 @@ with the re-arm of step 6.
 import copy
 import functools
 import math
+import operator
 
 import cutlass
 import cutlass.cute as cute
@@ -117,6 +118,11 @@ WAVE_THREADS = 3 * 32 * WAVE_WARPS  # the consumers, then the producers' warpgro
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232  # setmaxnreg: 128 · 40 + 256 · 232 <= 64 K
 XN_BYTES = 96 * 1024  # the xn ring (L2 hits: slots in flight cover the cluster's round trip)
 WGMMA_PENDING = 1  # chunks whose wgmmas stay in flight while the next chunk issues (measured: 1-3 alike)
+# Accumulator sets per consumer warpgroup from SETS_TOKENS tokens on, taken by its chunks
+# in turn and summed in set order at the end (one set below). Measured op-only, H200, µs,
+# two rounds: B = 41 / 48 / 64 17.04-17.03 / 17.23-17.32 / 17.55-17.49 against one set's
+# 17.19-17.38 / 17.63-17.77 / 17.85-17.96; at 32 tokens two sets lost 0.28 (stash 10 → 9).
+ACCUMULATOR_SETS, SETS_TOKENS = 2, 64
 WAVE_PACE = 8  # 8 KB slots in flight before xn is in: the bytes of MoeTail's PACE slots
 MAX_WAVE_DEPTH = 32
 MIN_WAVE_GROUPS, MAX_WAVE_GROUPS = 3, 8  # WaveMoeTail's batches (MoeTail is faster up to 16 tokens)
@@ -825,8 +831,10 @@ class WavePlan:
         room = SMEM_BYTES - 2048 - XN_BYTES  # the barriers take the first KB
         self.depth = min(self.chunks, MAX_WAVE_DEPTH, room // self.slot_bytes)
         # chunks each consumer warpgroup holds in registers (16 per lane each) beside its
-        # accumulators (tokens / 2) and shared rows' packets (tokens / 8)
-        self.stash = min(self.chunks // 2, (WAVE_REGISTERS - self.tokens // 2 - self.tokens // 8) // 16)
+        # accumulators (tokens / 2 per set) and shared rows' packets (tokens / 8)
+        self.sets = ACCUMULATOR_SETS if self.tokens >= SETS_TOKENS else 1
+        self.accumulators = self.sets * self.tokens // 2
+        self.stash = min(self.chunks // 2, (WAVE_REGISTERS - self.accumulators - self.tokens // 8) // 16)
         self.packets = self.tokens // 32  # output packets (8 rows of a token) per consumer thread
         if (latent % (2 * CHUNK) or shard % (WAVE_ROWS * WAVE_CLUSTER) or groups > MAX_WAVE_GROUPS
                 or self.depth < WAVE_PACE or 8 * (2 * self.depth + 2 * self.xn_depth + 2) > 1024):
@@ -876,7 +884,7 @@ class WaveMoeTail:
        CTA of the cluster has released it.
     3. Each consumer warpgroup runs wgmma m64nNk16 (N = tokens) per K step, the stashed
        chunks' A from registers, the ring's from shared memory, FP32 accumulation in the
-       tensor core's order (DESIGN §3.4).
+       tensor core's order (DESIGN §3.4), into ``sets`` accumulator sets in turn.
     4. Epilogue, each warpgroup owning half the tokens: it hands the other half of its
        sums over through shared memory, adds the other's sums of its half, stages up =
        BF16(Σ) as [token][row] over the drained ring and stores out = BF16(up + shared)
@@ -1082,11 +1090,12 @@ class WaveMoeTail:
     @cute.jit
     def project(self, group: cutlass.Constexpr[int], stashed, xn, ring, barriers, warp, lane, stamp):
         """acc[4j + 2h + e] = (row 16·warp + 8h + g, token 8j + 2t + e) over the warpgroup's
-        chunks, the stashed ones first; a chunk's slots go back once its wgmmas are done."""
+        chunks, the stashed ones first, chunk j of the warpgroup into set j % sets, the sets
+        summed in order; a chunk's slots go back once its wgmmas are done."""
         plan = self.plan
-        acc = cute.make_rmem_tensor((plan.tokens // 2,), Float32)
-        zeros = pinned([Float32(0.0)] * (plan.tokens // 2))  # set before the first wgmma.fence
-        for k in cutlass.range_constexpr(plan.tokens // 2):
+        acc = cute.make_rmem_tensor((plan.accumulators,), Float32)
+        zeros = pinned([Float32(0.0)] * plan.accumulators)  # set before the first wgmma.fence
+        for k in cutlass.range_constexpr(plan.accumulators):
             acc[k] = zeros[k]
         # Unrolled: across a loop's back edge with a chunk in flight ptxas serializes the
         # wgmmas (C7514).
@@ -1104,21 +1113,24 @@ class WaveMoeTail:
                 stamp.at("latent")
                 if (warp == 0) & (lane == 0):
                     cute.arch.mbarrier_arrive(barriers.fronted)
-            self.multiply(acc, a, xn, i)
+            self.multiply(acc, j % plan.sets * (plan.tokens // 2), a, xn, i)
             if cutlass.const_expr(j >= WGMMA_PENDING):
                 self.retire(i - 2 * WGMMA_PENDING, barriers, lane)
         warpgroup.wait_group(0)
-        return pinned([acc[k] for k in range(plan.tokens // 2)])
+        sets = pinned([acc[k] for k in range(plan.accumulators)])
+        return [functools.reduce(operator.add, sets[k::plan.tokens // 2]) for k in range(plan.tokens // 2)]
 
     @cute.jit
-    def multiply(self, acc, a, xn, i):
-        """acc += chunk ``i``'s A (four k16 steps: registers or descriptors) × its xn slot."""
+    def multiply(self, acc, first: cutlass.Constexpr[int], a, xn, i):
+        """acc[first, first + tokens / 2) += chunk ``i``'s A (four k16 steps: registers or
+        descriptors) × its xn slot."""
         base = xn.toint() + (i % self.plan.xn_depth) * self.plan.xn_bytes
+        n = self.plan.tokens // 2
         warpgroup.fence()
         for k16 in cutlass.range_constexpr(CHUNK // 16):
-            d = wgmma_bf16([acc[k] for k in range(self.plan.tokens // 2)], a[k16], descriptor(base + 32 * k16))
-            for k in cutlass.range_constexpr(self.plan.tokens // 2):
-                acc[k] = d[k]
+            d = wgmma_bf16([acc[first + k] for k in range(n)], a[k16], descriptor(base + 32 * k16))
+            for k in cutlass.range_constexpr(n):
+                acc[first + k] = d[k]
         warpgroup.commit_group()
         warpgroup.wait_group(WGMMA_PENDING)  # the warpgroup's chunk WGMMA_PENDING back is done
 
