@@ -72,6 +72,26 @@ on_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 
 @pytest.fixture
+def clean_ptxas(monkeypatch, capfd):
+    """For compile tests: ptxas reports what the test compiles (KIMI_OPS_PTXAS_REMARKS, see
+    kernels.common.compile_options); ``clean_ptxas(kernels)`` then checks that as many
+    kernels reported, none spills and none carries a C75xx performance note (C7512, wgmma
+    serialized for want of registers, cost a wave variant about 1 µs a call on the H200
+    before anyone read the report)."""
+    monkeypatch.setenv("KIMI_OPS_PTXAS_REMARKS", "1")
+
+    def check(kernels: int = 1):
+        report = capfd.readouterr().err.splitlines()
+        used = [line for line in report if "Used " in line and " registers" in line]
+        assert len(used) >= kernels, f"ptxas reported {len(used)} kernels, expected {kernels}"
+        notes = [line for line in report if "(C75" in line]
+        spills = [line for line in report if "spill stores" in line and " 0 bytes spill stores, 0 bytes spill" not in line]
+        assert not notes and not spills, "\n".join(notes + spills)
+
+    return check
+
+
+@pytest.fixture
 def dirty_shared_memory():
     """Every SM's shared memory filled with 0xFF bytes before a kernel test (see
     scribble.py); nothing to do without an sm_90 GPU."""

@@ -57,6 +57,15 @@ def cache_dir() -> pathlib.Path:
     return path
 
 
+def compile_options() -> str:
+    """``cute.compile``'s options: TVM-FFI calls on the env stream; with KIMI_OPS_PTXAS_REMARKS
+    set, also ptxas's report on stderr (registers, spills, C75xx performance notes such as
+    C7512, wgmma serialized for want of registers), which the compile tests read. The code
+    compiled is the same either way."""
+    remarks = " remarks{ptx}" if os.environ.get("KIMI_OPS_PTXAS_REMARKS") else ""
+    return "--enable-tvm-ffi" + remarks
+
+
 def compiled(build):
     """Decorator: ``build(*key)`` returns a ``cute.compile`` result; cache it in memory and
     as an exported object file keyed by (source, arch, build name, key)."""

@@ -29,8 +29,8 @@ from ..ops import mailbox_ops
 from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
 from .common import (
-    THREADS, Release, bits_float, butterfly_sum, compiled, fake, fake_stream, hopper, launch, load_words, ordered,
-    pack_bf16, poll, rearm, sigmoid, store_words, unpack_words,
+    THREADS, Release, bits_float, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch,
+    load_words, ordered, pack_bf16, poll, rearm, sigmoid, store_words, unpack_words,
 )
 
 TOP_K = route_op.TOP_K
@@ -297,7 +297,7 @@ def compile_route(experts: int, renorm: bool, lean: bool, early: bool = False):
         Route(experts, renorm, lean, early=early),
         fake(Float32, (batch, experts), align=4), fake(Float32, (experts,), align=4),
         fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), Float32(1.0), fake_stream(),
-        options="--enable-tvm-ffi",
+        options=compile_options(),
     )
 
 
@@ -308,7 +308,7 @@ def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool, earl
         RoutePoll(experts, latent, renorm, lean, early=early),
         fake(BFloat16, (rows, latent + 2 * experts)), fake(Float32, (experts,), align=4),
         fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), fake(BFloat16, (batch, latent)),
-        fake(Int32, (1,), align=4), Float32(1.0), Int32(0), fake_stream(), options="--enable-tvm-ffi",
+        fake(Int32, (1,), align=4), Float32(1.0), Int32(0), fake_stream(), options=compile_options(),
     )
 
 
@@ -318,7 +318,7 @@ def compile_situ(width: int, dtype: str, early: bool = False):
     source = Float32 if dtype == "float32" else BFloat16
     return cute.compile(
         Situ(width, source, early=early), fake(source, (batch, 2 * width)), fake(BFloat16, (batch, width)),
-        Float32(1.0), Float32(0.0), fake_stream(), options="--enable-tvm-ffi",
+        Float32(1.0), Float32(0.0), fake_stream(), options=compile_options(),
     )
 
 

@@ -86,8 +86,9 @@ from .. import backend
 from ..ops import mailbox_ops
 from ..ops import tail as tail_op
 from .common import (
-    THREADS, addresses, bits_float, butterfly_sum, compiled, fake, fake_stream, hopper, launch, load_words,
-    no_neg_zero, pack_bf16, poll_all, rearm, register_addresses, store_to_peers, store_words, unpack_words,
+    THREADS, addresses, bits_float, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch,
+    load_words, no_neg_zero, pack_bf16, poll_all, rearm, register_addresses, store_to_peers, store_words,
+    unpack_words,
 )
 
 TOP_K = tail_op.TOP_K
@@ -1442,7 +1443,7 @@ def compile_front(latent: int, tp: int):
     batch = cute.sym_int()
     return cute.compile(
         TailFront(latent, tp), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
-        fake(Int64, (tp,), align=8), Int32(0), fake_stream(), options="--enable-tvm-ffi",
+        fake(Int64, (tp,), align=8), Int32(0), fake_stream(), options=compile_options(),
     )
 
 
@@ -1452,7 +1453,7 @@ def compile_norm_front(latent: int, per_sm: int):
     return cute.compile(
         NormFront(latent, per_sm), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
         fake(BFloat16, (latent,)), fake(BFloat16, (batch, latent)), Float32(1e-6), fake_stream(),
-        options="--enable-tvm-ffi",
+        options=compile_options(),
     )
 
 
@@ -1475,7 +1476,7 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, s
         fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
         fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4),
         Float32(1e-6), Int32(1), Int32(0), Int32(0), Int32(1), Int32(1), fake_stream(),
-        options="--enable-tvm-ffi",
+        options=compile_options(),
     )
 
 
@@ -1506,7 +1507,7 @@ def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False
         WaveMoeTail(wave_plan_for(shard, latent, groups), stamps, tp), fake(BFloat16, (cute.sym_int(), latent)),
         shared_in, fake(BFloat16, (shard, latent)), out_in, fake(Int64, (max(tp, 1),), align=8),
         fake(Int32, (1,), align=4), fake(Int32, (1,), align=4), Int32(1), Int32(0), Int32(0), fake_stream(),
-        options="--enable-tvm-ffi",
+        options=compile_options(),
     )
 
 
@@ -1516,7 +1517,7 @@ def compile_poll_front(latent: int, tp: int, shard: int):
     return cute.compile(
         PollNormFront(latent, tp), fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard)),
         fake(BFloat16, (latent,)), fake(BFloat16, (cute.sym_int(), latent)), fake(Int32, (1,), align=4),
-        Float32(1e-6), Int32(0), Int32(1), Int32(1), fake_stream(), options="--enable-tvm-ffi",
+        Float32(1e-6), Int32(0), Int32(1), Int32(1), fake_stream(), options=compile_options(),
     )
 
 
@@ -1546,7 +1547,7 @@ def functional_ctas(shard: int, latent: int, batch: int) -> int:
 def compile_push(hidden: int, tp: int):
     return cute.compile(
         ShardPush(hidden, tp), fake(BFloat16, (cute.sym_int(), hidden)), fake(Int64, (tp,), align=8), Int32(0),
-        fake_stream(), options="--enable-tvm-ffi",
+        fake_stream(), options=compile_options(),
     )
 
 
