@@ -71,6 +71,13 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 on_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 
+def armed_box(*shape):
+    """A BF16 mailbox of ``shape`` on the GPU, every word the sentinel."""
+    box = torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
+    torch.ops.kimi.mailbox_arm(box)
+    return box
+
+
 @pytest.fixture
 def clean_ptxas(monkeypatch, capfd):
     """For compile tests: ptxas reports what the test compiles (KIMI_OPS_PTXAS_REMARKS, see

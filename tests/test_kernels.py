@@ -10,7 +10,7 @@ cute_dsl = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) 
 from kimi_ops.kernels import route  # noqa: E402
 from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 
-from conftest import KERNEL_BATCHES, benchmark, bf16_ulps, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, armed_box, benchmark, bf16_ulps, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
@@ -113,9 +113,7 @@ def published_front_box(batch, experts, latent, parity, capacity=64, seed=0):
     """A TP2 front box whose row ``parity`` holds both ranks' published shards."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, 512, generator=gen).bfloat16().cuda()
-    boxes = [torch.empty(3, 1, capacity, latent + 2 * experts, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    for box in boxes:
-        torch.ops.kimi.mailbox_arm(box)
+    boxes = [armed_box(3, 1, capacity, latent + 2 * experts) for _ in range(2)]
     for rank in range(2):
         w = (torch.randn(experts // 2 + latent // 2, 512, generator=gen) * 0.05).bfloat16().cuda()
         torch.ops.kimi.moe_front_publish(x, w, experts // 2, boxes, parity, rank)
@@ -140,8 +138,7 @@ def test_route_poll_kernel(batch):
 
 @on_hopper
 def test_route_poll_kernel_times_out_into_the_error_word():
-    box = torch.empty(3, 1, 64, 3584 + 2 * 896, dtype=torch.bfloat16, device="cuda")
-    torch.ops.kimi.mailbox_arm(box)  # nothing ever published
+    box = armed_box(3, 1, 64, 3584 + 2 * 896)  # nothing ever published
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
     torch.ops.kimi.moe_route_poll(box, torch.zeros(896, device="cuda"), 1.0, True, 0, 4, error)
     torch.cuda.synchronize()  # returns: the poll is bounded

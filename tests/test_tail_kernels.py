@@ -12,7 +12,7 @@ from kimi_ops.kernels import tail  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
 from kimi_ops.runtime.boxes import TailBoxes  # noqa: E402
 
-from conftest import KERNEL_BATCHES, assert_tail_close, benchmark, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, armed_box, assert_tail_close, benchmark, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
@@ -389,12 +389,6 @@ def test_tail_poll_sums_the_sources_of_tp2(batch):
         assert armed(out[0, 0, batch:])
     for latent_box, rs_box, error in boxes:
         assert armed(latent_box[2]) and armed(rs_box[2]) and int(error) == 0
-
-
-def armed_box(*shape):
-    box = torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
-    kimi.mailbox_arm(box)
-    return box
 
 
 @on_hopper
