@@ -124,7 +124,10 @@ WGMMA_PENDING = 1  # chunks whose wgmmas stay in flight while the next chunk iss
 # two rounds: B = 41 / 48 / 64 17.04-17.03 / 17.23-17.32 / 17.55-17.49 against one set's
 # 17.19-17.38 / 17.63-17.77 / 17.85-17.96; at 32 tokens two sets lost 0.28 (stash 10 → 9).
 ACCUMULATOR_SETS, SETS_TOKENS = 2, 64
-WAVE_PACE = 8  # 8 KB slots in flight before xn is in: the bytes of MoeTail's PACE slots
+# 8 KB slots in flight before xn is in (MoeTail's PACE bytes). Op-only at B = 64, H200, µs,
+# each run beside 8 (17.6-17.8): 2 / 4 / 6 → 20.9 / 18.4 / 17.8, 10 / 12 → 18.0 / 18.2
+# (at B = 41 / 48, 10 gained 0.05-0.2: not worth B = 64's loss).
+WAVE_PACE = 8
 MAX_WAVE_DEPTH = 32
 MIN_WAVE_GROUPS, MAX_WAVE_GROUPS = 3, 8  # WaveMoeTail's batches (MoeTail is faster up to 16 tokens)
 WAVE_REGISTERS = 184  # of CONSUMER_REGISTERS for the stash, accumulators and shared packets (ptxas: no spills)
@@ -1531,8 +1534,10 @@ def front_per_sm(shard: int, latent: int, batch: int, device: int) -> int:
     in flight) where all its CTAs then fit on the SMs the tail's grid leaves free, so the
     next call's tail CTAs never wait for them; else one (all 16 in flight, one round trip).
     H200 op-only, µs: B = 16 / 32 two 14.75 / 15.23 against one's 15.1 / 16.6; B = 64 one
-    17.9 against two's 18.9 (B = 40 / 48, before xn's rows were padded: two 19.1 / 19.6,
-    one 19.35 / 19.0)."""
+    17.8-17.9, two 18.2-19.4, three 19.3-19.7, four (all on the 20 free SMs) 20.4-20.6; one
+    per SM looping over tokens on 20 / 32 / 44 CTAs 21.5 / 19.0 / 18.4: at B = 64 each round
+    trip the front adds costs more than the tail CTAs it delays (B = 40 / 48, before xn's
+    rows were padded: two 19.1 / 19.6, one 19.35 / 19.0)."""
     free = multiprocessors(device) - functional_ctas(shard, latent, batch)
     return 2 if batch <= 2 * free else 1
 
