@@ -1535,9 +1535,9 @@ def front_per_sm(shard: int, latent: int, batch: int, device: int) -> int:
     next call's tail CTAs never wait for them; else one (all 16 in flight, one round trip).
     H200 op-only, µs: B = 16 / 32 two 14.75 / 15.23 against one's 15.1 / 16.6; B = 64 one
     17.8-17.9, two 18.2-19.4, three 19.3-19.7, four (all on the 20 free SMs) 20.4-20.6; one
-    per SM looping over tokens on 20 / 32 / 44 CTAs 21.5 / 19.0 / 18.4: at B = 64 each round
-    trip the front adds costs more than the tail CTAs it delays (B = 40 / 48, before xn's
-    rows were padded: two 19.1 / 19.6, one 19.35 / 19.0)."""
+    per SM looping over tokens on 20 / 32 / 44 CTAs 21.5 / 19.0 / 18.4: at B = 64 a round
+    trip added to the front costs more than the late tail CTAs it spares (B = 40 / 48,
+    before xn's rows were padded: two 19.1 / 19.6, one 19.35 / 19.0)."""
     free = multiprocessors(device) - functional_ctas(shard, latent, batch)
     return 2 if batch <= 2 * free else 1
 
