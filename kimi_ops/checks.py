@@ -4,13 +4,15 @@ Each check raises :class:`KimiArgumentError` naming the op, the argument and wha
 expected, before anything is written.
 """
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 
 class KimiArgumentError(ValueError):
-    """An op argument has the wrong dtype, shape, device, layout or value."""
+    """An op argument (or a model setting) has the wrong type, dtype, shape, device,
+    layout or value."""
 
 
 def fail(op: str, name: str, expected: str, got: object) -> None:
@@ -39,15 +41,65 @@ def check_tensor(
         fail(op, name, "contiguous", f"strides {tensor.stride()}")
 
 
-def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
-    """Every given tensor on the device of the first one."""
-    named = [(n, t) for n, t in tensors.items() if t is not None]
+def named_tensors(tensors: dict) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of ``tensors``; a list argument gives one pair per member,
+    named by index (``boxes[1]``); None is skipped."""
+    named = []
+    for name, value in tensors.items():
+        if isinstance(value, (list, tuple)):
+            named += [(f"{name}[{i}]", member) for i, member in enumerate(value)]
+        elif value is not None:
+            named.append((name, value))
+    return named
+
+
+def check_same_device(op: str, **tensors) -> None:
+    """Every given tensor (lists: every member) on the device of the first one. A meta
+    tensor among real ones would send the call to the fake, which writes nothing."""
+    named = named_tensors(tensors)
     first_name, first = named[0]
     for name, tensor in named[1:]:
         if tensor.device != first.device:
             fail(op, name, f"on {first.device} (the device of '{first_name}')", tensor.device)
 
 
+def check_distinct(op: str, **tensors) -> None:
+    """No two of the given buffers (lists: members) share memory: a box passed twice, or
+    one box as two roles, would have one write clobber the other."""
+    named = named_tensors(tensors)
+    for i, (name, tensor) in enumerate(named):
+        for other_name, other in named[:i]:
+            if torch._C._is_alias_of(tensor, other):
+                fail(op, name, f"a buffer of its own (not the memory of '{other_name}')", "the same memory")
+
+
+def check_placement(op: str, written: dict, read: dict) -> None:
+    """Every tensor on one device (lists by member), and no buffer the op writes sharing
+    memory with another argument (a box passed twice would have one write clobber the
+    other, or a read see a write)."""
+    check_same_device(op, **written, **read)
+    check_distinct(op, **written)
+    for name, tensor in read.items():
+        if tensor is not None:
+            check_distinct(op, **written, **{name: tensor})
+
+
 def check_range(op: str, name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         fail(op, name, f"in [{low}, {high}]", value)
+
+
+def check_eps(op: str, eps: float) -> None:
+    """A norm's eps: finite and > 0 (eps ≤ 0 turns an all-zero row into NaN or inf)."""
+    if not (math.isfinite(eps) and eps > 0):
+        fail(op, "eps", "finite and > 0", eps)
+
+
+def fail_setting(owner: str, name: str, expected: str, got: object) -> None:
+    """A model setting (KimiConfig field, KimiDecoder argument) out of its domain."""
+    raise KimiArgumentError(f"{owner}: {name} must be {expected}, got {got if isinstance(got, str) else repr(got)}")
+
+
+def is_int(value) -> bool:
+    """An int that is not a bool (True would pass for TP 1 and layer count 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,6 +1,17 @@
 """Model shapes (DESIGN §1)."""
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
+
+from .checks import fail_setting, is_int
+from .mailbox import PACKET
+from .ops.route import MAX_EXPERTS, TOP_K
+
+# Fields that are sizes (positive ints); those that set a mailbox row's width must be
+# whole 16-byte packets of it (the front row packs E logits as FP32 words, two BF16 each).
+SIZES = ("hidden", "latent", "experts", "shared_intermediate", "expert_intermediate", "attn_out", "q_lora",
+         "capacity", "attn_res_block")
+PACKED = {"hidden": PACKET, "latent": PACKET, "experts": PACKET // 2}
 
 
 @dataclass(frozen=True)
@@ -19,6 +30,30 @@ class KimiConfig:
     capacity: int = 64  # CAP: the largest decode batch
     attn_res_block: int = 2  # layers per AttnRes block
     index_slots: int = 256  # rows of each layer's DSA index key cache
+
+    def __post_init__(self):
+        """Every field in its domain, at construction (a bad one would otherwise surface as
+        an op's argument error, or NaN, at the first forward)."""
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name in SIZES and not (is_int(value) and value >= 1):
+                fail_setting("KimiConfig", field.name, "a positive int", value)
+        for name, multiple in PACKED.items():
+            if getattr(self, name) % multiple:
+                fail_setting("KimiConfig", name, f"a multiple of {multiple} (whole 16-byte mailbox packets)",
+                             getattr(self, name))
+        if self.top_k != TOP_K:
+            fail_setting("KimiConfig", "top_k", f"{TOP_K} (the routing ops' fixed top-k)", self.top_k)
+        if not TOP_K <= self.experts <= MAX_EXPERTS:
+            fail_setting("KimiConfig", "experts", f"in [{TOP_K}, {MAX_EXPERTS}] (the routing ops' range)", self.experts)
+        if not (is_int(self.index_slots) and self.index_slots >= 0):
+            fail_setting("KimiConfig", "index_slots", "an int ≥ 0", self.index_slots)
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+            fail_setting("KimiConfig", "eps", "finite and > 0", self.eps)
+        if not (isinstance(self.routed_scale, (int, float)) and math.isfinite(self.routed_scale)):
+            fail_setting("KimiConfig", "routed_scale", "a finite number", self.routed_scale)
+        if not isinstance(self.renorm, bool):
+            fail_setting("KimiConfig", "renorm", "a bool", self.renorm)
 
     @classmethod
     def kimi_k3(cls, expert_intermediate: int = 16, **overrides) -> "KimiConfig":

@@ -4,11 +4,21 @@ A box is BF16 ``[parities, TP sources, CAP, width]``, armed with the 32-bit word
 0x80000000 (the BF16 pair (+0, −0); as FP32, −0.0). Writers make data unable to equal
 it: −0 becomes +0 and NaN becomes the canonical quiet NaN. Readers compare bits, a row
 at a time, never values.
+
+What a box must be (every mailbox op and its fake check it, :func:`~kimi_ops.ops.mailbox_ops.check_box`):
+contiguous BF16 of rank 4; ``width`` a multiple of :data:`PACKET` BF16 values and the
+box 16-byte aligned (storage offset a multiple of PACKET), since kernels poll and store
+whole 16-byte packets and the reference reads word pairs; at least one parity (the
+decoder's front, latent and shared boxes have 3, its AttnRes and output boxes 1), one
+source and one token. A call's parity is below the box's parities and its batch in
+[1, CAP]. The boxes of one list are alike (shape, device), one per rank in rank order,
+and no box is passed twice, in a list or across arguments.
 """
 
 import torch
 
 SENTINEL = -0x80000000  # as int32
+PACKET = 8  # BF16 values per 16-byte packet: box widths and offsets are multiples of it
 
 # Error word bits: which poll found its row unwritten.
 ROUTE_POLL, TAIL_LATENT_POLL, TAIL_SHARED_POLL, TAKE_POLL = 1, 2, 4, 8
@@ -21,7 +31,9 @@ POLL_NAMES = {
 
 
 class KimiMailboxError(RuntimeError):
-    """A poll found a mailbox row that was never written (a dead peer, a mis-armed box)."""
+    """A poll found a mailbox row that was never written (a dead peer, a mis-armed box).
+    The error word stays set, and the boxes may hold rows of the failed step, until
+    :meth:`KimiDecoder.reset() <kimi_ops.runtime.decoder.KimiDecoder.reset>`."""
 
 
 def arm_(box: torch.Tensor) -> None:
@@ -52,7 +64,9 @@ def raise_if_error(error: torch.Tensor) -> None:
         polls = [name for bit, name in POLL_NAMES.items() if code & bit]
         raise KimiMailboxError(
             f"mailbox poll timed out (error word {code:#x}): {'; '.join(polls)} never "
-            "arrived — a peer did not publish or a box was not armed"
+            "arrived — a peer did not publish or a box was not armed. The error word stays set "
+            "and the boxes may hold the failed step's rows: call KimiDecoder.reset() (on every "
+            "rank) to re-arm every box and clear the error words before the next step"
         )
 
 

@@ -117,7 +117,7 @@ def test_take_of_an_armed_box_sets_the_error_word():
 
 def test_batch_over_capacity_is_rejected():
     decoder = KimiDecoder(KimiConfig.tiny(capacity=8), 2)
-    with pytest.raises(ValueError, match="over the mailbox capacity 8"):
+    with pytest.raises(ValueError, match=r"hidden must be a batch in \[1, 8\] \(the mailbox capacity\), got 9"):
         decoder(hidden_states(9))
 
 

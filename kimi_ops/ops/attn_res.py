@@ -2,7 +2,7 @@
 
 import torch
 
-from ..checks import check_same_device, check_tensor
+from ..checks import check_eps, check_same_device, check_tensor
 from ..numerics import bf16, f32, rank_sum, rms_norm, sum_f32
 
 
@@ -19,6 +19,7 @@ def check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w,
         op, partial=partial, blocks=blocks, sublayer_out=sublayer_out, query=query,
         key_norm_w=key_norm_w, out_norm_w=out_norm_w,
     )
+    check_eps(op, eps)
     return batch, hidden
 
 

@@ -3,7 +3,7 @@ key insert): ``kimi::dsa_index_front`` and ``kimi::dsa_index_key_insert``."""
 
 import torch
 
-from ..checks import check_same_device, check_tensor, fail
+from ..checks import check_eps, check_placement, check_same_device, check_tensor, fail
 from ..numerics import bf16, f32, matmul_f32, quantize_e4m3, rms_norm, sum_f32
 
 HEADS, DIM = 32, 128
@@ -19,6 +19,7 @@ def check_dsa_index_front(rows, wq_b, head_in, q_norm_w, eps) -> int:
     if q_norm_w is not None:
         check_tensor(op, "q_norm_w", q_norm_w, torch.bfloat16, (rows.shape[1],))
     check_same_device(op, rows=rows, wq_b=wq_b, head_in=head_in, q_norm_w=q_norm_w)
+    check_eps(op, eps)  # checked without q_norm_w too: one rule for the op's argument
     return rows.shape[0]
 
 
@@ -54,7 +55,8 @@ def check_dsa_index_key_insert(k_in, norm_w, norm_b, eps, cache, slots) -> None:
     check_tensor(op, "norm_b", norm_b, torch.bfloat16, (DIM,))
     check_tensor(op, "cache", cache, torch.uint8, (None, KEY_BYTES))
     check_tensor(op, "slots", slots, torch.int64, (k_in.shape[0],))
-    check_same_device(op, k_in=k_in, norm_w=norm_w, norm_b=norm_b, cache=cache, slots=slots)
+    check_placement(op, dict(cache=cache), dict(k_in=k_in, norm_w=norm_w, norm_b=norm_b, slots=slots))
+    check_eps(op, eps)
 
 
 def check_slot_values(cache, slots) -> None:
@@ -94,6 +96,8 @@ def dsa_index_key_insert(k_in, norm_w, norm_b, eps: float, cache, slots) -> None
     """
     check_dsa_index_key_insert(k_in, norm_w, norm_b, eps, cache, slots)
     check_slot_values(cache, slots)
+    if cache.shape[0] == 0:  # every slot is -1 (checked): nothing to write, no row to index
+        return
     valid = ((slots >= 0) & (slots < cache.shape[0])).unsqueeze(-1)
     target = slots.clamp(0, cache.shape[0] - 1)
     delta = index_key(k_in, norm_w, norm_b, eps) - cache[target]

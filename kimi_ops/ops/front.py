@@ -6,12 +6,12 @@ from ..checks import check_range, check_same_device, check_tensor
 from ..numerics import bf16, matmul_f32
 
 
-def check_moe_front(x, w, n_logits) -> tuple[int, int]:
-    """Returns (B, n_latent)."""
-    check_tensor("moe_front", "x", x, torch.bfloat16, (None, None))
-    check_tensor("moe_front", "w", w, torch.bfloat16, (None, x.shape[1]))
-    check_range("moe_front", "n_logits", n_logits, 0, w.shape[0])
-    check_same_device("moe_front", x=x, w=w)
+def check_moe_front(x, w, n_logits, op: str = "moe_front") -> tuple[int, int]:
+    """Returns (B, n_latent); errors in the name of ``op`` (the publishing op reuses the checks)."""
+    check_tensor(op, "x", x, torch.bfloat16, (None, None))
+    check_tensor(op, "w", w, torch.bfloat16, (None, x.shape[1]))
+    check_range(op, "n_logits", n_logits, 0, w.shape[0])
+    check_same_device(op, x=x, w=w)
     return x.shape[0], w.shape[0] - n_logits
 
 

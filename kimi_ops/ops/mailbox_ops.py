@@ -12,8 +12,9 @@ runs ranks phase by phase), so a poll is a bit check of the rows, then the read.
 
 import torch
 
-from ..checks import check_range, check_same_device, check_tensor, fail
+from ..checks import check_eps, check_placement, check_range, check_tensor, fail
 from ..mailbox import (
+    PACKET,
     ROUTE_POLL,
     TAIL_LATENT_POLL,
     TAIL_SHARED_POLL,
@@ -27,8 +28,16 @@ from . import front, oproj, route, tail
 
 
 def check_box(op, name, box, parity=None, batch=None) -> None:
-    """A BF16 box [parities, sources, CAP, width]; parity and batch within it."""
+    """A box as :mod:`kimi_ops.mailbox` defines it: BF16 [parities, sources, CAP, width],
+    contiguous, width a whole number of 16-byte packets, 16-byte aligned, no empty
+    dimension; ``parity`` and ``batch`` (when given) within it."""
     check_tensor(op, name, box, torch.bfloat16, (None, None, None, None))
+    if box.shape[3] % PACKET:
+        fail(op, name, f"rows of a multiple of {PACKET} BF16 values (16-byte packets)", list(box.shape))
+    if box.storage_offset() % PACKET:
+        fail(op, name, "16-byte aligned (a storage offset that is a multiple of 8 values)", box.storage_offset())
+    if 0 in box.shape:
+        fail(op, name, "a box with at least one parity, source, token and packet", list(box.shape))
     if parity is not None:
         check_range(op, "parity", parity, 0, box.shape[0] - 1)
     if batch is not None:
@@ -36,13 +45,14 @@ def check_box(op, name, box, parity=None, batch=None) -> None:
 
 
 def check_boxes(op, name, boxes, rank, parity, batch, sources) -> int:
-    """One box per rank, all alike, on one device; returns TP."""
-    if len(boxes) == 0:
-        fail(op, name, "one box per rank", "an empty list")
+    """One box per rank, all of one shape; ``rank`` one of them; returns TP. (Devices and
+    distinct memory: the op's :func:`~kimi_ops.checks.check_placement`.)"""
+    if not isinstance(boxes, (list, tuple)) or len(boxes) == 0:
+        fail(op, name, "a list of one box per rank", boxes if not isinstance(boxes, (list, tuple)) else "an empty list")
     for i, box in enumerate(boxes):
         check_box(op, f"{name}[{i}]", box, parity, batch)
-        if box.shape != boxes[0].shape or box.device != boxes[0].device:
-            fail(op, f"{name}[{i}]", f"like {name}[0] {list(boxes[0].shape)}", list(box.shape))
+        if box.shape != boxes[0].shape:
+            fail(op, f"{name}[{i}]", f"of the shape of {name}[0] {list(boxes[0].shape)}", list(box.shape))
     check_range(op, "rank", rank, 0, len(boxes) - 1)
     if boxes[0].shape[1] != sources:
         fail(op, name, f"boxes with {sources} source slots", list(boxes[0].shape))
@@ -76,6 +86,7 @@ def mailbox_rearm(box, parity: int, batch: int) -> None:
 def check_mailbox_take(box, parity, batch, error) -> None:
     check_box("mailbox_take", "box", box, parity, batch)
     check_error("mailbox_take", error)
+    check_placement("mailbox_take", dict(box=box, error=error), {})
 
 
 def mailbox_take(box, parity: int, batch: int, error):
@@ -94,10 +105,11 @@ def mailbox_take_fake(box, parity, batch, error):
 
 
 def check_oproj_publish(x, w, boxes, rank) -> int:
-    batch, _ = oproj.check_oproj(x, w)
+    batch, _ = oproj.check_oproj(x, w, "oproj_publish")
     check_boxes("oproj_publish", "boxes", boxes, rank, 0, batch, len(boxes))
     if boxes[0].shape[3] != w.shape[0]:
         fail("oproj_publish", "boxes", f"rows of width N = {w.shape[0]}", boxes[0].shape[3])
+    check_placement("oproj_publish", dict(boxes=boxes), dict(x=x, w=w))
     return batch
 
 
@@ -113,11 +125,17 @@ def oproj_publish(x, w, boxes, rank: int) -> None:
 def check_moe_front_publish(x, w, n_logits, boxes, parity, rank) -> tuple[int, int]:
     """Returns (B, L/TP)."""
     op = "moe_front_publish"
-    batch, latent_shard = front.check_moe_front(x, w, n_logits)
+    batch, latent_shard = front.check_moe_front(x, w, n_logits, op)
+    # Each rank's latent and logit columns start on a packet: L/TP % 8, (2·E/TP) % 8.
+    if latent_shard % PACKET:
+        fail(op, "w", f"{n_logits} router rows, then a multiple of {PACKET} latent rows", list(w.shape))
+    if n_logits % (PACKET // 2):
+        fail(op, "n_logits", f"a multiple of {PACKET // 2} (its FP32 words fill 16-byte packets)", n_logits)
     tp = check_boxes(op, "boxes", boxes, rank, parity, batch, 1)
     width = tp * (latent_shard + 2 * n_logits)
     if boxes[0].shape[3] != width:
         fail(op, "boxes", f"rows of width L + 2E = {width}", boxes[0].shape[3])
+    check_placement(op, dict(boxes=boxes), dict(x=x, w=w))
     return batch, latent_shard
 
 
@@ -139,12 +157,16 @@ def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error) -> int:
     """Returns L."""
     op = "moe_route_poll"
     check_box(op, "box", box, parity, batch)
+    if box.shape[1] != 1:
+        fail(op, "box", "a front box with 1 source slot (every rank's shard lands in one row)", list(box.shape))
     check_tensor(op, "bias", bias, torch.float32, (None,))
+    experts = bias.shape[0]
+    check_range(op, "bias.shape[0] (experts)", experts, route.TOP_K, route.MAX_EXPERTS)
     check_error(op, error)
-    check_same_device(op, box=box, bias=bias, error=error)
-    latent = box.shape[3] - 2 * bias.shape[0]
-    if latent <= 0:
-        fail(op, "box", f"rows wider than 2E = {2 * bias.shape[0]}", box.shape[3])
+    check_placement(op, dict(box=box, error=error), dict(bias=bias))
+    latent = box.shape[3] - 2 * experts
+    if latent <= 0 or latent % PACKET:
+        fail(op, "box", f"rows of width L + 2E (E = {experts}) with L > 0 a multiple of {PACKET}", box.shape[3])
     return latent
 
 
@@ -177,6 +199,7 @@ def check_moe_tail_push(shared, rs_boxes, parity, rank) -> int:
     tp = check_boxes(op, "rs_boxes", rs_boxes, rank, parity, shared.shape[0], len(rs_boxes))
     if rs_boxes[0].shape[3] * tp != shared.shape[1]:
         fail(op, "rs_boxes", f"rows of width H/TP = {shared.shape[1]}/{tp}", rs_boxes[0].shape[3])
+    check_placement(op, dict(rs_boxes=rs_boxes), dict(shared=shared))
     return tp
 
 
@@ -195,6 +218,7 @@ def check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank) -> Non
     check_boxes(op, "latent_boxes", latent_boxes, rank, parity, expanded.shape[0], len(latent_boxes))
     if latent_boxes[0].shape[3] != expanded.shape[2]:
         fail(op, "latent_boxes", f"rows of width L = {expanded.shape[2]}", latent_boxes[0].shape[3])
+    check_placement(op, dict(latent_boxes=latent_boxes), dict(expanded=expanded, weights=weights))
 
 
 def moe_tail_publish(expanded, weights, latent_boxes, parity: int, rank: int) -> None:
@@ -212,17 +236,27 @@ def check_moe_tail_poll(
     op = "moe_tail_poll"
     check_box(op, "latent_box", latent_box, parity, batch)
     check_box(op, "rs_box", rs_box, parity, batch)
-    check_range(op, "rearm_batch", rearm_batch, 1, latent_box.shape[2])
-    check_range(op, "rearm_parity", rearm_parity, 0, latent_box.shape[0] - 1)
+    parities, tp, capacity = latent_box.shape[:3]
+    if rs_box.shape[:3] != latent_box.shape[:3]:
+        fail(op, "rs_box", f"[parities, sources, CAP] of latent_box {list(latent_box.shape[:3])}, then H/TP",
+             list(rs_box.shape))
+    check_boxes(op, "out_boxes", out_boxes, rank, 0, batch, 1)
+    if len(out_boxes) != tp:
+        fail(op, "out_boxes", f"one box per source of latent_box ({tp})", f"{len(out_boxes)} boxes")
+    if out_boxes[0].shape[3] != tp * rs_box.shape[3]:
+        fail(op, "out_boxes", f"rows of width H = TP · rs_box width = {tp * rs_box.shape[3]}", list(out_boxes[0].shape))
+    check_range(op, "rearm_batch", rearm_batch, 1, capacity)
+    check_range(op, "rearm_parity", rearm_parity, 0, parities - 1)
     if rearm_parity == parity:
         fail(op, "rearm_parity", f"not the published parity {parity}", rearm_parity)
-    tp, latent = latent_box.shape[1], latent_box.shape[3]
+    latent = latent_box.shape[3]
     check_tensor(op, "gamma", gamma, torch.bfloat16, (latent,))
     check_tensor(op, "w_up", w_up, torch.bfloat16, (rs_box.shape[3], latent))
-    check_boxes(op, "out_boxes", out_boxes, rank, 0, batch, 1)
-    if len(out_boxes) != tp or out_boxes[0].shape[3] != tp * rs_box.shape[3]:
-        fail(op, "out_boxes", f"{tp} boxes of rows of width H = {tp * rs_box.shape[3]}", list(out_boxes[0].shape))
+    check_eps(op, eps)
     check_error(op, error)
+    check_placement(
+        op, dict(latent_box=latent_box, rs_box=rs_box, out_boxes=out_boxes, error=error), dict(gamma=gamma, w_up=w_up)
+    )
 
 
 def moe_tail_poll(

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..checks import check_same_device, check_tensor
+from ..checks import check_eps, check_same_device, check_tensor
 from ..numerics import bf16, f32, matmul_f32, sum_f32
 from .route import TOP_K
 
@@ -18,6 +18,7 @@ def check_moe_tail(expanded, weights, shared, gamma, w_up, eps) -> tuple[int, in
     check_same_device(
         "moe_tail", expanded=expanded, weights=weights, shared=shared, gamma=gamma, w_up=w_up
     )
+    check_eps("moe_tail", eps)
     return batch, w_up.shape[0]
 
 

@@ -42,6 +42,7 @@ class DecodeBoxes(nn.Module):
             "rs": (3, tp, cap, h // tp),
             "out": (1, 1, cap, h),
         }
+        self.ranks = group.ranks
         self._peers: dict[str, dict[int, list[torch.Tensor]]] = {}
         for kind, shape in shapes.items():
             boxes: Boxes = group.allocate(shape, device)
@@ -62,6 +63,14 @@ class DecodeBoxes(nn.Module):
 
     def error(self, rank: int) -> torch.Tensor:
         return getattr(self, f"error_{rank}")
+
+    def reset(self) -> None:
+        """Re-arm every box this process owns and clear its error words (in place: the
+        addresses peers and captured graphs hold stay valid)."""
+        for rank in self.ranks:
+            for kind in self.KINDS:
+                torch.ops.kimi.mailbox_arm(self.own(kind, rank))
+            self.error(rank).zero_()
 
 
 class TailBoxes:

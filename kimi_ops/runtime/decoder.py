@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .. import backend
-from ..config import KimiConfig
+from ..checks import fail_setting, is_int
+from ..config import PACKED, KimiConfig
 from ..mailbox import parities, raise_if_error
 from ..moe import MoeWeights
 from .boxes import DecodeBoxes
@@ -108,18 +109,31 @@ class KimiDecoder(nn.Module):
     AttnRes aggregate h [B, H] of rank ``group.ranks[0]``. All state lives in buffers
     allocated here; eager calls check the error words and raise
     :class:`~kimi_ops.mailbox.KimiMailboxError`; compiled and graph-replaying callers
-    call :meth:`check` (a host sync) when they choose.
+    call :meth:`check` (a host sync) when they choose. After a fault the error word stays
+    set (every later step raises) until :meth:`reset`.
+
+    Bad settings raise :class:`~kimi_ops.KimiArgumentError` here, bad ``forward``
+    arguments there, naming what was wrong.
     """
 
     def __init__(self, config: KimiConfig, num_layers: int, tp=1, seed: int = 0, device=None):
         super().__init__()
+        if not isinstance(config, KimiConfig):
+            fail_setting("KimiDecoder", "config", "a KimiConfig", type(config).__name__)
+        if not (is_int(num_layers) and num_layers >= 1):
+            fail_setting("KimiDecoder", "num_layers", "a positive int", num_layers)
+        if not is_int(seed):
+            fail_setting("KimiDecoder", "seed", "an int", seed)
         self.config, self.num_layers = config, num_layers
         self.group = group = make_group(tp)
-        for name, size in (("hidden", config.hidden), ("latent", config.latent),
-                           ("experts", config.experts), ("shared_intermediate", config.shared_intermediate),
-                           ("attn_out", config.attn_out)):
-            if size % group.tp:
-                raise ValueError(f"KimiDecoder: config.{name} = {size} is not divisible by TP = {group.tp}")
+        # Each rank's shard of a mailbox row is whole packets (KimiConfig checks TP1).
+        for name, multiple in {**PACKED, "shared_intermediate": 1, "attn_out": 1}.items():
+            if getattr(config, name) % (multiple * group.tp):
+                fail_setting("KimiDecoder", f"config.{name}", f"a multiple of {multiple} · TP = {multiple * group.tp}",
+                             getattr(config, name))
+        device = torch.device(device or "cpu")
+        if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+            fail_setting("KimiDecoder", "device", "an available device", str(device))
         for ordinal in range(num_layers):  # reject parity collisions before allocating
             parities(ordinal, num_layers)
         gen = torch.Generator().manual_seed(seed)
@@ -135,7 +149,7 @@ class KimiDecoder(nn.Module):
             self.attn_res.append(res)
         self.to(device)
         self.boxes = DecodeBoxes(group, config, device)  # after .to(): static addresses
-        if torch.device(device or "cpu").type == "cuda":  # compile kernels now, not in a capture
+        if device.type == "cuda":  # compile kernels now, not in a capture
             backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
             backend.prepare("situ", config.shared_intermediate // group.tp, "bfloat16")
             backend.prepare("situ", config.expert_intermediate, "float32")
@@ -157,11 +171,31 @@ class KimiDecoder(nn.Module):
     def residual(self, res, blocks, partial, rows):
         return kimi.attn_res(blocks, partial, rows, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
 
+    def check_inputs(self, hidden, slots) -> None:
+        """forward's arguments (metadata only: no sync, so compiled and captured calls
+        check them too)."""
+        config, device = self.config, self.boxes.error(self.group.ranks[0]).device
+        where = "KimiDecoder.forward"
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != config.hidden:
+            got = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            fail_setting(where, "hidden", f"a tensor [B, {config.hidden}]", got)
+        if hidden.dtype != torch.bfloat16 or hidden.device != device:
+            fail_setting(where, "hidden", f"bfloat16 on {device}", f"{hidden.dtype} on {hidden.device}")
+        if not 1 <= hidden.shape[0] <= config.capacity:
+            fail_setting(where, "hidden", f"a batch in [1, {config.capacity}] (the mailbox capacity)", hidden.shape[0])
+        if slots is None:
+            if hidden.shape[0] > config.index_slots:
+                fail_setting(where, "slots", f"given when B > config.index_slots = {config.index_slots} "
+                             "(the default is arange(B))", None)
+        elif not (isinstance(slots, torch.Tensor) and slots.dtype == torch.int64 and slots.device == device
+                  and list(slots.shape) == [hidden.shape[0]]):
+            got = f"{slots.dtype} {list(slots.shape)} on {slots.device}" if isinstance(slots, torch.Tensor) else slots
+            fail_setting(where, "slots", f"int64 [{hidden.shape[0]}] on {device}", got)
+
     def forward(self, hidden: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         config, group, boxes = self.config, self.group, self.boxes
+        self.check_inputs(hidden, slots)
         batch = hidden.shape[0]
-        if batch > config.capacity:
-            raise ValueError(f"KimiDecoder: batch {batch} is over the mailbox capacity {config.capacity}")
         if slots is None:
             slots = torch.arange(batch, device=hidden.device)
         ranks = group.ranks
@@ -203,3 +237,14 @@ class KimiDecoder(nn.Module):
         """Raise KimiMailboxError if any poll of this process's ranks found nothing (syncs)."""
         for r in self.group.ranks:
             raise_if_error(self.boxes.error(r))
+
+    def reset(self) -> None:
+        """Recovery after a fault (DESIGN §4): re-arm every box this process owns and clear
+        its error words, so that the next step equals a fresh decoder's (rows a failed step
+        left published are gone). Host-side, between steps: not inside a compiled region
+        or a capture (captured graphs stay valid: the boxes keep their addresses). In a
+        multi-process group every rank calls it; it returns after the group's barrier, so
+        no peer publishes into a box before its owner re-armed it. The index caches (the
+        keys written at the steps' slots) are the caller's KV state and are kept."""
+        self.boxes.reset()
+        self.group.sync()

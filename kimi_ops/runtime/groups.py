@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import fail_setting, is_int
 from ..mailbox import arm_
 
 
@@ -73,6 +74,17 @@ class SymmMemGroup:
         self.handles[0].barrier()
 
 
+GROUP_INTERFACE = ("tp", "ranks", "allocate", "sync")
+
+
 def make_group(tp) -> SimulatedGroup | SymmMemGroup:
-    """``tp``: a rank count (all ranks in this process), or a group object."""
-    return SimulatedGroup(tp) if isinstance(tp, int) else tp
+    """``tp``: a rank count ≥ 1 (all ranks in this process), or a group object (the
+    interface of SimulatedGroup / SymmMemGroup)."""
+    if is_int(tp):
+        if tp < 1:
+            fail_setting("KimiDecoder", "tp", "a rank count ≥ 1 or a TP group", tp)
+        return SimulatedGroup(tp)
+    if not all(hasattr(tp, name) for name in GROUP_INTERFACE):
+        fail_setting("KimiDecoder", "tp", "an int rank count ≥ 1 or a TP group (SimulatedGroup, SymmMemGroup)",
+                     f"{tp!r} ({type(tp).__name__})")
+    return tp
