@@ -236,27 +236,29 @@ def check_moe_tail_poll(
     op = "moe_tail_poll"
     check_box(op, "latent_box", latent_box, parity, batch)
     check_box(op, "rs_box", rs_box, parity, batch)
-    parities, tp, capacity = latent_box.shape[:3]
-    if rs_box.shape[:3] != latent_box.shape[:3]:
-        fail(op, "rs_box", f"[parities, sources, CAP] of latent_box {list(latent_box.shape[:3])}, then H/TP",
-             list(rs_box.shape))
     check_boxes(op, "out_boxes", out_boxes, rank, 0, batch, 1)
-    if len(out_boxes) != tp:
-        fail(op, "out_boxes", f"one box per source of latent_box ({tp})", f"{len(out_boxes)} boxes")
-    if out_boxes[0].shape[3] != tp * rs_box.shape[3]:
-        fail(op, "out_boxes", f"rows of width H = TP · rs_box width = {tp * rs_box.shape[3]}", list(out_boxes[0].shape))
-    check_range(op, "rearm_batch", rearm_batch, 1, capacity)
-    check_range(op, "rearm_parity", rearm_parity, 0, parities - 1)
-    if rearm_parity == parity:
-        fail(op, "rearm_parity", f"not the published parity {parity}", rearm_parity)
     latent = latent_box.shape[3]
     check_tensor(op, "gamma", gamma, torch.bfloat16, (latent,))
-    check_tensor(op, "w_up", w_up, torch.bfloat16, (rs_box.shape[3], latent))
+    check_tensor(op, "w_up", w_up, torch.bfloat16, (None, latent))
     check_eps(op, eps)
     check_error(op, error)
     check_placement(
         op, dict(latent_box=latent_box, rs_box=rs_box, out_boxes=out_boxes, error=error), dict(gamma=gamma, w_up=w_up)
     )
+    parities, tp, capacity = latent_box.shape[:3]
+    if rs_box.shape[:3] != latent_box.shape[:3]:
+        fail(op, "rs_box", f"[parities, sources, CAP] of latent_box {list(latent_box.shape[:3])}, then H/TP",
+             list(rs_box.shape))
+    if len(out_boxes) != tp:
+        fail(op, "out_boxes", f"one box per source of latent_box ({tp})", f"{len(out_boxes)} boxes")
+    if out_boxes[0].shape[3] != tp * rs_box.shape[3]:
+        fail(op, "out_boxes", f"rows of width H = TP · rs_box width = {tp * rs_box.shape[3]}", list(out_boxes[0].shape))
+    if w_up.shape[0] != rs_box.shape[3]:
+        fail(op, "w_up", f"[H/TP = {rs_box.shape[3]} (rs_box width), {latent}]", list(w_up.shape))
+    check_range(op, "rearm_batch", rearm_batch, 1, capacity)
+    check_range(op, "rearm_parity", rearm_parity, 0, parities - 1)
+    if rearm_parity == parity:
+        fail(op, "rearm_parity", f"not the published parity {parity}", rearm_parity)
 
 
 def moe_tail_poll(

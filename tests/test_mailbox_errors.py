@@ -1,0 +1,175 @@
+"""The mailbox ops, the config and the decoder reject what they cannot serve (issue 20):
+each case raises a KimiArgumentError naming the argument, in the op's own name, with
+nothing written; where a case is legal it computes the reference's result."""
+
+import math
+
+import pytest
+import torch
+
+from kimi_ops import KimiArgumentError, KimiConfig, KimiDecoder
+from samples import sample_args
+
+kimi = torch.ops.kimi
+
+
+def tensors_of(args):
+    """Every tensor argument, list members included (not the meta ones: no data)."""
+    flat = [m for a in args for m in (a if isinstance(a, list) else [a])]
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.dtype != torch.bool else t
+
+
+def odd_width(box):
+    return torch.randn(*box.shape[:-1], box.shape[-1] - 1).bfloat16()
+
+
+def unpacked_width(box):  # even (viewable as words) but not whole 16-byte packets
+    return torch.randn(*box.shape[:-1], box.shape[-1] + 2).bfloat16()
+
+
+def odd_offset(box):
+    shifted = torch.empty(box.numel() + 1, dtype=box.dtype)[1:].view(box.shape)
+    return shifted.copy_(box)
+
+
+def put(args, index, value):
+    return args[:index] + (value,) + args[index + 1 :]
+
+
+def put_member(args, index, member, value):
+    boxes = list(args[index])
+    boxes[member] = value
+    return put(args, index, boxes)
+
+
+def meta(t):
+    return t.to("meta")
+
+
+# (op, change of the sample arguments, words the message must hold)
+CASES = [
+    # 1. a meta tensor among real ones (the fake would run: nothing written or flagged)
+    ("moe_tail_poll", lambda a: put(a, 2, meta(a[2])), ["'gamma'", "on cpu"]),
+    ("moe_tail_poll", lambda a: put(a, 3, meta(a[3])), ["'w_up'", "on cpu"]),
+    ("moe_tail_poll", lambda a: put(a, 6, meta(a[6])), ["'error'", "on cpu"]),
+    ("moe_tail_poll", lambda a: put(a, 1, meta(a[1])), ["'rs_box'", "on cpu"]),
+    ("moe_tail_poll", lambda a: put_member(a, 5, 1, meta(a[5][1])), ["'out_boxes[1]'", "on cpu"]),
+    ("oproj_publish", lambda a: put_member(a, 2, 1, meta(a[2][1])), ["'boxes[1]'", "on cpu", "meta"]),
+    ("oproj_publish", lambda a: put(a, 0, meta(a[0])), ["'x'"]),
+    ("moe_front_publish", lambda a: put_member(a, 3, 0, meta(a[3][0])), ["'boxes[0]'", "meta"]),
+    ("moe_front_publish", lambda a: put(a, 1, meta(a[1])), ["'w'", "meta"]),
+    ("moe_tail_push", lambda a: put_member(a, 1, 1, meta(a[1][1])), ["'rs_boxes[1]'", "meta"]),
+    ("moe_tail_push", lambda a: put(a, 0, meta(a[0])), ["meta"]),
+    ("moe_tail_publish", lambda a: put_member(a, 2, 0, meta(a[2][0])), ["'latent_boxes[0]'", "meta"]),
+    ("moe_tail_publish", lambda a: put(a, 1, meta(a[1])), ["'weights'", "meta"]),
+    ("mailbox_take", lambda a: put(a, 3, meta(a[3])), ["'error'", "meta"]),
+    ("moe_route_poll", lambda a: put(a, 1, meta(a[1])), ["'bias'", "meta"]),
+    # 2. box geometry: whole 16-byte packets, 16-byte aligned
+    ("mailbox_arm", lambda a: put(a, 0, odd_width(a[0])), ["'box'", "multiple of 8"]),
+    ("mailbox_rearm", lambda a: put(a, 0, unpacked_width(a[0])), ["'box'", "multiple of 8"]),
+    ("mailbox_take", lambda a: put(a, 0, odd_width(a[0])), ["'box'", "multiple of 8"]),
+    ("mailbox_take", lambda a: put(a, 0, odd_offset(a[0])), ["'box'", "16-byte aligned"]),
+    ("moe_route_poll", lambda a: put(a, 0, odd_offset(a[0])), ["'box'", "16-byte aligned"]),
+    ("moe_tail_poll", lambda a: put(a, 0, odd_offset(a[0])), ["'latent_box'", "16-byte aligned"]),
+    ("moe_tail_push", lambda a: put_member(a, 1, 1, odd_offset(a[1][1])), ["'rs_boxes[1]'", "16-byte aligned"]),
+    ("oproj_publish", lambda a: put_member(a, 2, 0, odd_offset(a[2][0])), ["'boxes[0]'", "16-byte aligned"]),
+    ("moe_front_publish", lambda a: (a[0], a[1][:-4].contiguous(), a[2], [torch.randn(3, 1, 8, 104).bfloat16()] * 2,
+                                     a[4], a[5]), ["'w'", "multiple of 8 latent rows"]),
+    ("mailbox_arm", lambda a: put(a, 0, torch.randn(0, 2, 8, 16).bfloat16()), ["'box'", "at least one parity"]),
+    # 3. moe_tail_poll's boxes against each other; lists with a box twice
+    ("moe_tail_poll", lambda a: put(a, 1, a[1][:2].contiguous()), ["'rs_box'", "[3, 2, 8]"]),
+    ("moe_tail_poll", lambda a: put(a, 1, a[1][:, :1].contiguous()), ["'rs_box'", "[3, 2, 8]"]),
+    ("moe_tail_poll", lambda a: put(put(put(a, 0, a[0][:, :, :4].contiguous()), 1, a[1][:, :, :4].contiguous()), 11, 2),
+     ["'rearm_batch'", "[1, 4]"]),
+    ("moe_tail_poll", lambda a: put(a, 1, a[0]), ["'rs_box'"]),
+    ("moe_tail_poll", lambda a: put_member(a, 5, 1, a[5][0]), ["'out_boxes[1]'", "own", "out_boxes[0]"]),
+    ("moe_tail_poll", lambda a: put_member(a, 5, 0, torch.randn(1, 1, 16, 64).bfloat16()[:, :, ::2]),
+     ["'out_boxes[0]'", "contiguous"]),
+    ("moe_tail_poll", lambda a: put(put(a, 5, a[5][:1]), 10, 0), ["'out_boxes'", "one box per source"]),
+    ("oproj_publish", lambda a: put_member(a, 2, 1, a[2][0]), ["'boxes[1]'", "own"]),
+    ("moe_front_publish", lambda a: put_member(a, 3, 1, a[3][0]), ["'boxes[1]'", "own"]),
+    ("moe_tail_push", lambda a: put_member(a, 1, 1, a[1][0]), ["'rs_boxes[1]'", "own"]),
+    ("moe_tail_publish", lambda a: put_member(a, 2, 1, a[2][0]), ["'latent_boxes[1]'", "own"]),
+    ("mailbox_take", lambda a: put(a, 3, a[0].view(-1)[:2].view(torch.int32)), ["'error'", "own"]),
+    # 4. moe_route_poll's experts in its own name, checked before the error word is set
+    *[("moe_route_poll", lambda a, e=e: put(a, 1, torch.randn(e)), ["kimi::moe_route_poll", "'bias.shape[0] (experts)'"])
+      for e in (8, 15, 1025)],
+    ("moe_route_poll", lambda a: put(put(a, 0, torch.randn(3, 1, 8, 112).bfloat16()), 1, torch.randn(31)),
+     ["'box'", "E = 31", "multiple of 8"]),
+    # 5. eps finite and > 0
+    *[(name, lambda a, i=i, eps=eps: put(a, i, eps), ["'eps'", "finite and > 0"])
+      for name, i in (("moe_tail", 5), ("attn_res", 6), ("dsa_index_front", 4), ("dsa_index_key_insert", 3),
+                      ("moe_tail_poll", 4))
+      for eps in (-1.0, 0.0, math.nan, math.inf)],
+]
+
+
+@pytest.mark.parametrize("name, change, words", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_rejected_with_nothing_written(name, change, words):
+    args = change(sample_args(name, 3, torch.Generator().manual_seed(11)))
+    before = [t.clone() for t in tensors_of(args)]
+    with pytest.raises(KimiArgumentError) as error:
+        getattr(kimi, name)(*args)
+    message = str(error.value)
+    assert message.startswith(f"kimi::{name}: argument '"), message
+    for word in words:
+        assert word in message, message
+    for old, new in zip(before, tensors_of(args)):
+        assert torch.equal(bits(old), bits(new)), f"{name} wrote before raising"
+
+
+def test_key_insert_into_an_empty_cache_with_every_slot_skipped():
+    args = sample_args("dsa_index_key_insert", 3, torch.Generator().manual_seed(2))
+    cache = torch.empty(0, 132, dtype=torch.uint8)
+    kimi.dsa_index_key_insert(*args[:4], cache, torch.full((3,), -1))
+    with pytest.raises(KimiArgumentError, match=r"'slots' must be in \[-1, 0\)"):
+        kimi.dsa_index_key_insert(*args[:4], cache, torch.tensor([-1, 0, -1]))
+
+
+CONFIG_CASES = [
+    (dict(eps=-1.0), "eps"), (dict(eps=math.nan), "eps"), (dict(latent=127), "latent"), (dict(hidden=100), "hidden"),
+    (dict(experts=8), "experts"), (dict(experts=2048), "experts"), (dict(experts=66), "experts"),
+    (dict(top_k=8), "top_k"), (dict(attn_res_block=0), "attn_res_block"), (dict(attn_res_block=-1), "attn_res_block"),
+    (dict(capacity=-1), "capacity"), (dict(capacity=0), "capacity"), (dict(shared_intermediate=0), "shared_intermediate"),
+    (dict(hidden=256.0), "hidden"), (dict(index_slots=-1), "index_slots"), (dict(renorm=1), "renorm"),
+    (dict(routed_scale=math.inf), "routed_scale"),
+]
+
+
+@pytest.mark.parametrize("fields, name", CONFIG_CASES, ids=[str(c[0]) for c in CONFIG_CASES])
+def test_config_validates_at_construction(fields, name):
+    with pytest.raises(KimiArgumentError, match=f"^KimiConfig: {name} must be"):
+        KimiConfig.tiny(**fields)
+
+
+DECODER_CASES = [
+    (dict(num_layers=0), "num_layers"), (dict(num_layers=-3), "num_layers"), (dict(num_layers=2.0), "num_layers"),
+    (dict(tp=2.0), "tp"), (dict(tp="2"), "tp"), (dict(tp=None), "tp"), (dict(tp=True), "tp"), (dict(tp=0), "tp"),
+    (dict(tp=32), "config.latent"), (dict(tp=3), "config.hidden"),
+    *([(dict(device="cuda"), "device")] if not torch.cuda.is_available() else []),
+]
+
+
+@pytest.mark.parametrize("arguments, name", DECODER_CASES, ids=[str(c[0]) for c in DECODER_CASES])
+def test_decoder_validates_its_arguments(arguments, name):
+    with pytest.raises(KimiArgumentError, match=f"^KimiDecoder: {name} must be"):
+        KimiDecoder(KimiConfig.tiny(), **{"num_layers": 2, **arguments})
+
+
+def test_forward_names_hidden_and_slots():
+    decoder = KimiDecoder(KimiConfig.tiny(capacity=8, index_slots=4), 2, tp=2)
+    good = torch.randn(3, 256).bfloat16()
+    for hidden in (torch.randn(256).bfloat16(), torch.randn(3, 255).bfloat16(), good.float(), good.to("meta"),
+                   torch.randn(9, 256).bfloat16(), torch.randn(0, 256).bfloat16()):
+        with pytest.raises(KimiArgumentError, match="^KimiDecoder.forward: hidden must be"):
+            decoder(hidden)
+    for slots in (torch.arange(3).int(), torch.arange(4), torch.arange(3).to("meta")):
+        with pytest.raises(KimiArgumentError, match="^KimiDecoder.forward: slots must be"):
+            decoder(good, slots)
+    with pytest.raises(KimiArgumentError, match="slots must be given when B > config.index_slots = 4"):
+        decoder(torch.randn(5, 256).bfloat16())
+    assert decoder(good).shape == (3, 256)
