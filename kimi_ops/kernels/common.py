@@ -10,10 +10,15 @@ import tempfile
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int64, Uint32
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 EXPORT_NAME = "func"
-THREADS = 256  # every kernel's CTA
+THREADS = 256  # every kernel's CTA (launch)
+SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
+CHUNK = 64  # K columns per ring slot: one 128-byte row, the width of TMA's 128-byte swizzle
 
 
 def fake(dtype, shape, align=16):
@@ -239,14 +244,18 @@ def store_words(address, words, mailbox: cutlass.Constexpr[bool] = False):
 
 
 @cute.jit
-def store_to_peers(peers: cute.Tensor, count: cutlass.Constexpr[int], offset: Int64, words):
-    """One mailbox packet to byte ``offset`` of each of ``count`` peers' boxes (base
-    addresses ``peers``), made unable to equal the sentinel (:func:`no_neg_zero`)."""
-    clean = [no_neg_zero(w) for w in words]
+def store_to_peers(peers: cute.Tensor, count: cutlass.Constexpr[int], offset: Int64, words,
+                   fp32: cutlass.Constexpr[bool] = False):
+    """One mailbox packet (four words; eight: two packets, 16 bytes apart) to byte
+    ``offset`` of each of ``count`` peers' boxes (base addresses ``peers``), made unable
+    to equal the sentinel: BF16 pairs by :func:`no_neg_zero`, ``fp32`` words (logits) by
+    :func:`no_neg_zero_f32`."""
+    clean = [no_neg_zero_f32(w) if fp32 else no_neg_zero(w) for w in words]
     # Every base first: a load after a system-scope store waits for it (ptxas keeps the order).
     bases = [Int64(peers[peer]) for peer in range(count)]
     for peer in cutlass.range_constexpr(count):
-        store_words(bases[peer] + offset, clean, mailbox=True)
+        for first in cutlass.range_constexpr(0, len(clean), 4):
+            store_words(bases[peer] + offset + 4 * first, clean[first:first + 4], mailbox=True)
 
 
 @cute.jit
@@ -274,6 +283,18 @@ def no_neg_zero(word: Uint32) -> Uint32:
     """A BF16 pair made unable to equal the sentinel: −0 halves become +0 and NaN halves
     the canonical NaN (kimi_ops.mailbox.no_neg_zero)."""
     return clean_half(word & Uint32(0xFFFF)) | (clean_half(word >> Uint32(16)) << Uint32(16))
+
+
+@cute.jit
+def no_neg_zero_f32(word: Uint32) -> Uint32:
+    """An FP32 word made unable to equal the sentinel: −0 becomes +0 and NaN the canonical
+    NaN (kimi_ops.mailbox.no_neg_zero on float32)."""
+    result = word
+    if word == Uint32(SENTINEL):
+        result = Uint32(0)
+    if (word & Uint32(0x7FFFFFFF)) > Uint32(0x7F800000):
+        result = Uint32(0x7FC00000)
+    return result
 
 
 @cute.jit
@@ -340,3 +361,149 @@ def poll_all(addresses, error: cute.Tensor, code: cutlass.Constexpr[int]):
 def arrived(words):
     sentinel = Uint32(SENTINEL)
     return (words[0] != sentinel) & (words[1] != sentinel) & (words[2] != sentinel) & (words[3] != sentinel)
+
+
+# Rings, shared-memory layouts and wgmma (the tail's and the projection engine's).
+
+@cute.jit
+def landed(full, i, depth: cutlass.Constexpr[int]):
+    """Wait until chunk ``i`` of a ring of ``depth`` slots has landed (phase i // depth of
+    its slot's full barrier)."""
+    cute.arch.mbarrier_wait(full + i % depth, (i // depth) % 2)
+
+
+@cute.jit
+def released(empty, i, depth: cutlass.Constexpr[int]):
+    """Before chunk ``i`` goes into a ring of ``depth`` slots: wait until the readers of the
+    slot's previous chunk have handed it back."""
+    if i >= depth:
+        cute.arch.mbarrier_wait(empty + i % depth, (i // depth + 1) % 2)
+
+
+@cute.jit
+def expect(full, slot, size: cutlass.Constexpr[int], lane):
+    """Lane 0 arms slot ``slot``'s full barrier for ``size`` bytes of TMA copies, which the
+    warp then issues."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, size)
+    cute.arch.sync_warp()
+
+
+@cute.jit
+def release(empty, lane):
+    """The warp is done with its part of a slot: the producer may refill it."""
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.mbarrier_arrive(empty)
+
+
+def swizzled(first, row, piece):
+    """The 16-byte piece ``piece`` of 128-byte row ``first + row`` (``first`` a multiple of
+    8) in TMA's 128-byte swizzle (at piece XOR row % 8), so that the eight rows of an
+    ldmatrix 8x8 matrix fall in distinct banks."""
+    return (first + row) * 8 + (piece ^ (row % 8))
+
+
+def swizzled_stages(rows, stages):
+    """``stages`` boxes of rows × CHUNK BF16 in the 128-byte swizzle (``swizzled``), as TMA
+    stores them and wgmma's descriptors read them."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    return cute.tile_to_shape(atom, (rows, CHUNK, stages), (0, 1, 2))
+
+
+@cute.jit
+def clamp(value: Int32, high: Int32) -> Int32:
+    result = value
+    if value > high:
+        result = high
+    return result
+
+
+@cute.jit
+def copy_async(destination, source):
+    """16 bytes from global to shared memory by cp.async (L2 only: read once per CTA)."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[destination, source])
+
+
+@cute.jit
+def store_cluster(address, value, cta):
+    """One FP32 or FP64 value, or a list of two or four FP32 values (one vector store), into
+    CTA ``cta``'s shared memory (DSMEM) at our ``address``."""
+    remote = cute.arch.map_dsmem_ptr(address, cta)
+    if cutlass.const_expr(isinstance(value, (list, tuple))):
+        names = ", ".join(f"{{$r{i + 1}}}" for i in range(len(value)))
+        cute.arch.inline_ptx(f"st.shared::cluster.v{len(value)}.f32 [{{$r0}}], {{ {names} }};",
+                             read_only_args=[remote, *value])
+    else:
+        kind = "f64" if isinstance(value, Float64) else "f32"
+        cute.arch.inline_ptx(f"st.shared::cluster.{kind} [{{$r0}}], {{$r1}};", read_only_args=[remote, value])
+
+
+@cute.jit
+def l2_evict_first() -> Int64:
+    """An L2 policy that evicts first: the weights stream through once per call and must
+    not push out what the latency-bound loads read (expert rows, latent, gamma, shared)."""
+    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_first.b64 {$w0}, 1.0;", write_only_types=[Int64])
+
+
+# wgmma's shared-memory matrix descriptor, all but the start address: the 128-byte swizzle
+# (bits 62-63), 8-row groups 1024 bytes apart (stride, bits 32-45), leading offset unused (1)
+DESCRIPTOR_FIELDS = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)
+
+
+@cute.jit
+def descriptor(address: Int32) -> Int64:
+    """wgmma's descriptor of a K-major [rows, 64] BF16 tile in the 128-byte swizzle at
+    shared ``address`` (a 1024-aligned box, + 32 bytes per k16 step within its rows)."""
+    return Int64(DESCRIPTOR_FIELDS) | Int64((address >> 4) & 0x3FFF)
+
+
+@dsl_user_op
+def wgmma_bf16(acc, a, b, *, loc=None, ip=None):
+    """acc + A·B by wgmma.mma_async m64nNk16 (N = 2 · len(acc)), BF16 → FP32: A a shared
+    descriptor or, from registers, four words in mma.sync's m16n8k16 A layout per warp;
+    B a descriptor (K-major). Asynchronous: the results are not to be read before
+    wgmma.wait_group (then through ``pinned``)."""
+    n = len(acc)
+    registers = isinstance(a, (list, tuple))
+    a_values = [Uint32(w).ir_value(loc=loc, ip=ip) for w in a] if registers else [Int64(a).ir_value(loc=loc, ip=ip)]
+    at = 2 * n  # after the outputs and the tied accumulators
+    a_text = "{" + ", ".join(f"${at + k}" for k in range(4)) + "}" if registers else f"${at}"
+    b_at = at + len(a_values)
+    transpose = "" if registers else ", 0"  # K-major A: register A takes no transpose flag
+    ptx = (f"{{ .reg .pred p; setp.ne.b32 p, ${b_at + 1}, 0; wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.bf16.bf16 "
+           + "{" + ", ".join(f"${k}" for k in range(n)) + f"}}, {a_text}, ${b_at}, p, 1, 1{transpose}, 0; }}")
+    constraints = ",".join(["=f"] * n + [str(k) for k in range(n)] + ["r" if registers else "l"] * len(a_values)
+                           + ["l", "r"])
+    operands = [Float32(x).ir_value(loc=loc, ip=ip) for x in acc] + a_values + [
+        Int64(b).ir_value(loc=loc, ip=ip), Int32(1).ir_value(loc=loc, ip=ip)]
+    return unpacked(llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * n), operands, ptx, constraints,
+                                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                    loc=loc, ip=ip), n, loc, ip)
+
+
+@dsl_user_op
+def pinned(values, *, loc=None, ip=None):
+    """``values`` through an empty volatile asm: their uses stay after what precedes it
+    (wgmma.wait_group; the compiler would otherwise move arithmetic above it)."""
+    n = len(values)
+    result = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * n),
+                             [Float32(x).ir_value(loc=loc, ip=ip) for x in values], "",
+                             ",".join(["=f"] * n + [str(k) for k in range(n)]), has_side_effects=True,
+                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return unpacked(result, n, loc, ip)
+
+
+def unpacked(struct, n, loc, ip):
+    return [Float32(llvm.extractvalue(T.f32(), struct, [k], loc=loc, ip=ip)) for k in range(n)]
+
+
+def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:
+    """One element of ``tensor`` viewed as ``dtype`` (``dims`` dimensions) for an argument
+    the kernel's mode never touches (no allocation: nothing outlives the call, e.g. in a
+    cudagraph-tree pool)."""
+    return tensor.view(-1).view(dtype)[:1].view([1] * dims)
+
+
+def aligned(*tensors) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)

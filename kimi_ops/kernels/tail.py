@@ -77,18 +77,17 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from .. import backend
 from ..ops import mailbox_ops
 from ..ops import tail as tail_op
 from .common import (
-    THREADS, addresses, bits_float, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch,
-    load_words, no_neg_zero, pack_bf16, poll_all, rearm, register_addresses, store_to_peers, store_words,
-    unpack_words,
+    CHUNK, SMEM_BYTES, THREADS, addresses, aligned, bits_float, butterfly_sum, clamp, compile_options, compiled,
+    copy_async, descriptor, expect, fake, fake_stream, hopper, l2_evict_first, landed, launch, load_words,
+    no_neg_zero, pack_bf16, pinned, placeholder, poll_all, rearm, register_addresses, release, released,
+    store_cluster, store_to_peers, store_words, swizzled, swizzled_stages, unpack_words, wgmma_bf16,
 )
 
 TOP_K = tail_op.TOP_K
@@ -96,10 +95,8 @@ CLUSTER = 4  # CTAs per cluster, each owning 1/CLUSTER of K
 # Co-resident clusters of 4 on an H200 at one CTA per SM (cuOccupancyMaxActiveClusters:
 # clusters stay within a GPC, so 30, not 33; of 2: 66, of 8: 15).
 ONE_WAVE_CLUSTERS = 30
-SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
 MIN_DEPTH = 3  # ring slots in flight per warp
 TILE_ROWS = 16  # MMA rows per tile
-CHUNK = 64  # K columns per ring slot: one 128-byte row, the width of TMA's 128-byte swizzle
 MAX_DEPTH = 16  # ring slots (shared memory keeps room for the mbarriers of as many)
 PACE = 2  # ring slots in flight per CTA before step 2's loads are back (measured: 2, 3, 4 alike)
 TILES_PER_WARP = 2
@@ -1187,52 +1184,6 @@ def paced(i, lag: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], full, f
 
 
 @cute.jit
-def landed(full, i, depth: cutlass.Constexpr[int]):
-    """Wait until chunk ``i`` of a ring of ``depth`` slots has landed (phase i // depth of
-    its slot's full barrier)."""
-    cute.arch.mbarrier_wait(full + i % depth, (i // depth) % 2)
-
-
-@cute.jit
-def released(empty, i, depth: cutlass.Constexpr[int]):
-    """Before chunk ``i`` goes into a ring of ``depth`` slots: wait until the readers of the
-    slot's previous chunk have handed it back."""
-    if i >= depth:
-        cute.arch.mbarrier_wait(empty + i % depth, (i // depth + 1) % 2)
-
-
-@cute.jit
-def expect(full, slot, size: cutlass.Constexpr[int], lane):
-    """Lane 0 arms slot ``slot``'s full barrier for ``size`` bytes of TMA copies, which the
-    warp then issues."""
-    if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, size)
-    cute.arch.sync_warp()
-
-
-@cute.jit
-def release(empty, lane):
-    """The warp is done with its part of a slot: the producer may refill it."""
-    cute.arch.sync_warp()
-    if lane == 0:
-        cute.arch.mbarrier_arrive(empty)
-
-
-def swizzled(first, row, piece):
-    """The 16-byte piece ``piece`` of 128-byte row ``first + row`` (``first`` a multiple of
-    8) in TMA's 128-byte swizzle (at piece XOR row % 8), so that the eight rows of an
-    ldmatrix 8x8 matrix fall in distinct banks."""
-    return (first + row) * 8 + (piece ^ (row % 8))
-
-
-def swizzled_stages(rows, stages):
-    """``stages`` boxes of rows × CHUNK BF16 in the 128-byte swizzle (``swizzled``), as TMA
-    stores them and wgmma's descriptors read them."""
-    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-    return cute.tile_to_shape(atom, (rows, CHUNK, stages), (0, 1, 2))
-
-
-@cute.jit
 def weighted_rows(expanded, weights, token, column):
     """Σ_r row_r · w_r over the 8 columns from ``column`` of ``token``'s TOP_K expert rows
     (``expanded`` [B, TOP_K, L], ``weights`` [B, TOP_K]): the front's FP32 FMA chain in
@@ -1279,14 +1230,6 @@ def normalized(values, inv: Float32, scale):
 
 
 @cute.jit
-def clamp(value: Int32, high: Int32) -> Int32:
-    result = value
-    if value > high:
-        result = high
-    return result
-
-
-@cute.jit
 def load_shared(address):
     """Four words from shared memory, one 16-byte load."""
     return cute.arch.inline_ptx(
@@ -1298,20 +1241,6 @@ def load_shared(address):
 @cute.jit
 def store_shared(address, words):
     cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words])
-
-
-@cute.jit
-def copy_async(destination, source):
-    """16 bytes from global to shared memory by cp.async (L2 only: read once per CTA)."""
-    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[destination, source])
-
-
-@cute.jit
-def store_cluster(address, value, cta):
-    """One FP32 or FP64 value into CTA ``cta``'s shared memory (DSMEM) at our ``address``."""
-    remote = cute.arch.map_dsmem_ptr(address, cta)
-    kind = "f64" if isinstance(value, Float64) else "f32"
-    cute.arch.inline_ptx(f"st.shared::cluster.{kind} [{{$r0}}], {{$r1}};", read_only_args=[remote, value])
 
 
 @cute.jit
@@ -1333,13 +1262,6 @@ def bits_pointer(words, index):
 
 
 @cute.jit
-def l2_evict_first() -> Int64:
-    """An L2 policy that evicts first: the weights stream through once per call and must
-    not push out what the latency-bound loads read (expert rows, latent, gamma, shared)."""
-    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_first.b64 {$w0}, 1.0;", write_only_types=[Int64])
-
-
-@cute.jit
 def load_matrices(address):
     """ldmatrix.x4: lane l gives the address of row l % 8 of 8x8 matrix l // 8 (16 bytes);
     lane (g, t) receives the BF16 pair (row g, columns 2t, 2t + 1) of each matrix."""
@@ -1357,58 +1279,6 @@ def mma_bf16(a, b, c):
         " { {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
         write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c],
     )
-
-
-# wgmma's shared-memory matrix descriptor, all but the start address: the 128-byte swizzle
-# (bits 62-63), 8-row groups 1024 bytes apart (stride, bits 32-45), leading offset unused (1)
-DESCRIPTOR_FIELDS = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)
-
-
-@cute.jit
-def descriptor(address: Int32) -> Int64:
-    """wgmma's descriptor of a K-major [rows, 64] BF16 tile in the 128-byte swizzle at
-    shared ``address`` (a 1024-aligned box, + 32 bytes per k16 step within its rows)."""
-    return Int64(DESCRIPTOR_FIELDS) | Int64((address >> 4) & 0x3FFF)
-
-
-@dsl_user_op
-def wgmma_bf16(acc, a, b, *, loc=None, ip=None):
-    """acc + A·B by wgmma.mma_async m64nNk16 (N = 2 · len(acc)), BF16 → FP32: A a shared
-    descriptor or, from registers, four words in mma.sync's m16n8k16 A layout per warp;
-    B a descriptor (K-major). Asynchronous: the results are not to be read before
-    wgmma.wait_group (then through ``pinned``)."""
-    n = len(acc)
-    registers = isinstance(a, (list, tuple))
-    a_values = [Uint32(w).ir_value(loc=loc, ip=ip) for w in a] if registers else [Int64(a).ir_value(loc=loc, ip=ip)]
-    at = 2 * n  # after the outputs and the tied accumulators
-    a_text = "{" + ", ".join(f"${at + k}" for k in range(4)) + "}" if registers else f"${at}"
-    b_at = at + len(a_values)
-    transpose = "" if registers else ", 0"  # K-major A: register A takes no transpose flag
-    ptx = (f"{{ .reg .pred p; setp.ne.b32 p, ${b_at + 1}, 0; wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.bf16.bf16 "
-           + "{" + ", ".join(f"${k}" for k in range(n)) + f"}}, {a_text}, ${b_at}, p, 1, 1{transpose}, 0; }}")
-    constraints = ",".join(["=f"] * n + [str(k) for k in range(n)] + ["r" if registers else "l"] * len(a_values)
-                           + ["l", "r"])
-    operands = [Float32(x).ir_value(loc=loc, ip=ip) for x in acc] + a_values + [
-        Int64(b).ir_value(loc=loc, ip=ip), Int32(1).ir_value(loc=loc, ip=ip)]
-    return unpacked(llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * n), operands, ptx, constraints,
-                                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                    loc=loc, ip=ip), n, loc, ip)
-
-
-@dsl_user_op
-def pinned(values, *, loc=None, ip=None):
-    """``values`` through an empty volatile asm: their uses stay after what precedes it
-    (wgmma.wait_group; the compiler would otherwise move arithmetic above it)."""
-    n = len(values)
-    result = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * n),
-                             [Float32(x).ir_value(loc=loc, ip=ip) for x in values], "",
-                             ",".join(["=f"] * n + [str(k) for k in range(n)]), has_side_effects=True,
-                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return unpacked(result, n, loc, ip)
-
-
-def unpacked(struct, n, loc, ip):
-    return [Float32(llvm.extractvalue(T.f32(), struct, [k], loc=loc, ip=ip)) for k in range(n)]
 
 
 class ShardPush:
@@ -1554,17 +1424,6 @@ def compile_push(hidden: int, tp: int):
         ShardPush(hidden, tp), fake(BFloat16, (cute.sym_int(), hidden)), fake(Int64, (tp,), align=8), Int32(0),
         fake_stream(), options=compile_options(),
     )
-
-
-def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:
-    """One element of ``tensor`` viewed as ``dtype`` (``dims`` dimensions) for an argument
-    the kernel's mode never touches (no allocation: nothing outlives the call, e.g. in a
-    cudagraph-tree pool)."""
-    return tensor.view(-1).view(dtype)[:1].view([1] * dims)
-
-
-def aligned(*tensors) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def unsupported_shape(tp: int, shard: int, latent: int, batch: int) -> str | None:
