@@ -24,7 +24,7 @@ setup(
     python_requires=">=3.11",
     install_requires=["torch>=2.11,<2.15"],
     extras_require={
-        "test": ["pytest", "expecttest", "numpy"],
+        "test": ["pytest", "expecttest", "numpy", "hypothesis"],
         "cute": ["nvidia-cutlass-dsl==4.8.1", "cuda-python", "apache-tvm-ffi>=0.1.15"],
     },
     ext_modules=ext_modules,

@@ -27,10 +27,11 @@ from ..numerics import bf16, f32, matmul_f32, rank_sum
 from . import front, oproj, route, tail
 
 
-def check_box(op, name, box, parity=None, batch=None) -> None:
+def check_box(op, name, box, parity=None, batch=None, batch_name="batch") -> None:
     """A box as :mod:`kimi_ops.mailbox` defines it: BF16 [parities, sources, CAP, width],
     contiguous, width a whole number of 16-byte packets, 16-byte aligned, no empty
-    dimension; ``parity`` and ``batch`` (when given) within it."""
+    dimension; ``parity`` and ``batch`` (when given; the argument ``batch_name``, e.g. a
+    tensor's rows) within it."""
     check_tensor(op, name, box, torch.bfloat16, (None, None, None, None))
     if box.shape[3] % PACKET:
         fail(op, name, f"rows of a multiple of {PACKET} BF16 values (16-byte packets)", list(box.shape))
@@ -41,16 +42,16 @@ def check_box(op, name, box, parity=None, batch=None) -> None:
     if parity is not None:
         check_range(op, "parity", parity, 0, box.shape[0] - 1)
     if batch is not None:
-        check_range(op, "batch (over the mailbox capacity?)", batch, 1, box.shape[2])
+        check_range(op, f"{batch_name} (over the mailbox capacity?)", batch, 1, box.shape[2])
 
 
-def check_boxes(op, name, boxes, rank, parity, batch, sources) -> int:
+def check_boxes(op, name, boxes, rank, parity, batch, sources, batch_name="batch") -> int:
     """One box per rank, all of one shape; ``rank`` one of them; returns TP. (Devices and
     distinct memory: the op's :func:`~kimi_ops.checks.check_placement`.)"""
     if not isinstance(boxes, (list, tuple)) or len(boxes) == 0:
         fail(op, name, "a list of one box per rank", boxes if not isinstance(boxes, (list, tuple)) else "an empty list")
     for i, box in enumerate(boxes):
-        check_box(op, f"{name}[{i}]", box, parity, batch)
+        check_box(op, f"{name}[{i}]", box, parity, batch, batch_name)
         if box.shape != boxes[0].shape:
             fail(op, f"{name}[{i}]", f"of the shape of {name}[0] {list(boxes[0].shape)}", list(box.shape))
     check_range(op, "rank", rank, 0, len(boxes) - 1)
@@ -106,7 +107,7 @@ def mailbox_take_fake(box, parity, batch, error):
 
 def check_oproj_publish(x, w, boxes, rank) -> int:
     batch, _ = oproj.check_oproj(x, w, "oproj_publish")
-    check_boxes("oproj_publish", "boxes", boxes, rank, 0, batch, len(boxes))
+    check_boxes("oproj_publish", "boxes", boxes, rank, 0, batch, len(boxes), "x.shape[0] (batch)")
     if boxes[0].shape[3] != w.shape[0]:
         fail("oproj_publish", "boxes", f"rows of width N = {w.shape[0]}", boxes[0].shape[3])
     check_placement("oproj_publish", dict(boxes=boxes), dict(x=x, w=w))
@@ -131,7 +132,7 @@ def check_moe_front_publish(x, w, n_logits, boxes, parity, rank) -> tuple[int, i
         fail(op, "w", f"{n_logits} router rows, then a multiple of {PACKET} latent rows", list(w.shape))
     if n_logits % (PACKET // 2):
         fail(op, "n_logits", f"a multiple of {PACKET // 2} (its FP32 words fill 16-byte packets)", n_logits)
-    tp = check_boxes(op, "boxes", boxes, rank, parity, batch, 1)
+    tp = check_boxes(op, "boxes", boxes, rank, parity, batch, 1, "x.shape[0] (batch)")
     width = tp * (latent_shard + 2 * n_logits)
     if boxes[0].shape[3] != width:
         fail(op, "boxes", f"rows of width L + 2E = {width}", boxes[0].shape[3])
@@ -196,7 +197,7 @@ def moe_route_poll_fake(box, bias, scale, renorm, parity, batch, error):
 def check_moe_tail_push(shared, rs_boxes, parity, rank) -> int:
     op = "moe_tail_push"
     check_tensor(op, "shared", shared, torch.bfloat16, (None, None))
-    tp = check_boxes(op, "rs_boxes", rs_boxes, rank, parity, shared.shape[0], len(rs_boxes))
+    tp = check_boxes(op, "rs_boxes", rs_boxes, rank, parity, shared.shape[0], len(rs_boxes), "shared.shape[0] (batch)")
     if rs_boxes[0].shape[3] * tp != shared.shape[1]:
         fail(op, "rs_boxes", f"rows of width H/TP = {shared.shape[1]}/{tp}", rs_boxes[0].shape[3])
     check_placement(op, dict(rs_boxes=rs_boxes), dict(shared=shared))
@@ -215,7 +216,8 @@ def check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank) -> Non
     op = "moe_tail_publish"
     check_tensor(op, "expanded", expanded, torch.bfloat16, (None, route.TOP_K, None))
     check_tensor(op, "weights", weights, torch.bfloat16, (expanded.shape[0], route.TOP_K))
-    check_boxes(op, "latent_boxes", latent_boxes, rank, parity, expanded.shape[0], len(latent_boxes))
+    check_boxes(op, "latent_boxes", latent_boxes, rank, parity, expanded.shape[0], len(latent_boxes),
+                "expanded.shape[0] (batch)")
     if latent_boxes[0].shape[3] != expanded.shape[2]:
         fail(op, "latent_boxes", f"rows of width L = {expanded.shape[2]}", latent_boxes[0].shape[3])
     check_placement(op, dict(latent_boxes=latent_boxes), dict(expanded=expanded, weights=weights))
