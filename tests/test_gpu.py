@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kimi_ops import KimiConfig, KimiDecoder
+from kimi_ops import KimiConfig, KimiDecoder, KimiMailboxError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -47,3 +47,38 @@ def test_decoder_reduce_overhead_graphs_without_skips():
     for x in inputs(20, 5, seed=1):
         assert torch.equal(compiled(x).clone(), eager(x))
     assert not counters["inductor"].get("cudagraph_skips", 0)
+
+
+def test_reset_recovers_after_a_fault_on_cuda():
+    """Rank 1 skips its tail publish: the polled tail kernels time out into the error word
+    (no hang), in an eager step and in a graph replay; after reset() the next step, eager
+    and graph-replayed (a graph captured before the fault), equals a fresh decoder's."""
+    decoder = KimiDecoder(CONFIG, 3, tp=2, seed=15, device="cuda")
+    fresh = KimiDecoder(CONFIG, 3, tp=2, seed=15, device="cuda")
+    x, y, z = inputs(3, 5, seed=3)
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decoder(static_x)  # warm-up off-capture
+    torch.cuda.current_stream().wait_stream(side)
+    healthy, faulty = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(healthy):
+        static_out = decoder(static_x)
+    part = decoder.layers[1][1]
+    part.tail.publish = lambda *args: None  # rank 1 is dead for a step
+    with torch.cuda.graph(faulty):
+        decoder(static_x)
+    with pytest.raises(KimiMailboxError, match="tail's latent sources"):
+        decoder(x)
+    del part.tail.publish
+    decoder.reset()
+    assert torch.equal(decoder(y), fresh(y))
+    faulty.replay()
+    with pytest.raises(KimiMailboxError, match=r"KimiDecoder\.reset\(\)"):
+        decoder.check()
+    decoder.reset()
+    static_x.copy_(z)
+    healthy.replay()
+    decoder.check()
+    assert torch.equal(static_out, fresh(z))
