@@ -6,9 +6,10 @@ def register() -> bool:
     """Register every kernel family's ops in :data:`kimi_ops.backend.KERNELS`; False if
     CuTe DSL is not installed."""
     try:
-        from . import route, tail
+        from . import gemm, route, tail
     except ImportError:
         return False
+    gemm.register()
     route.register()
     tail.register()
     return True

@@ -86,7 +86,7 @@ from ..ops import tail as tail_op
 from .common import (
     CHUNK, SMEM_BYTES, THREADS, addresses, aligned, bits_float, butterfly_sum, clamp, compile_options, compiled,
     copy_async, descriptor, expect, fake, fake_stream, hopper, l2_evict_first, landed, launch, load_words,
-    no_neg_zero, pack_bf16, pinned, placeholder, poll_all, rearm, register_addresses, release, released,
+    no_neg_zero, pack_bf16, paced, pinned, placeholder, poll_all, rearm, register_addresses, release, released,
     store_cluster, store_to_peers, store_words, swizzled, swizzled_stages, unpack_words, wgmma_bf16,
 )
 
@@ -1165,22 +1165,6 @@ class Barriers(Values):
     def __init__(self, *pointers):
         for name, pointer in zip(self.DYNAMIC, pointers):
             setattr(self, name, pointer)
-
-
-@cute.jit
-def paced(i, lag: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], full, fronted, waited=None):
-    """Before chunk ``i`` of a weight stream through ``depth`` slots: a whole ring queued at
-    once (21 MB) holds every other load 2-5 µs behind it (measured), and the front's and
-    xn's loads are the critical path. So until xn is in (``fronted``), ``lag`` slots stay
-    in flight (chunk i - lag has landed); with ``waited``, none once our predecessor is
-    done, so that xn's loads queue behind at most ``lag`` slots. Measured: the hold gains
-    WaveMoeTail 0.2-0.5 µs per call at 32-64 tokens (xn is its critical path) and costs
-    MoeTail 0.2 µs at B <= 8 (its ring and stash cover the wait)."""
-    if not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
-        landed(full, i - lag, depth)
-        if cutlass.const_expr(waited is not None):
-            if cute.arch.mbarrier_test_wait(waited, 0):
-                cute.arch.mbarrier_wait(fronted, 0)
 
 
 @cute.jit

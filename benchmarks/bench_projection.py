@@ -1,0 +1,196 @@
+"""The decode projections on one GPU (kernels/gemm.py), at every (N, K) the decoder runs
+per rank at TP 1 / 2 / 8 (Kimi-K3), B in BATCHES: µs per call, CUDA-graph replayed, each
+call of a graph reading its own weight copy (the copies exceed the H200's L2):
+
+- ours: ``kimi::oproj`` / ``kimi::moe_front`` (the functional op);
+- cuBLAS: ``x @ w.T`` (BF16 out);
+- autotune: Inductor ``mode="max-autotune-no-cudagraphs"`` of the same matmul (slow to
+  build: only with ``--autotune``);
+- floor: the weight bytes at 4.3 TB/s;
+- for the publishing shapes, ``publish``: ``kimi::oproj_publish`` / ``kimi::moe_front_publish``
+  into TP boxes on this GPU, against ``op+copy``: the functional op and a copy of its rows
+  into every box (the reference's way).
+
+    python benchmarks/bench_projection.py [--tp 1 2 8] [--shapes o_proj front ...] [--batches 1 8 64] [--autotune]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+import kimi_ops  # noqa: F401
+from kimi_ops.config import KimiConfig
+from kimi_ops.mailbox import no_neg_zero
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import graph_us, print_table  # noqa: E402
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
+HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (issue 21)
+kimi = torch.ops.kimi
+
+
+def projections(tp: int, config: KimiConfig | None = None) -> list[tuple[str, str, int, int, int]]:
+    """(name, op, N, K, n_logits) of every projection the decoder runs on one rank
+    (runtime/prepared.py): the DSA helpers (replicated), the stand-in core, o-proj, the
+    MoE front, the shared expert's gate/up and down."""
+    c = config or KimiConfig.kimi_k3()
+    return [
+        ("wq_a", "oproj", c.q_lora, c.hidden, 0),
+        ("w_head", "oproj", 32, c.hidden, 0),
+        ("wk", "oproj", 128, c.hidden, 0),
+        ("core", "oproj", c.attn_out // tp, c.q_lora, 0),
+        ("o_proj", "oproj_publish", c.hidden, c.attn_out // tp, 0),
+        ("front", "moe_front_publish", (c.experts + c.latent) // tp, c.hidden, c.experts // tp),
+        ("gate_up", "oproj", 2 * c.shared_intermediate // tp, c.hidden, 0),
+        ("down", "oproj", c.hidden, c.shared_intermediate // tp, 0),
+    ]
+
+
+def variants(tps=(1, 2, 8)) -> list[tuple[str, int, int, int, int]]:
+    """Every distinct (op, N, K, n_logits, TP) of the decoder's projections at ``tps`` (the
+    publishing ops also as their functional op; TP 0 for the functional ones)."""
+    seen = []
+    for tp in tps:
+        for _, op, n, k, n_logits in projections(tp):
+            keys = [("oproj", n, k, 0, 0)] if op == "oproj" else [
+                ("oproj", n, k, 0, 0) if op == "oproj_publish" else ("moe_front", n, k, n_logits, 0),
+                (op, n, k, n_logits, tp),
+            ]
+            seen += [key for key in keys if key not in seen]
+    return seen
+
+
+def compile_key(op: str, n: int, k: int, n_logits: int, tp: int, tokens: int) -> tuple:
+    """kernels.gemm.compile_gemm's key of a variant at ``tokens``."""
+    return n, k, tokens, op in ("moe_front", "moe_front_publish"), n_logits, tp
+
+
+def compile_one(key: tuple) -> None:
+    from kimi_ops.kernels import gemm
+
+    gemm.compile_gemm(*key)
+
+
+def prepare(jobs: int) -> None:
+    """Compile every variant at every bucket into the disk cache, ``jobs`` processes at once
+    (one process compiles one at a time: about 1.5 s each)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from kimi_ops.kernels import gemm
+
+    keys = [compile_key(*v, t) for v in variants() for t in gemm.TOKEN_TILES]
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(compile_one, keys))
+
+
+def boxes_for(op: str, n: int, n_logits: int, tp: int, capacity: int = 64) -> list[torch.Tensor]:
+    """TP armed boxes on this GPU, as the decoder's box set shapes them."""
+    if op == "oproj_publish":
+        shape = (1, tp, capacity, n)
+    else:
+        shape = (3, 1, capacity, tp * (n - n_logits + 2 * n_logits))
+    boxes = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(tp)]
+    for box in boxes:
+        kimi.mailbox_arm(box)
+    return boxes
+
+
+def functional(op: str, n_logits: int):
+    """The functional op of a projection: (x, w) -> its outputs."""
+    if op == "moe_front_publish":
+        return lambda x, w: kimi.moe_front(x, w, n_logits)
+    return kimi.oproj
+
+
+def publisher(op: str, n_logits: int, boxes, rank: int = 0):
+    if op == "oproj_publish":
+        return lambda x, w: kimi.oproj_publish(x, w, boxes, rank)
+    return lambda x, w: kimi.moe_front_publish(x, w, n_logits, boxes, 0, rank)
+
+
+def copier(op: str, n_logits: int, boxes, rank: int = 0):
+    """The functional op, then its rows copied into every box (what the reference does)."""
+    if op == "oproj_publish":
+        def call(x, w):
+            rows = no_neg_zero(kimi.oproj(x, w))
+            for box in boxes:
+                box[0, rank, : x.shape[0]].copy_(rows)
+        return call
+
+    def call(x, w):
+        logits, latent = kimi.moe_front(x, w, n_logits)
+        shard = latent.shape[1]
+        words = no_neg_zero(logits).view(torch.bfloat16)
+        at = len(boxes) * shard + 2 * rank * n_logits
+        for box in boxes:
+            box[0, 0, : x.shape[0], rank * shard : (rank + 1) * shard].copy_(no_neg_zero(latent))
+            box[0, 0, : x.shape[0], at : at + 2 * n_logits].copy_(words)
+    return call
+
+
+def rotating(fn, x, weights):
+    """A call of ``fn(x, w)`` on the next weight copy (the graph captures the rotation)."""
+    turn = [0]
+
+    def call():
+        fn(x, weights[turn[0] % len(weights)])
+        turn[0] += 1
+
+    return call
+
+
+def measure(name, op, n, k, n_logits, tp, batches, autotune) -> list[tuple]:
+    gen = torch.Generator(device="cuda").manual_seed(n * k)
+    copies = max(2, int(L2_BYTES // (n * k * 2)) + 1)
+    weights = [torch.randn(n, k, device="cuda", generator=gen).bfloat16() * k**-0.5 for _ in range(copies)]
+    calls = max(20, copies)
+    matmul = lambda x, w: x @ w.T  # noqa: E731
+    compiled = torch.compile(matmul, mode="max-autotune-no-cudagraphs", dynamic=False) if autotune else None
+    rows = []
+    for batch in batches:
+        x = torch.randn(batch, k, device="cuda", generator=gen).bfloat16()
+        row = [f"{name}/TP{tp}", batch,
+               graph_us(rotating(functional(op, n_logits), x, weights), calls=calls),
+               graph_us(rotating(matmul, x, weights), calls=calls),
+               graph_us(rotating(compiled, x, weights), calls=calls) if autotune else "-",
+               n * k * 2 / HBM_BYTES_PER_US]
+        if op != "oproj":
+            boxes = boxes_for(op, n, n_logits, tp)
+            row += [graph_us(rotating(publisher(op, n_logits, boxes), x, weights), calls=calls),
+                    graph_us(rotating(copier(op, n_logits, boxes), x, weights), calls=calls)]
+        else:
+            row += ["-", "-"]
+        rows.append(tuple(row))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
+    parser.add_argument("--shapes", nargs="+", default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--autotune", action="store_true")
+    parser.add_argument("--prepare", type=int, default=0, help="first compile every variant in this many processes")
+    args = parser.parse_args()
+    if args.prepare:
+        prepare(args.prepare)
+    rows, seen = [], set()
+    for tp in args.tp:
+        for name, op, n, k, n_logits in projections(tp):
+            if args.shapes and name not in args.shapes:
+                continue
+            if (op, n, k, n_logits) in seen and op == "oproj":  # replicated helpers: once
+                continue
+            seen.add((op, n, k, n_logits))
+            rows += measure(name, op, n, k, n_logits, tp, args.batches, args.autotune)
+    print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, L2-cold weights")
+    print_table(rows, ("shape", "B", "ours", "cuBLAS", "autotune", "floor", "publish", "op+copy"))
+
+
+if __name__ == "__main__":
+    main()

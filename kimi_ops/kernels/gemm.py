@@ -1,0 +1,523 @@
+"""The decode-GEMM engine on Hopper (the seeds' ``oproj/producer.py`` and the front GEMM of
+``moe/front.py``, re-derived for 132 SMs): out[B, N] = x[B, K] @ w[N, K]ᵀ for B ≤ 64,
+BF16 in, FP32 accumulation, one main loop under several epilogues.
+
+Partition (:class:`GemmPlan`, static per (N, K)): a CTA owns ``tiles`` 64-row tiles (one
+TMA box of ``rows`` = 64·tiles rows) over 1/``split`` of K; the ``split`` CTAs of one row
+block form a cluster. The plan picks the (tiles, split) whose CTAs each stream the
+fewest weight bytes with the whole grid resident at one CTA per SM (clusters stay within
+a GPC: RESIDENT), so every SM of the grid streams its share at once.
+
+1. The producer warp streams the CTA's weight chunks (rows × CHUNK columns, 128-byte
+   swizzle, L2 evict-first) by TMA through a ring of ``depth`` slots: the first
+   ``depth`` before ``griddepcontrol.wait`` (the weights do not depend on the previous
+   kernel), then, once the wait is over, x's chunks [tokens, CHUNK] beside them by
+   cp.async (16 bytes a lane, rows past the batch left as they are: they only reach
+   accumulator columns of tokens that are never stored). A slot's full barrier takes
+   the TMA bytes and the 32 lanes' cp.async arrivals.
+2. The consumer warpgroup runs wgmma m64nTk16 (T = ``tokens``, the batch rounded up to
+   TOKEN_TILES) per 16 columns, A (weights) and B (x) from shared memory, one accumulator
+   set per tile, FP32 in the tensor core's order; a chunk's wgmmas complete before its
+   slot goes back (no wgmma in flight across the loop's back edge: ptxas would serialize).
+3. K parts meet in fixed order (the same bits on every run): after a cluster barrier
+   (every ring drained) each CTA stores its FP32 sums of the rows CTA q owns
+   (rows/split of the block) into q's shared memory (DSMEM, over q's ring), then after a
+   second barrier the owner adds parts 0, 1, … in order. No workspace crosses calls: the
+   functional ops need none (DESIGN §4).
+4. Epilogue (:class:`Outputs`): per 8-row packet of a token, BF16 rows to ``out``
+   (``kimi::oproj``); FP32 logits (never rounded) for rows below ``n_logits`` and BF16
+   latent rows above (``kimi::moe_front``); or the same words into every rank's box
+   through ``store_to_peers`` (−0 and NaN canonical, FP32-wise for logits):
+   ``kimi::oproj_publish`` (slot = rank) and ``kimi::moe_front_publish`` (the front row
+   layout of :func:`~kimi_ops.ops.mailbox_ops.moe_front_publish`).
+
+PDL: dependents are released at entry (a dependent may only prefetch its own weights
+before it waits for us, and lands on the SMs our grid leaves free); the weights' first
+slots are in flight before our own wait.
+"""
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+from .. import backend
+from ..ops import front as front_op
+from ..ops import mailbox_ops
+from ..ops import oproj as oproj_op
+from .common import (
+    CHUNK, SMEM_BYTES, addresses, aligned, compile_options, compiled, copy_async, descriptor, expect, fake,
+    fake_stream, float_bits, hopper, l2_evict_first, landed, pack_bf16, paced, pinned, placeholder, register_addresses,
+    release, released, store_cluster, store_to_peers, store_words, swizzled, swizzled_stages, wgmma_bf16,
+)
+
+TILE = 64  # rows per wgmma (its M)
+MAX_TILES = 4  # tiles per CTA: one TMA box of at most 256 rows
+SPLITS = (1, 2, 4, 8)  # CTAs per cluster, each 1/split of K (portable cluster sizes)
+# CTAs resident at one per SM on an H200 by cluster size (cuOccupancyMaxActiveClusters:
+# 66 clusters of 2, 30 of 4, 15 of 8; clusters stay within a GPC)
+RESIDENT = {1: 132, 2: 132, 4: 120, 8: 120}
+TOKEN_TILES = (8, 16, 32, 64)  # wgmma's N: the compile buckets of the batch
+MAX_BATCH = TOKEN_TILES[-1]
+MAX_DEPTH = 32  # ring slots
+CONSUMER_WARPS = PRODUCER_WARPS = 4  # a warpgroup each
+THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS)  # the consumers, then the producers
+PRODUCERS = 32 * PRODUCER_WARPS
+# FP32 registers per consumer thread for the running sums and the chunks' own sums (wgmma's
+# accumulators): tiles · T/2 each, the running sums and at least one set (ptxas: 205
+# registers, no spills, at three tiles of 64 tokens)
+ACCUMULATOR_REGISTERS = 192
+MAX_SETS = 4  # chunks whose wgmmas are in flight at once
+PACE = 3  # weight chunks in flight before x's first chunk is in (x queues behind the stream)
+SPLIT_COST = 192  # partition's cost of a K split's barriers: about 0.7 µs of a CTA's stream
+COST_SLACK = 0.03  # partitions this close to the least cost count as ties
+RECEIVE_PAD = 4  # FP32 words after each received row of T tokens (fewer bank conflicts)
+
+
+def token_tile(batch: int) -> int:
+    """wgmma's N for a batch: the compile bucket."""
+    return next(t for t in TOKEN_TILES if batch <= t)
+
+
+def partition(n: int, k: int, tokens: int) -> tuple[int, int] | None:
+    """(tiles, split) of an (N, K) weight at T tokens: among the partitions whose grid is
+    resident at once (RESIDENT), the smallest split, then fewest tiles, of those within
+    COST_SLACK of the least cost per CTA; None if none fits (K % CHUNK, N % 8, or too many
+    rows for one wave).
+
+    Cost, in 128-byte rows of a chunk: the CTA's weight rows, x's rows at a quarter (L2
+    hits, read by every block: more tiles per CTA read x fewer times), and for a K split
+    SPLIT_COST (two cluster barriers) plus its DSMEM exchange (rows × T FP32 at half)."""
+    if k % CHUNK or n % 8 or n <= 0:
+        return None
+    chunks, row_tiles = k // CHUNK, -(-n // TILE)
+    costs = {
+        (split, tiles): chunks // split * (TILE * tiles + tokens / 4)
+        + (split > 1) * (SPLIT_COST + TILE * tiles * tokens / 64)
+        for tiles in range(1, min(MAX_TILES, row_tiles) + 1) for split in SPLITS
+        if chunks % split == 0 and (TILE * tiles // split) % 8 == 0
+        and -(-n // (TILE * tiles)) * split <= RESIDENT[split] and 2 * tiles * tokens // 2 <= ACCUMULATOR_REGISTERS
+    }
+    if not costs:
+        return None
+    least = min(costs.values())
+    split, tiles = min(key for key, cost in costs.items() if cost <= least * (1 + COST_SLACK))
+    return tiles, split
+
+
+class GemmPlan:
+    """The static partition and shared-memory layout of one (N, K, T) variant."""
+
+    def __init__(self, n: int, k: int, tokens: int):
+        parts = partition(n, k, tokens)
+        if parts is None or tokens not in TOKEN_TILES:
+            raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
+        self.n, self.k, self.tokens = n, k, tokens
+        self.tiles, self.split = parts
+        self.rows = TILE * self.tiles  # of a block: the TMA box's rows
+        self.blocks = -(-n // self.rows)
+        self.ctas = self.blocks * self.split
+        self.chunks = k // CHUNK // self.split  # per CTA
+        # chunks in flight (each into its own accumulator set): as many as the registers
+        # hold beside the running sums, that divide the CTA's chunks
+        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1)
+        self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
+        self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # x copies per producer thread per chunk
+        self.owned = self.rows // self.split  # output rows each CTA of a cluster reduces and stores
+        self.w_slot, self.x_slot = self.rows * CHUNK * 2, tokens * CHUNK * 2  # bytes, 1024-multiples
+        stage = self.w_slot + self.x_slot
+        self.depth = min(self.chunks, MAX_DEPTH, (SMEM_BYTES - 2048) // stage)  # 2 KB: barriers, alignment
+        self.stride = tokens + RECEIVE_PAD  # FP32 words per received row
+        self.receive_bytes = self.rows * self.stride * 4  # [part][owned row][token], over the ring
+        self.ring_bytes = max(self.depth * stage, self.receive_bytes)
+        if self.ring_bytes + 2048 > SMEM_BYTES:
+            raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
+
+    def receive_word(self, part, index, token):
+        """The FP32 word of K part ``part``'s sum of owned row ``index``, ``token``."""
+        return (part * self.owned + index) * self.stride + token
+
+
+@functools.cache
+def gemm_plan(n: int, k: int, tokens: int) -> GemmPlan:
+    return GemmPlan(n, k, tokens)
+
+
+class Outputs:
+    """Where the rows go: ``front`` rows [0, n_logits) are FP32 logits, the rest BF16
+    latent (else every row BF16); ``tp`` 0 to tensors, else into ``tp`` peers' boxes of
+    rows of ``width`` (oproj_publish: [1, TP, CAP, N]; moe_front_publish: [3, 1, CAP,
+    TP·(L/TP + 2·E/TP)])."""
+
+    def __init__(self, n: int, front: bool = False, n_logits: int = 0, tp: int = 0):
+        self.n, self.front, self.n_logits, self.tp = n, front, n_logits, tp
+        self.width = tp * (n + n_logits) if front else n
+
+    @cute.jit
+    def store(self, values, token, n0, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor, row0: Int32,
+              col0: Int32, col1: Int32):
+        """The packet of rows [n0, n0 + 8) of ``token`` (8 FP32 values). Tensors: ``first``
+        BF16 rows (out, or the front's latent), ``second`` the front's FP32 logits; boxes:
+        row ``row0 + token``, latent at column ``col0``, logits at ``col1``."""
+        bf16 = [pack_bf16(values[i], values[i + 1]) for i in range(0, 8, 2)]
+        box_row = Int64(row0 + token) * self.width
+        if cutlass.const_expr(not self.front):
+            if cutlass.const_expr(self.tp):
+                store_to_peers(peers, self.tp, (box_row + n0) * 2, bf16)
+            else:
+                store_words(first.iterator + token * first.stride[0] + n0, bf16)
+        else:
+            if n0 < self.n_logits:
+                words = [float_bits(v) for v in values]
+                if cutlass.const_expr(self.tp):
+                    store_to_peers(peers, self.tp, (box_row + col1 + 2 * n0) * 2, words, fp32=True)
+                else:
+                    logits = second.iterator + token * second.stride[0] + n0
+                    store_words(logits, words[:4])
+                    store_words(logits + 4, words[4:])
+            else:
+                if cutlass.const_expr(self.tp):
+                    store_to_peers(peers, self.tp, (box_row + col0 + n0 - self.n_logits) * 2, bf16)
+                else:
+                    store_words(first.iterator + token * first.stride[0] + n0 - self.n_logits, bf16)
+
+
+class DecodeGemm:
+    """One variant of the engine: a :class:`GemmPlan` and its :class:`Outputs`."""
+
+    def __init__(self, plan: GemmPlan, outputs: Outputs):
+        self.plan, self.outputs = plan, outputs
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
+                 row0: Int32, col0: Int32, col1: Int32, stream):
+        plan = self.plan
+        # w's TMA descriptor (a kernel parameter): boxes of a block's rows × CHUNK columns
+        w_copy, w_boxes = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), w, swizzled_stages(plan.rows, 1), (plan.rows, CHUNK)
+        )
+        self.kernel(w_copy, w_boxes, x, first, second, peers, row0, col0, col1).launch(
+            grid=[plan.ctas, 1, 1], block=[THREADS, 1, 1], cluster=[plan.split, 1, 1], stream=stream, use_pdl=True,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x: cute.Tensor, first: cute.Tensor,
+               second: cute.Tensor, peers: cute.Tensor, row0: Int32, col0: Int32, col1: Int32):
+        plan = self.plan
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp, lane = tid // 32, tid % 32
+        block, part = cta // plan.split, cta % plan.split
+        cute.arch.griddepcontrol_launch_dependents()  # see the module doc
+        smem = SmemAllocator()
+        full = smem.allocate_tensor(Int64, cute.make_layout(2 * plan.depth), 16).iterator
+        empty = full + plan.depth
+        ring = smem.allocate_tensor(Uint32, cute.make_layout(plan.ring_bytes // 4), 1024).iterator
+        if tid == 0:
+            for slot in cutlass.range_constexpr(plan.depth):
+                cute.arch.mbarrier_init(full + slot, 1 + PRODUCERS)  # the TMA's expect_tx, the x copies
+                cute.arch.mbarrier_init(empty + slot, CONSUMER_WARPS)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if warp >= CONSUMER_WARPS:
+            self.produce(w_copy, w_boxes, x, ring, full, empty, block, part, tid - 32 * CONSUMER_WARPS)
+            for _ in cutlass.range_constexpr(2):  # the consumers' two cluster barriers
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+        else:
+            cute.arch.griddepcontrol_wait()  # before our stores (x arrives after the producers')
+            acc = self.consume(ring, full, empty, warp, lane)
+            cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer
+            cute.arch.cluster_wait()
+            self.scatter(acc, cute.recast_ptr(ring, dtype=Float32), part, warp, lane)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            self.finish(cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(plan.receive_bytes // 4)),
+                        x.shape[0], block, part, tid, first, second, peers, row0, col0, col1)
+
+    @cute.jit
+    def produce(self, w_copy, w_boxes, x, ring, full, empty, block, part, producer):
+        """Producer thread ``producer`` of the warpgroup. Warp 0 streams the CTA's weight
+        chunks by TMA: PACE before the PDL wait, then ``paced`` until x's first chunk is in
+        (a full ring queued ahead of x would hold x's loads behind it), then as the
+        consumers hand slots back. Every thread copies its share of each chunk's x rows
+        (cp.async) once the wait is over and the slot is free."""
+        plan = self.plan
+        lane = producer % 32
+        stages = swizzled_stages(plan.rows, plan.depth)
+        box_in, box_out = cpasync.tma_partition(
+            w_copy, 0, cute.make_layout(1),
+            cute.group_modes(cute.make_tensor(cute.recast_ptr(ring, stages.inner, dtype=BFloat16), stages.outer), 0, 2),
+            cute.group_modes(cute.local_tile(w_boxes, (plan.rows, CHUNK), (None, None)), 0, 2),
+        )
+        evict_first = l2_evict_first()
+        first_chunk = part * plan.chunks
+        streamer = producer < 32
+        pace = min(PACE, plan.depth)
+        if streamer:
+            for i in cutlass.range_constexpr(pace):  # the weights do not depend on our predecessor
+                expect(full, i, plan.w_slot, lane)
+                cute.copy(w_copy, box_out[(None, block, first_chunk + i)], box_in[(None, i)], tma_bar_ptr=full + i,
+                          cache_policy=evict_first)
+        # Our x copies: (shared-memory word offset in a slot, element offset in x's rows), the
+        # same in every chunk; past the batch's rows: none.
+        items = self.x_copies(x, producer)
+        x_words = plan.depth * plan.w_slot // 4
+        cute.arch.griddepcontrol_wait()
+        for i in cutlass.range(plan.chunks, unroll=1):
+            slot = i % plan.depth
+            released(empty, i, plan.depth)
+            if streamer:
+                if i >= pace:
+                    paced(i, pace, plan.depth, full, full)
+                    expect(full, slot, plan.w_slot, lane)
+                    cute.copy(w_copy, box_out[(None, block, first_chunk + i)], box_in[(None, slot)],
+                              tma_bar_ptr=full + slot, cache_policy=evict_first)
+            column = (first_chunk + i) * CHUNK
+            for j in cutlass.range_constexpr(plan.x_items):
+                if items[j][2]:
+                    copy_async(ring + x_words + slot * (plan.x_slot // 4) + items[j][0], x.iterator + items[j][1] + column)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)
+
+    @cute.jit
+    def x_copies(self, x, producer):
+        """Producer ``producer``'s x copies of every chunk: item producer + PRODUCERS·j is 16
+        bytes (piece) of a token's row, stored in TMA's 128-byte swizzle ([T, CHUNK] slot);
+        (its word offset in the slot, its element offset in x but for the chunk's column,
+        whether the token is in the batch)."""
+        items = []
+        for j in cutlass.range_constexpr(self.plan.x_items):
+            item = producer + PRODUCERS * j
+            token, piece = item // (CHUNK // 8), item % (CHUNK // 8)
+            items.append((swizzled(0, token, piece) * 4, token * x.stride[0] + piece * 8, token < x.shape[0]))
+        return items
+
+    @cute.jit
+    def consume(self, ring, full, empty, warp, lane):
+        """acc[tile·T/2 + 4j + 2h + e] = (row 64·tile + 16·warp + 8h + g, token 8j + 2t + e)
+        over the CTA's chunks (the m64nT C layout). Each chunk's wgmmas start from zero in
+        its own accumulator set (``sets`` chunks in flight at once) and its sum is added to
+        the running FP32 sums in chunk order: the tensor core's accumulation (not exact
+        FP32: its error grows with the steps it chains) spans 4 k16 steps only."""
+        plan = self.plan
+        n = plan.tokens // 2
+        count = plan.tiles * n
+        sums = cute.make_rmem_tensor((count,), Float32)
+        chunk_sums = cute.make_rmem_tensor((plan.sets, count), Float32)
+        zeros = pinned([Float32(0.0)] * count)
+        for k in cutlass.range_constexpr(count):
+            sums[k] = zeros[k]
+            for s in cutlass.range_constexpr(plan.sets):
+                chunk_sums[s, k] = zeros[k]
+        base = ring.toint()
+        for first in cutlass.range(0, plan.chunks, plan.sets, unroll=1):
+            for s in cutlass.range_constexpr(plan.sets):
+                i = first + s
+                slot = i % plan.depth
+                landed(full, i, plan.depth)
+                cute.arch.fence_proxy("async.shared", space="cta")  # x came by cp.async, wgmma reads it
+                w_slot = base + slot * plan.w_slot
+                x_slot = base + plan.depth * plan.w_slot + slot * plan.x_slot
+                warpgroup.fence()
+                for k16 in cutlass.range_constexpr(CHUNK // 16):
+                    b = descriptor(x_slot + 32 * k16)
+                    for t in cutlass.range_constexpr(plan.tiles):
+                        a = descriptor(w_slot + t * TILE * 128 + 32 * k16)
+                        d = wgmma_bf16([chunk_sums[s, t * n + k] for k in range(n)], a, b, accumulate=k16 > 0)
+                        for k in cutlass.range_constexpr(n):
+                            chunk_sums[s, t * n + k] = d[k]
+                warpgroup.commit_group()
+            for s in cutlass.range_constexpr(plan.sets):
+                warpgroup.wait_group(plan.sets - 1 - s)
+                done = pinned([chunk_sums[s, k] for k in range(count)])
+                for k in cutlass.range_constexpr(count):
+                    chunk_sums[s, k] = done[k]
+                    sums[k] = sums[k] + done[k]
+                release(empty + (first + s) % plan.depth, lane)
+        return [sums[k] for k in range(count)]
+
+    @cute.jit
+    def scatter(self, acc, receive, part, warp, lane):
+        """Our FP32 sums to their rows' owners in the cluster: [part][owned row][token]."""
+        plan = self.plan
+        n = plan.tokens // 2
+        g, t = lane // 4, lane % 4
+        for tile in cutlass.range_constexpr(plan.tiles):
+            for h in cutlass.range_constexpr(2):
+                row = tile * TILE + 16 * warp + 8 * h + g
+                owner = row // plan.owned
+                index = row - owner * plan.owned
+                for j in cutlass.range_constexpr(plan.tokens // 8):
+                    k = tile * n + 4 * j + 2 * h
+                    store_cluster(receive + plan.receive_word(part, index, 8 * j + 2 * t), [acc[k], acc[k + 1]], owner)
+
+    @cute.jit
+    def finish(self, receive, batch, block, part, tid, first, second, peers, row0, col0, col1):
+        """Owner epilogue: per 8-row packet of a token, Σ of the K parts in order, stored."""
+        plan = self.plan
+        per_token = plan.owned // 8
+        for item in cutlass.range(tid, batch * per_token, 32 * CONSUMER_WARPS, unroll=1):
+            token, packet = item // per_token, item % per_token
+            n0 = block * plan.rows + part * plan.owned + 8 * packet
+            if n0 < plan.n:
+                self.outputs.store(self.reduced(receive, packet, token), token, n0, first, second, peers, row0, col0,
+                                   col1)
+
+    @cute.jit
+    def reduced(self, receive, packet, token):
+        """Σ over the K parts, in part order, of owned rows [8·packet, +8) of ``token``."""
+        plan = self.plan
+        values = [receive[plan.receive_word(0, 8 * packet + i, token)] for i in range(8)]
+        for p in cutlass.range_constexpr(1, plan.split):
+            values = [values[i] + receive[plan.receive_word(p, 8 * packet + i, token)] for i in range(8)]
+        return values
+
+
+# Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are
+# one-element placeholders (kernels.common.placeholder).
+
+
+@compiled
+def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int = 0, tp: int = 0):
+    batch = cute.sym_int()
+    if tp or not front:
+        latent, logits = (fake(BFloat16, (1, 1)) if tp else fake(BFloat16, (batch, n))), fake(Float32, (1, 1))
+    else:
+        latent = fake(BFloat16, (batch, n - n_logits)) if n > n_logits else fake(BFloat16, (1, 1))
+        logits = fake(Float32, (batch, n_logits)) if n_logits else fake(Float32, (1, 1))
+    return cute.compile(
+        DecodeGemm(gemm_plan(n, k, tokens), Outputs(n, front, n_logits, tp)),
+        fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)), latent, logits, fake(Int64, (max(tp, 1),), align=8),
+        Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
+    )
+
+
+def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0) -> str | None:
+    if batch > MAX_BATCH:
+        return f"the decode GEMM takes at most {MAX_BATCH} tokens, got {batch}"
+    if n_logits % 8:
+        return f"the decode GEMM stores 8-row packets: n_logits % 8 == 0, got {n_logits}"
+    if partition(n, k, token_tile(batch)) is None:
+        return f"the decode GEMM needs K % {CHUNK} == 0, N % 8 == 0 and one wave of CTAs (N={n}, K={k})"
+    return None
+
+
+def tokens_of(batches) -> list[int]:
+    """The compile buckets of ``batches`` (every bucket when None)."""
+    return sorted({token_tile(b) for b in batches}) if batches is not None else list(TOKEN_TILES)
+
+
+class OprojKernel:
+    """``kimi::oproj`` on CUDA: every projection of the decoder (o-proj, the shared
+    expert's gate/up and down, the stand-in core, the DSA helper projections)."""
+
+    check = staticmethod(oproj_op.check_oproj)
+
+    def prepare(self, n: int, k: int, batches=None) -> None:
+        if partition(n, k, MAX_BATCH):
+            for tokens in tokens_of(batches):
+                compile_gemm(n, k, tokens)
+
+    def unsupported(self, x, w):
+        if not aligned(x, w):
+            return "the decode GEMM reads 16-byte packets: x and w must be 16-byte aligned"
+        return unsupported_shape(w.shape[0], w.shape[1], x.shape[0]) or hopper(x)
+
+    def __call__(self, x, w):
+        batch, n = x.shape[0], w.shape[0]
+        out = x.new_empty((batch, n))
+        if batch:
+            compile_gemm(n, w.shape[1], token_tile(batch))(
+                x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0
+            )
+        return out
+
+
+class FrontKernel:
+    """``kimi::moe_front`` on CUDA: logits FP32, latent BF16, one pass over the weights."""
+
+    check = staticmethod(front_op.check_moe_front)
+
+    def prepare(self, n: int, k: int, n_logits: int, batches=None) -> None:
+        if partition(n, k, MAX_BATCH) and n_logits % 8 == 0:
+            for tokens in tokens_of(batches):
+                compile_gemm(n, k, tokens, True, n_logits)
+
+    def unsupported(self, x, w, n_logits):
+        if not aligned(x, w):
+            return "the decode GEMM reads 16-byte packets: x and w must be 16-byte aligned"
+        return unsupported_shape(w.shape[0], w.shape[1], x.shape[0], n_logits) or hopper(x)
+
+    def __call__(self, x, w, n_logits):
+        batch, n = x.shape[0], w.shape[0]
+        logits = x.new_empty((batch, n_logits), dtype=torch.float32)
+        latent = x.new_empty((batch, n - n_logits))
+        if batch:
+            compile_gemm(n, w.shape[1], token_tile(batch), True, n_logits)(
+                x, w, latent if n > n_logits else placeholder(x, torch.bfloat16, 2),
+                logits if n_logits else placeholder(x, torch.float32, 2), placeholder(x, torch.int64), 0, 0, 0,
+            )
+        return logits, latent
+
+
+class OprojPublishKernel:
+    """``kimi::oproj_publish`` on CUDA: the partial rows into every rank's AttnRes box
+    [1, TP, CAP, N] at source slot ``rank``."""
+
+    check = staticmethod(mailbox_ops.check_oproj_publish)
+
+    def prepare(self, n: int, k: int, tp: int, batches=None, peer_lists=()) -> None:
+        if partition(n, k, MAX_BATCH):
+            for tokens in tokens_of(batches):
+                compile_gemm(n, k, tokens, False, 0, tp)
+        register_addresses(peer_lists)
+
+    def unsupported(self, x, w, boxes, rank):
+        if not aligned(x, w, *boxes):
+            return "the decode GEMM stores 16-byte packets: x, w and the boxes must be 16-byte aligned"
+        return unsupported_shape(w.shape[0], w.shape[1], x.shape[0]) or hopper(x)
+
+    def __call__(self, x, w, boxes, rank):
+        batch, n = x.shape[0], w.shape[0]
+        compile_gemm(n, w.shape[1], token_tile(batch), False, 0, len(boxes))(
+            x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
+            rank * boxes[0].shape[2], 0, 0,
+        )
+
+
+class FrontPublishKernel:
+    """``kimi::moe_front_publish`` on CUDA: logits (FP32 words) and the latent shard into
+    the front row of every rank's box [3, 1, CAP, TP·(L/TP + 2·E/TP)]."""
+
+    check = staticmethod(mailbox_ops.check_moe_front_publish)
+
+    def prepare(self, n: int, k: int, n_logits: int, tp: int, batches=None, peer_lists=()) -> None:
+        if partition(n, k, MAX_BATCH) and n_logits % 8 == 0:
+            for tokens in tokens_of(batches):
+                compile_gemm(n, k, tokens, True, n_logits, tp)
+        register_addresses(peer_lists)
+
+    def unsupported(self, x, w, n_logits, boxes, parity, rank):
+        if not aligned(x, w, *boxes):
+            return "the decode GEMM stores 16-byte packets: x, w and the boxes must be 16-byte aligned"
+        return unsupported_shape(w.shape[0], w.shape[1], x.shape[0], n_logits) or hopper(x)
+
+    def __call__(self, x, w, n_logits, boxes, parity, rank):
+        batch, n = x.shape[0], w.shape[0]
+        tp, latent_shard = len(boxes), n - n_logits
+        compile_gemm(n, w.shape[1], token_tile(batch), True, n_logits, tp)(
+            x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
+            parity * boxes[0].shape[2], rank * latent_shard, tp * latent_shard + 2 * rank * n_logits,
+        )
+
+
+def register() -> None:
+    backend.KERNELS["oproj"] = OprojKernel()
+    backend.KERNELS["moe_front"] = FrontKernel()
+    backend.KERNELS["oproj_publish"] = OprojPublishKernel()
+    backend.KERNELS["moe_front_publish"] = FrontPublishKernel()

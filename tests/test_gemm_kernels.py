@@ -1,0 +1,263 @@
+"""The CuTe decode-GEMM engine (kernels/gemm.py): every variant the decoder runs at TP 1 / 2
+/ 8 compiles for sm_90a without a GPU, with no spills and no ptxas performance note; its
+plans cover every row once in one wave; on a Hopper GPU ``kimi::oproj``, ``kimi::moe_front``
+and their publishing ops match the reference backend (outputs poisoned first, fresh
+inputs), bit for bit across runs, and the boxes hold the functional op's rows."""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+
+from kimi_ops.checks import KimiArgumentError  # noqa: E402
+from kimi_ops.kernels import gemm  # noqa: E402
+from kimi_ops.mailbox import SENTINEL, no_neg_zero  # noqa: E402
+
+from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, benchmark, on_hopper, reference  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
+
+kimi = torch.ops.kimi
+TPS = (1, 2, 8)
+bench = benchmark("bench_projection")
+
+
+variants = bench.variants
+
+
+@pytest.mark.parametrize("variant", variants(), ids=lambda v: "-".join(map(str, v)))
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_gemm_compiles(variant, tokens, clean_ptxas):
+    assert gemm.compile_gemm.build(*bench.compile_key(*variant, tokens)) is not None
+    clean_ptxas()
+
+
+@pytest.mark.parametrize("n, k", [(7168, 12288), (12288, 7168), (4480, 7168), (1536, 7168)])
+@pytest.mark.parametrize("tokens", [16, 32])
+def test_gemm_middle_buckets_compile(n, k, tokens, clean_ptxas):
+    assert gemm.compile_gemm.build(n, k, tokens) is not None
+    clean_ptxas()
+
+
+@pytest.mark.parametrize("variant", variants(), ids=lambda v: "-".join(map(str, v)))
+def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
+    _, n, k, n_logits, _ = variant
+    assert gemm.unsupported_shape(n, k, 64, n_logits) is None
+    for tokens in gemm.TOKEN_TILES:
+        plan = gemm.gemm_plan(n, k, tokens)
+        assert plan.blocks * plan.rows >= n > (plan.blocks - 1) * plan.rows
+        assert plan.ctas <= gemm.RESIDENT[plan.split] and plan.split in gemm.SPLITS
+        assert plan.split * plan.chunks * gemm.CHUNK == k and plan.rows <= 256
+        assert plan.owned % 8 == 0 and plan.owned * plan.split == plan.rows
+        assert plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 <= gemm.SMEM_BYTES
+        assert plan.depth >= min(plan.chunks, 4) and plan.chunks % plan.sets == 0
+        assert (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm.ACCUMULATOR_REGISTERS
+
+
+@pytest.mark.parametrize("tiles, split, tokens", [(1, 1, 8), (3, 2, 64), (4, 4, 32), (1, 8, 16), (3, 8, 64)])
+def test_scatter_and_finish_sum_every_part_once_in_order(tiles, split, tokens):
+    """CPU model of the K-part exchange through GemmPlan.receive_word: every CTA's m64nT
+    accumulators (DecodeGemm.consume's layout) go to their rows' owners (scatter) without
+    overlap, and each owner's packets (finish) read back Σ of the parts, each once."""
+    plan = gemm.GemmPlan.__new__(gemm.GemmPlan)
+    plan.tiles, plan.split, plan.tokens = tiles, split, tokens
+    plan.rows, plan.stride = 64 * tiles, tokens + gemm.RECEIVE_PAD
+    plan.owned = plan.rows // split
+    gen = torch.Generator().manual_seed(tiles * 100 + split)
+    sums = torch.randn(split, plan.rows, tokens, generator=gen, dtype=torch.float64)  # [part][row][token]
+    received = [dict() for _ in range(split)]
+    n = tokens // 2
+    for part in range(split):
+        for tid in range(128):
+            warp, g, t = tid // 32, tid % 32 // 4, tid % 4
+            for tile in range(tiles):
+                for h in range(2):
+                    row = tile * 64 + 16 * warp + 8 * h + g
+                    owner, index = row // plan.owned, row % plan.owned
+                    for j in range(tokens // 8):
+                        k = tile * n + 4 * j + 2 * h  # acc[k], acc[k + 1]: tokens 8j + 2t, + 1
+                        for e in range(2):
+                            word = plan.receive_word(part, index, 8 * j + 2 * t) + e
+                            assert word not in received[owner] and word < plan.rows * plan.stride
+                            received[owner][word] = float(sums[part, row, 8 * j + 2 * t + e])
+                        assert k + 1 < tiles * n
+    for owner in range(split):
+        for index in range(plan.owned):
+            for token in range(tokens):
+                total = sum(received[owner][plan.receive_word(p, index, token)] for p in range(split))
+                assert total == pytest.approx(float(sums[:, owner * plan.owned + index, token].sum()))
+
+
+def test_partition_trades_weight_bytes_per_cta_for_splits():
+    """One wave of whole-K CTAs where it covers the SMs (o-proj at TP8, the shared down);
+    K splits where it would leave most idle (the front, the DSA helpers) or where fewer x
+    reads pay (o-proj at 64 tokens)."""
+    assert gemm.partition(7168, 1536, 8) == (1, 1) and gemm.partition(7168, 768, 64) == (1, 1)
+    assert gemm.partition(4480, 7168, 8) == (3, 4) and gemm.partition(32, 7168, 8) == (1, 8)
+    assert gemm.partition(7168, 12288, 64) == (2, 2)
+    assert gemm.partition(7168, 100, 8) is None and gemm.partition(100, 7168, 8) is None
+
+
+def test_unsupported_shapes_say_why():
+    assert "at most 64 tokens" in gemm.unsupported_shape(7168, 1536, 65)
+    assert "n_logits % 8" in gemm.unsupported_shape(4480, 7168, 8, 4)
+    assert "K % 64" in gemm.unsupported_shape(7168, 1000, 8)
+    assert gemm.unsupported_shape(256, 256, 1) is None  # KimiConfig.tiny's shapes run on the kernel
+
+
+def test_prepare_compiles_every_bucket_of_the_batches(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(gemm, "compile_gemm", lambda *key: compiled.append(key))
+    gemm.OprojKernel().prepare(7168, 1536, range(8, 72, 8))
+    gemm.FrontKernel().prepare(4480, 7168, 896, [1, 64])
+    gemm.OprojPublishKernel().prepare(7168, 1536, 8, [3])
+    gemm.FrontPublishKernel().prepare(560, 7168, 112, 8)
+    gemm.OprojKernel().prepare(7168, 1000)  # not the engine's: nothing to compile
+    assert compiled == [(7168, 1536, t) for t in (8, 16, 32, 64)] + [
+        (4480, 7168, 8, True, 896), (4480, 7168, 64, True, 896), (7168, 1536, 8, False, 0, 8)
+    ] + [(560, 7168, t, True, 112, 8) for t in (8, 16, 32, 64)]
+
+
+# GPU: against the reference backend on the same device.
+
+
+def poisoned_pool(*shapes, dtype=torch.bfloat16):
+    """NaN blocks of the outputs' sizes, freed: the caching allocator hands them to the op."""
+    pool = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape in shapes]
+    del pool
+
+
+def inputs(batch, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, k, generator=gen).bfloat16().cuda()
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16().cuda()
+    return x, w
+
+
+def assert_gemm_close(got, want, x, w):
+    """Within one BF16 ulp counted at the sum's scale sqrt(Σ_k (x_k·w_nk)²) (an FP32
+    accumulation in any order is off by a fraction of it, which is many ulps of an output
+    that cancels to near zero), at most 1 % of the elements not bit-equal."""
+    scale = (x.double().square() @ w.double().square().T).sqrt()
+    assert_bf16_close(got, want, magnitude=torch.maximum(scale, want.double().abs()))
+
+
+def gpu_shapes():
+    return sorted({(n, k) for op, n, k, _, _ in variants() if op == "oproj"})
+
+
+@on_hopper
+@pytest.mark.parametrize("n, k", gpu_shapes())
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+def test_oproj_kernel(n, k, batch):
+    x, w = inputs(batch, n, k, seed=n + k + batch)
+    poisoned_pool((batch, n))
+    got = kimi.oproj(x, w)
+    assert_gemm_close(got, reference(kimi.oproj, x, w), x, w)
+    assert torch.equal(got, kimi.oproj(x, w))  # bit-identical across runs
+
+
+def front_variants():
+    return [(n, k, n_logits) for op, n, k, n_logits, _ in variants() if op == "moe_front"]
+
+
+def assert_front_close(got, want, x, w, n_logits):
+    """Logits within 1e-5 of the reference relative to Σ |x_k · w_k| (FP32 accumulation in
+    another order); the latent as assert_gemm_close."""
+    scale = (x.double().abs() @ w[:n_logits].double().abs().T).float()
+    assert (got[0] - want[0]).abs().le(1e-5 * scale + 1e-30).all()
+    assert_gemm_close(got[1], want[1], x, w[n_logits:])
+
+
+@on_hopper
+@pytest.mark.parametrize("n, k, n_logits", front_variants())
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+def test_front_kernel(n, k, n_logits, batch):
+    x, w = inputs(batch, n, k, seed=n + batch)
+    poisoned_pool((batch, n_logits), (batch, n - n_logits))
+    got = kimi.moe_front(x, w, n_logits)
+    assert_front_close(got, reference(kimi.moe_front, x, w, n_logits), x, w, n_logits)
+    again = kimi.moe_front(x, w, n_logits)
+    assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
+
+
+def armed(rows):
+    return bool((rows.contiguous().view(torch.int32) == SENTINEL).all())
+
+
+@on_hopper
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_oproj_publish_stores_the_functional_rows_in_every_box(tp, batch):
+    n, k = 7168, 12288 // tp
+    x, w = inputs(batch, n, k, seed=tp * 100 + batch)
+    x[0] = 0.0  # a zero row: +0 words, never the sentinel
+    rank, capacity = tp - 1, 64
+    boxes = [armed_box(1, tp, capacity, n) for _ in range(tp)]
+    kimi.oproj_publish(x, w, boxes, rank)
+    rows = no_neg_zero(kimi.oproj(x, w))
+    for box in boxes:
+        assert torch.equal(box[0, rank, :batch], rows)
+        assert armed(box[0, rank, batch:]) and armed(box[0, :rank]) and armed(box[0, rank + 1 :])
+        assert not (box[0, rank, :batch].view(torch.int32) == SENTINEL).any()
+
+
+@on_hopper
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_front_publish_stores_logit_words_and_latent_in_every_box(tp, batch):
+    experts, latent_width = 896 // tp, 3584 // tp
+    n, k = experts + latent_width, 7168
+    x, w = inputs(batch, n, k, seed=tp * 10 + batch)
+    x[0] = 0.0
+    x[-1, 5] = float("nan")  # NaN rows: canonical NaN words
+    rank, parity, capacity = tp // 2, 1, 64
+    width = tp * (latent_width + 2 * experts)
+    boxes = [armed_box(3, 1, capacity, width) for _ in range(tp)]
+    kimi.moe_front_publish(x, w, experts, boxes, parity, rank)
+    logits, latent = kimi.moe_front(x, w, experts)
+    logit_at = tp * latent_width + 2 * rank * experts
+    for box in boxes:
+        row = box[parity, 0, :batch]
+        assert torch.equal(row[:, rank * latent_width : (rank + 1) * latent_width], no_neg_zero(latent))
+        words = row[:, logit_at : logit_at + 2 * experts].contiguous().view(torch.float32)
+        assert torch.equal(words.view(torch.int32), no_neg_zero(logits).view(torch.int32))
+        assert armed(box[parity, 0, batch:]) and armed(box[(parity + 1) % 3])
+        others = torch.ones(width, dtype=torch.bool)
+        others[rank * latent_width : (rank + 1) * latent_width] = False
+        others[logit_at : logit_at + 2 * experts] = False
+        assert armed(row[:, others])
+
+
+@on_hopper
+def test_shared_expert_chain_replays_from_a_graph():
+    """gate/up → situ → down at TP8 (PDL-chained kernels), captured once: replays over fresh
+    inputs equal eager calls bit for bit."""
+    x, gate_up = inputs(8, 1536, 7168, seed=1)
+    _, down = inputs(8, 7168, 768, seed=2)
+
+    def shared():
+        return kimi.oproj(kimi.situ(kimi.oproj(x, gate_up), 1.0, 0.0), down)
+
+    hidden = kimi.situ(kimi.oproj(x, gate_up), 1.0, 0.0)
+    assert_gemm_close(shared(), reference(kimi.oproj, hidden, down), hidden, down)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = shared()
+    for seed in range(3, 8):
+        x.copy_(inputs(8, 1536, 7168, seed=seed)[0])
+        graph.replay()
+        assert torch.equal(out, shared())
+
+
+@on_hopper
+def test_bad_inputs_get_the_op_error_and_unsupported_shapes_the_reference():
+    x, w = inputs(4, 256, 7168, seed=3)
+    with pytest.raises(KimiArgumentError):
+        kimi.oproj(x.float(), w)
+    x, w = inputs(4, 64, 96, seed=4)  # K % 64: the reference, with a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(kimi.oproj(x, w), reference(kimi.oproj, x, w))
