@@ -58,4 +58,5 @@ SCHEMAS: dict[str, str] = {
         " float eps, Tensor(c!)[] out_boxes, Tensor(d!) error, int parity, int rearm_parity,"
         " int rearm_batch, int rank, int batch) -> ()"
     ),
+    "group_barrier": "group_barrier(Tensor(a!)[] boxes, Tensor(b!) ticket, Tensor(c!) error, int rank) -> ()",
 }

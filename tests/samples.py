@@ -65,4 +65,6 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
             rand(gen, 3, TP, CAP, 48), rand(gen, 3, TP, CAP, 32), rand(gen, 48) + 1,
             rand(gen, 32, 48, scale=0.1), 1e-6, boxes(1, 1, CAP, 64), error, 0, 2, CAP, 1, batch,
         )
+    if name == "group_barrier":
+        return boxes(1, TP, 1, 8), torch.tensor([3]), error, 1
     raise KeyError(name)

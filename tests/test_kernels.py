@@ -152,3 +152,11 @@ def test_stream_benchmark_kernels_compile():
     bench_stream = benchmark("bench_stream")
     for kernel in (bench_stream.BulkStream(132, 1, 16384, 12), bench_stream.AsyncStream(112, 8)):
         assert bench_stream.compile_stream(kernel) is not None
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8, 16])
+def test_group_barrier_compiles(tp, clean_ptxas):
+    from kimi_ops.kernels import group
+
+    group.compile_barrier.build(tp)
+    clean_ptxas()

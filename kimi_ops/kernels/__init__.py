@@ -6,10 +6,11 @@ def register() -> bool:
     """Register every kernel family's ops in :data:`kimi_ops.backend.KERNELS`; False if
     CuTe DSL is not installed."""
     try:
-        from . import gemm, route, tail
+        from . import gemm, group, route, tail
     except ImportError:
         return False
     gemm.register()
+    group.register()
     route.register()
     tail.register()
     return True

@@ -49,7 +49,7 @@ def device_arch(device: int) -> str:
 @functools.cache
 def source_fingerprint() -> str:
     """The kernels' sources and the toolchain: a changed kernel never loads a stale .o."""
-    digest = hashlib.sha256(f"cutlass={cutlass.__version__}".encode())
+    digest = hashlib.sha256(f"cutlass={cutlass.__version__} poll={POLL_TIMEOUT_NS}".encode())
     for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
@@ -214,7 +214,10 @@ def bits_float(x: Uint32) -> Float32:
 
 
 SENTINEL = 0x80000000  # the armed word (kimi_ops.mailbox.SENTINEL as uint32)
-POLL_TIMEOUT_NS = 50_000_000  # a poll that sees nothing for 50 ms gives up and reports
+# A poll that sees nothing for this long gives up and reports (KIMI_OPS_POLL_TIMEOUT_MS,
+# default 50 ms; compiled in, so the kernel cache is keyed by it): ranks time-sliced on
+# one GPU wait longer for a peer's turn than ranks on their own GPUs do.
+POLL_TIMEOUT_NS = int(float(os.environ.get("KIMI_OPS_POLL_TIMEOUT_MS", "50")) * 1_000_000)
 
 
 @cute.jit

@@ -14,6 +14,7 @@ import torch
 
 from ..checks import check_eps, check_placement, check_range, check_tensor, fail
 from ..mailbox import (
+    BARRIER_POLL,
     PACKET,
     ROUTE_POLL,
     TAIL_LATENT_POLL,
@@ -288,6 +289,38 @@ def moe_tail_poll(
     arm_(rs_box[rearm_parity, :, :rearm_batch])
 
 
+def check_group_barrier(boxes, ticket, error, rank) -> None:
+    op = "group_barrier"
+    check_boxes(op, "boxes", boxes, rank, 0, 1, len(boxes))
+    if boxes[0].shape[2:] != (1, PACKET):
+        fail(op, "boxes", f"sync boxes [1, TP, 1, {PACKET}] (one packet per rank)", list(boxes[0].shape))
+    check_tensor(op, "ticket", ticket, torch.int64, (1,))
+    check_error(op, error)
+    check_placement(op, dict(boxes=boxes, ticket=ticket, error=error), {})
+
+
+def ticket_words(box, rank=slice(None)):
+    """The int64 ticket of rank ``rank``'s slot (all slots: [TP, 1]) of a sync box: the
+    first 8 bytes of its packet. An armed slot reads as a negative ticket."""
+    return box[0, rank, 0, :4].view(torch.int64)
+
+
+def group_barrier(boxes, ticket, error, rank: int) -> None:
+    """A bounded barrier of the TP group's processes, between the decoder's phases (the
+    stores of every rank before it are done after it). A monotonic ticket, never reset per
+    call (CUDA graphs replay it): ticket += 1, written into slot ``rank`` of every rank's
+    sync box [1, TP, 1, 8]; then every slot of this rank's own box must hold at least
+    the ticket, else (past the poll bound, on CUDA) the error word gets BARRIER_POLL.
+    The reference runs after every rank's store (a simulated group has nothing to wait
+    for: its phases run one after the other, and it never calls this)."""
+    check_group_barrier(boxes, ticket, error, rank)
+    ticket.add_(1)
+    for box in boxes:
+        ticket_words(box, rank).copy_(ticket)
+    arrived = (ticket_words(boxes[rank]) >= ticket).all()
+    error.bitwise_or_((~arrived).to(torch.int32) * BARRIER_POLL)
+
+
 def fake_of(check):
     """The fake of a mutating op: its checks (metadata only), no result."""
 
@@ -307,4 +340,5 @@ OPS = {
     "moe_tail_push": (moe_tail_push, fake_of(check_moe_tail_push)),
     "moe_tail_publish": (moe_tail_publish, fake_of(check_moe_tail_publish)),
     "moe_tail_poll": (moe_tail_poll, fake_of(check_moe_tail_poll)),
+    "group_barrier": (group_barrier, fake_of(check_group_barrier)),
 }

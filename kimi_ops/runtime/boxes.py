@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..config import KimiConfig
+from ..mailbox import PACKET
 from .groups import Boxes
 
 
@@ -23,13 +24,16 @@ class DecodeBoxes(nn.Module):
     - ``latent`` [3, TP, CAP, L]: the tail's latent partials (all-reduce sources);
     - ``rs`` [3, TP, CAP, H/TP]: the shared expert's reduce-scatter shards;
     - ``out`` [1, 1, CAP, H]: the tail's output rows (the next AttnRes input);
-    - ``error`` [1] int32 per rank: bits of the polls that found nothing.
+    - ``sync`` [1, TP, 1, 8]: the group barrier's tickets, a packet per rank
+      (``kimi::group_barrier``; multi-process groups only call it);
+    - ``error`` [1] int32 per rank: bits of the polls that found nothing;
+    - ``ticket`` [1] int64 per rank: the group barrier's monotonic counter.
 
     The boxes this process owns are buffers (``{kind}_{rank}``); ``peers(kind, rank)`` is
     the ``boxes`` argument of a publishing op on that rank.
     """
 
-    KINDS = ("attn", "front", "latent", "rs", "out")
+    KINDS = ("attn", "front", "latent", "rs", "out", "sync")
 
     def __init__(self, group, config: KimiConfig, device):
         super().__init__()
@@ -41,6 +45,7 @@ class DecodeBoxes(nn.Module):
             "latent": (3, tp, cap, l),
             "rs": (3, tp, cap, h // tp),
             "out": (1, 1, cap, h),
+            "sync": (1, tp, 1, PACKET),
         }
         self.ranks = group.ranks
         self._peers: dict[str, dict[int, list[torch.Tensor]]] = {}
@@ -54,6 +59,7 @@ class DecodeBoxes(nn.Module):
             self._peers[kind] = boxes.peers
         for rank in group.ranks:
             self.register_buffer(f"error_{rank}", static(torch.zeros(1, dtype=torch.int32, device=device)))
+            self.register_buffer(f"ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
 
     def own(self, kind: str, rank: int) -> torch.Tensor:
         return getattr(self, f"{kind}_{rank}")
@@ -64,13 +70,18 @@ class DecodeBoxes(nn.Module):
     def error(self, rank: int) -> torch.Tensor:
         return getattr(self, f"error_{rank}")
 
+    def ticket(self, rank: int) -> torch.Tensor:
+        return getattr(self, f"ticket_{rank}")
+
     def reset(self) -> None:
-        """Re-arm every box this process owns and clear its error words (in place: the
-        addresses peers and captured graphs hold stay valid)."""
+        """Re-arm every box this process owns, clear its error words and restart its
+        barrier tickets (in place: the addresses peers and captured graphs hold stay
+        valid)."""
         for rank in self.ranks:
             for kind in self.KINDS:
                 torch.ops.kimi.mailbox_arm(self.own(kind, rank))
             self.error(rank).zero_()
+            self.ticket(rank).zero_()
 
 
 class TailBoxes:

@@ -131,11 +131,15 @@ class KimiDecoder(nn.Module):
             if getattr(config, name) % (multiple * group.tp):
                 fail_setting("KimiDecoder", f"config.{name}", f"a multiple of {multiple} · TP = {multiple * group.tp}",
                              getattr(config, name))
-        device = torch.device(device or "cpu")
+        device = torch.device(device or group.device or "cpu")
         if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
             fail_setting("KimiDecoder", "device", "an available device", str(device))
         for ordinal in range(num_layers):  # reject parity collisions before allocating
             parities(ordinal, num_layers)
+        # Every process of the group built alike (else peers' stores land wrong): a clear
+        # error on every rank, before any collective allocation could hang.
+        group.agree({"num_layers": num_layers, "seed": seed,
+                     **{f"config.{name}": value for name, value in vars(config).items()}})
         gen = torch.Generator().manual_seed(seed)
         self.embed_res = self.res_buffers(AttnResWeights.random(config, gen))
         self.layers = nn.ModuleList()
@@ -160,6 +164,8 @@ class KimiDecoder(nn.Module):
             backend.prepare("moe_tail_publish", config.latent, group.tp, peers["latent"])
             backend.prepare("moe_tail_push", config.hidden, group.tp, peers["rs"])
             backend.prepare("moe_tail_poll", group.tp, config.hidden // group.tp, config.latent, batches, peers["out"])
+            if group.barrier:
+                backend.prepare("group_barrier", group.tp, [self.boxes.peers("sync", r) for r in group.ranks])
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:
@@ -208,18 +214,18 @@ class KimiDecoder(nn.Module):
         for i, (layer, (attn_res, moe_res)) in enumerate(zip(self.layers, self.attn_res)):
             for r, part in zip(ranks, layer):
                 part.attention(x[r], slots, boxes)
-            group.sync()
+            self.barrier()
             for r, part in zip(ranks, layer):
                 rows = kimi.mailbox_take(boxes.own("attn", r), 0, batch, boxes.error(r))
                 partial[r], h[r], x[r] = self.residual(attn_res, blocks[r], partial[r], rows)
                 part.front_publish(x[r], boxes)
-            group.sync()
+            self.barrier()
             for r, part in zip(ranks, layer):
                 part.experts(x[r], boxes)
-            group.sync()
+            self.barrier()
             for part in layer:
                 part.tail.run(batch, boxes)
-            group.sync()
+            self.barrier()
             for r in ranks:
                 rows = kimi.mailbox_take(boxes.own("out", r), 0, batch, boxes.error(r))
                 partial[r], h[r], x[r] = self.residual(moe_res, blocks[r], partial[r], rows)
@@ -232,6 +238,14 @@ class KimiDecoder(nn.Module):
         ):
             self.check()
         return h[ranks[0]]
+
+    def barrier(self) -> None:
+        """The end of a phase: every rank's stores into the boxes are done. A multi-process
+        group waits on its peers' tickets (bounded: kimi::group_barrier); a simulated group
+        runs the ranks' phases one after the other, nothing to wait for."""
+        if self.group.barrier:
+            for r in self.group.ranks:
+                kimi.group_barrier(self.boxes.peers("sync", r), self.boxes.ticket(r), self.boxes.error(r), r)
 
     def check(self) -> None:
         """Raise KimiMailboxError if any poll of this process's ranks found nothing (syncs)."""
@@ -246,5 +260,6 @@ class KimiDecoder(nn.Module):
         multi-process group every rank calls it; it returns after the group's barrier, so
         no peer publishes into a box before its owner re-armed it. The index caches (the
         keys written at the steps' slots) are the caller's KV state and are kept."""
+        self.group.host_barrier()  # no rank still running a step
         self.boxes.reset()
-        self.group.sync()
+        self.group.host_barrier()  # every box re-armed before any rank publishes again

@@ -23,7 +23,10 @@ class Boxes:
 class SimulatedGroup:
     """N ranks in one process (TP1: one rank, one box): every box is a local tensor and
     the decoder runs the ranks phase by phase, so TP2/TP8/TP16 semantics run on one
-    device, the CPU included."""
+    device, the CPU included. Phases run one after the other: no barrier between them."""
+
+    barrier = False  # the decoder's phases need no kimi::group_barrier
+    device = None  # the decoder's ``device`` argument decides
 
     def __init__(self, tp: int):
         if tp < 1:
@@ -36,23 +39,39 @@ class SimulatedGroup:
             arm_(box)
         return Boxes(boxes, {rank: boxes for rank in self.ranks})
 
-    def sync(self) -> None:
-        """Phases run one after the other: every rank's stores are done."""
+    def agree(self, settings: dict) -> None:
+        """Every rank is built from the same settings: one process, nothing to compare."""
+
+    def host_barrier(self) -> None:
+        """Every rank's host-side work is done: one process, nothing to wait for."""
 
 
 class SymmMemGroup:
     """One rank per process over torch.distributed symmetric memory: boxes from
-    ``symm_mem.empty``, peers' boxes from ``rendezvous`` (``get_buffer``). Multicast is
-    used only when the handle's ``multicast_ptr`` is non-zero; otherwise (and always in
-    the reference backend) a multicast store is one peer store per rank."""
+    ``symm_mem.empty``, peers' boxes from ``rendezvous`` on the TP ``group`` (default
+    WORLD; pass the TP subgroup when the world is larger) through ``get_buffer``.
 
-    def __init__(self, group=None):
+    ``group`` may be a gloo group, with several ranks on one GPU
+    (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``; NCCL refuses that). The rank's device
+    is ``device``, else global rank % device_count. The decoder's phases end in
+    ``kimi::group_barrier`` (a bounded device barrier: a dead peer sets the error word
+    rather than hanging). Multicast is used only when the handle's ``multicast_ptr`` is
+    non-zero; otherwise (and always in the reference backend) a multicast store is one
+    peer store per rank."""
+
+    barrier = True
+
+    def __init__(self, group=None, device=None):
         import torch.distributed as dist
 
         self.group = group or dist.group.WORLD
         self.tp = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.ranks = (self.rank,)
+        if device is None:
+            device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        self.device = torch.device(device)
+        torch.cuda.set_device(self.device)
         self.handles = []
 
     def allocate(self, shape, device) -> Boxes:
@@ -60,21 +79,38 @@ class SymmMemGroup:
 
         box = symm_mem.empty(shape, dtype=torch.bfloat16, device=device)
         arm_(box)
-        handle = symm_mem.rendezvous(box, self.group.group_name)
+        handle = symm_mem.rendezvous(box, self.group)
         self.handles.append(handle)
         peers = [handle.get_buffer(p, tuple(shape), torch.bfloat16) for p in range(self.tp)]
         return Boxes([box], {self.rank: peers})
+
+    def agree(self, settings: dict) -> None:
+        """Every rank of the group was built from the same ``settings`` (a dict of
+        picklable values), else a clear error on every rank, before any box exists (one
+        rank's boxes of another capacity would make the peers' stores land wrong)."""
+        import torch.distributed as dist
+
+        everyone = [None] * self.tp
+        dist.all_gather_object(everyone, settings, group=self.group)
+        for rank, theirs in enumerate(everyone):
+            for name, value in settings.items():
+                if theirs.get(name) != value:
+                    fail_setting("KimiDecoder", name, f"the same on every rank (rank {self.rank}: {value!r})",
+                                 f"{theirs.get(name)!r} on rank {rank}")
+
+    def host_barrier(self) -> None:
+        """This rank's queued GPU work is done, and so is every other rank's."""
+        import torch.distributed as dist
+
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
 
     @property
     def multicast(self) -> bool:
         return bool(self.handles) and self.handles[0].multicast_ptr != 0
 
-    def sync(self) -> None:
-        """Reference backend only: wait for every rank's stores (kernels poll instead)."""
-        self.handles[0].barrier()
 
-
-GROUP_INTERFACE = ("tp", "ranks", "allocate", "sync")
+GROUP_INTERFACE = ("tp", "ranks", "barrier", "device", "allocate", "agree", "host_barrier")
 
 
 def make_group(tp) -> SimulatedGroup | SymmMemGroup:

@@ -1,0 +1,97 @@
+"""The TP group's bounded barrier between the decoder's phases (``kimi::group_barrier``)
+for multi-process groups (:class:`~kimi_ops.runtime.groups.SymmMemGroup`).
+
+One CTA; thread p < TP serves peer p. Every thread reads the rank's monotonic ticket t + 1
+(thread 0 stores it back), waits for the previous grid (its stores, the peer stores of the
+phase, are then done), fences at system scope, stores the ticket into slot ``rank`` of
+peer p's sync box, then polls slot p of the rank's own box until it holds at least the
+ticket — bounded by the global timer (POLL_TIMEOUT_NS), and not at all once the error
+word is set (a fault already recorded: the later barriers of the step return at once, so
+a dead peer costs one poll bound, not one per phase). A second system fence orders the
+phase after it behind the peers' stores.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32, Int64, Uint32
+
+from .. import backend
+from ..mailbox import BARRIER_POLL
+from ..ops import mailbox_ops
+from .common import (
+    POLL_TIMEOUT_NS, addresses, compile_options, compiled, fake, fake_stream, hopper, launch, load_words,
+    register_addresses, store_words,
+)
+
+SLOT_BYTES = 16  # one packet per rank in a sync box
+
+
+@cute.jit
+def fence_system():
+    cute.arch.inline_ptx("fence.sc.sys;")
+
+
+class GroupBarrier:
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    @cute.jit
+    def __call__(self, peers: cute.Tensor, ticket: cute.Tensor, error: cute.Tensor, rank: Int32, stream):
+        launch(self.kernel(peers, ticket, error, rank), [1], stream)
+
+    @cute.kernel
+    def kernel(self, peers: cute.Tensor, ticket: cute.Tensor, error: cute.Tensor, rank: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        mine = ticket[0] + Int64(1)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.sync_threads()  # every thread has read the old ticket before thread 0 stores
+        if tid == 0:
+            ticket[0] = mine
+        if tid < self.tp:
+            fence_system()
+            words = [Uint32(mine & Int64(0xFFFFFFFF)), Uint32(mine >> Int64(32))]
+            store_words(Int64(peers[tid]) + Int64(rank * SLOT_BYTES), words, mailbox=True)
+            slot = Int64(peers[rank]) + Int64(tid * SLOT_BYTES)
+            start = cute.arch.globaltimer()
+            waiting = error[0] == Int32(0)
+            while waiting:
+                seen = load_words(slot, polled=True)
+                value = (Int64(seen[1]) << Int64(32)) | Int64(seen[0])
+                waiting = value < mine
+                if waiting:
+                    if cute.arch.globaltimer() - start > POLL_TIMEOUT_NS:
+                        cute.arch.atomic_or(error.iterator, Int32(BARRIER_POLL))
+                        waiting = cutlass.Boolean(False)
+                    else:
+                        cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
+            fence_system()
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@compiled
+def compile_barrier(tp: int):
+    return cute.compile(
+        GroupBarrier(tp), fake(Int64, (tp,), align=8), fake(Int64, (1,), align=8), fake(Int32, (1,), align=4),
+        Int32(0), fake_stream(), options=compile_options(),
+    )
+
+
+class GroupBarrierKernel:
+    """``kimi::group_barrier`` on CUDA."""
+
+    check = staticmethod(mailbox_ops.check_group_barrier)
+
+    def prepare(self, tp: int, peer_lists=()) -> None:
+        compile_barrier(tp)
+        register_addresses(peer_lists)
+
+    def unsupported(self, boxes, ticket, error, rank):
+        return hopper(ticket)
+
+    def __call__(self, boxes, ticket, error, rank):
+        compile_barrier(len(boxes))(addresses(boxes), ticket, error, rank)
+
+
+def register() -> None:
+    backend.KERNELS["group_barrier"] = GroupBarrierKernel()

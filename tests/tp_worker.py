@@ -1,0 +1,134 @@
+"""One rank of a multi-process TP group (tests/test_multiprocess.py starts them through
+kimi_ops.launch): ``python tests/tp_worker.py SCENARIO OUTDIR``. Writes
+OUTDIR/SCENARIO_RANK.json, then ends through kimi_ops.launch.finish.
+
+- ``equal``: 6 layers, B in (1, 5, 64): eager steps and 100 replays of a captured graph
+  against the simulated group's outputs (OUTDIR/expected.pt); the boxes end armed.
+- ``silent``: the last rank skips its front publish in layer 2: every rank raises
+  KimiMailboxError within 2 s; after reset() the next step equals the expected one.
+- ``dead``: after a healthy step the last rank exits; the others raise within 2 s.
+- ``mismatch``: rank 1 asks for another capacity: every rank gets KimiArgumentError at
+  construction.
+"""
+
+import json
+import pathlib
+import sys
+import time
+import traceback
+
+import torch
+
+from kimi_ops import KimiArgumentError, KimiConfig, KimiDecoder, KimiMailboxError, launch
+from kimi_ops.mailbox import SENTINEL
+
+CONFIG = KimiConfig.tiny(latent=256)  # the tail kernels' shapes (as tests/test_gpu.py)
+LAYERS, SEED, BATCHES, INPUTS, REPLAYS = 6, 21, (1, 5, 64), 4, 100
+
+
+def inputs(batch: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + batch)
+    return [torch.randn(batch, CONFIG.hidden, generator=gen).bfloat16() for _ in range(INPUTS)]
+
+
+def armed(decoder) -> bool:
+    boxes, rank = decoder.boxes, decoder.group.rank
+    kinds = [k for k in boxes.KINDS if k != "sync"]  # the sync box keeps its tickets
+    return all(bool((boxes.own(k, rank).view(torch.int32) == SENTINEL).all()) for k in kinds)
+
+
+def equal(group, out: pathlib.Path) -> dict:
+    expected = torch.load(out / "expected.pt")
+    decoder = KimiDecoder(CONFIG, LAYERS, tp=group, seed=SEED)
+    result = {}
+    for batch in BATCHES:
+        xs = [x.to(group.device) for x in inputs(batch)]
+        want = [w.to(group.device) for w in expected[batch]]
+        eager = all(torch.equal(decoder(x), w) for x, w in zip(xs, want))
+        static_x = xs[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            decoder(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = decoder(static_x)
+        same, times = 0, []
+        for i in range(REPLAYS):
+            static_x.copy_(xs[i % INPUTS])
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            same += int(torch.equal(static_out, want[i % INPUTS]))
+        decoder.check()
+        result[batch] = {"eager": eager, "replays_equal": same, "ms": sorted(times)[len(times) // 2] * 1e3,
+                         "armed": armed(decoder)}
+    return result
+
+
+def silent(group, out: pathlib.Path) -> dict:
+    decoder = KimiDecoder(CONFIG, LAYERS, tp=group, seed=SEED)
+    x = inputs(5)[0].to(group.device)
+    want = torch.load(out / "expected.pt")[5][0].to(group.device)
+    healthy = torch.equal(decoder(x), want)
+    if group.rank == group.tp - 1:
+        decoder.layers[2][0].front_publish = lambda x, boxes: None
+    start = time.perf_counter()
+    try:
+        decoder(x)
+        raised = ""
+    except KimiMailboxError as error:
+        raised = str(error)
+    seconds = time.perf_counter() - start
+    if group.rank == group.tp - 1:
+        del decoder.layers[2][0].front_publish
+    decoder.reset()
+    recovered = torch.equal(decoder(x), want)
+    return {"healthy": healthy, "raised": raised, "seconds": seconds, "recovered": recovered}
+
+
+def dead(group, out: pathlib.Path) -> dict:
+    import torch.distributed as dist
+
+    decoder = KimiDecoder(CONFIG, LAYERS, tp=group, seed=SEED)
+    x = inputs(5)[0].to(group.device)
+    decoder(x)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if group.rank == group.tp - 1:
+        launch.finish(0, barrier=False)  # this rank dies between steps
+    time.sleep(0.5)  # let it go
+    start = time.perf_counter()
+    try:
+        decoder(x)
+        raised = ""
+    except KimiMailboxError as error:
+        raised = str(error)
+    return {"raised": raised, "seconds": time.perf_counter() - start}
+
+
+def mismatch(group, out: pathlib.Path) -> dict:
+    config = KimiConfig.tiny(latent=256, capacity=32 if group.rank == 1 else 64)
+    try:
+        KimiDecoder(config, LAYERS, tp=group, seed=SEED)
+        return {"raised": ""}
+    except KimiArgumentError as error:
+        return {"raised": str(error)}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], pathlib.Path(sys.argv[2])
+    group = launch.group_from_env()
+    try:
+        result = {"ok": True, **globals()[scenario](group, out)}
+    except Exception:
+        result = {"ok": False, "error": traceback.format_exc()}
+    (out / f"{scenario}_{group.rank}.json").write_text(json.dumps(result))
+    launch.finish(0, barrier=scenario != "dead")
+
+
+if __name__ == "__main__":
+    main()
