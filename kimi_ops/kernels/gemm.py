@@ -2,23 +2,31 @@
 ``moe/front.py``, re-derived for 132 SMs): out[B, N] = x[B, K] @ w[N, K]ᵀ for B ≤ 64,
 BF16 in, FP32 accumulation, one main loop under several epilogues.
 
-Partition (:class:`GemmPlan`, static per (N, K)): a CTA owns ``tiles`` 64-row tiles (one
-TMA box of ``rows`` = 64·tiles rows) over 1/``split`` of K; the ``split`` CTAs of one row
-block form a cluster. The plan picks the (tiles, split) whose CTAs each stream the
-fewest weight bytes with the whole grid resident at one CTA per SM (clusters stay within
-a GPC: RESIDENT), so every SM of the grid streams its share at once.
+Partition (:class:`GemmPlan`, static per (N, K, T)): a CTA owns ``tiles`` 64-row tiles
+(one TMA box of ``rows`` = 64·tiles rows) over 1/``split`` of K; the ``split`` CTAs of one
+row block form a cluster. :func:`partition` picks the (tiles, split) of least cost per CTA
+(weight bytes, x's L2 reads, per-chunk and per-split fixed costs measured on the H200)
+with the whole grid resident at one CTA per SM (clusters stay within a GPC: RESIDENT),
+so every SM of the grid streams its share at once.
 
-1. The producer warp streams the CTA's weight chunks (rows × CHUNK columns, 128-byte
-   swizzle, L2 evict-first) by TMA through a ring of ``depth`` slots: the first
-   ``depth`` before ``griddepcontrol.wait`` (the weights do not depend on the previous
-   kernel), then, once the wait is over, x's chunks [tokens, CHUNK] beside them by
-   cp.async (16 bytes a lane, rows past the batch left as they are: they only reach
-   accumulator columns of tokens that are never stored). A slot's full barrier takes
-   the TMA bytes and the 32 lanes' cp.async arrivals.
+1. The producer warpgroup: its first warp streams the CTA's weight chunks (rows × CHUNK
+   columns, 128-byte swizzle, L2 evict-first) by TMA through a ring of ``depth`` slots,
+   PACE of them before ``griddepcontrol.wait`` (the weights do not depend on the previous
+   kernel), then ``paced`` until x's first chunk is in (x's loads would queue behind a
+   whole ring), then as slots come back. Once the wait is over every producer thread
+   copies its share of each chunk's x rows [tokens, CHUNK] by cp.async (16 bytes each,
+   offsets fixed per thread; rows past the batch are left as they are: they only reach
+   accumulator columns of tokens that are never stored). A slot's full barrier takes the
+   TMA bytes and the 128 threads' cp.async arrivals.
 2. The consumer warpgroup runs wgmma m64nTk16 (T = ``tokens``, the batch rounded up to
-   TOKEN_TILES) per 16 columns, A (weights) and B (x) from shared memory, one accumulator
-   set per tile, FP32 in the tensor core's order; a chunk's wgmmas complete before its
-   slot goes back (no wgmma in flight across the loop's back edge: ptxas would serialize).
+   TOKEN_TILES) per 16 columns, A (weights) and B (x) from shared memory. Each chunk's
+   four k16 steps start from zero in an accumulator set of its own (``sets`` chunks in
+   flight) and the chunk's sum is added to the FP32 running sums in chunk order: the
+   tensor core's accumulation is not FP32 rounding, and its error grows with the chain
+   (H200, 12288 × 7168 at 64 tokens: one accumulator over the CTA's K was up to 409 BF16
+   ulps off near zero; chunk sums: 0.018 % of the outputs not bit-equal to the exact
+   sum's rounding). No wgmma is in flight across the loop's back edge (ptxas would
+   serialize).
 3. K parts meet in fixed order (the same bits on every run): after a cluster barrier
    (every ring drained) each CTA stores its FP32 sums of the rows CTA q owns
    (rows/split of the block) into q's shared memory (DSMEM, over q's ring), then after a
@@ -56,7 +64,7 @@ from .common import (
 )
 
 TILE = 64  # rows per wgmma (its M)
-MAX_TILES = 4  # tiles per CTA: one TMA box of at most 256 rows
+MAX_TILES = 3  # tiles per CTA (one TMA box of 192 rows; four, 256 rows, never ran on a GPU)
 SPLITS = (1, 2, 4, 8)  # CTAs per cluster, each 1/split of K (portable cluster sizes)
 # CTAs resident at one per SM on an H200 by cluster size (cuOccupancyMaxActiveClusters:
 # 66 clusters of 2, 30 of 4, 15 of 8; clusters stay within a GPC)
@@ -73,7 +81,11 @@ PRODUCERS = 32 * PRODUCER_WARPS
 ACCUMULATOR_REGISTERS = 192
 MAX_SETS = 4  # chunks whose wgmmas are in flight at once
 PACE = 3  # weight chunks in flight before x's first chunk is in (x queues behind the stream)
-SPLIT_COST = 192  # partition's cost of a K split's barriers: about 0.7 µs of a CTA's stream
+# partition's costs, from the H200 (bench_projection, benchmarks/NOTES.md): a one-tile CTA
+# streamed at ~67 % of the HBM floor whatever its K (8 KB chunks: a fixed ~0.3 µs each),
+# two- and three-tile CTAs at 73-95 %
+CHUNK_COST = 48  # a chunk's fixed cost (barriers, fences, the wgmma chain's latency)
+SPLIT_COST = 512  # a K split's (two cluster barriers, the exchange's latency)
 COST_SLACK = 0.03  # partitions this close to the least cost count as ties
 RECEIVE_PAD = 4  # FP32 words after each received row of T tokens (fewer bank conflicts)
 
@@ -89,14 +101,14 @@ def partition(n: int, k: int, tokens: int) -> tuple[int, int] | None:
     COST_SLACK of the least cost per CTA; None if none fits (K % CHUNK, N % 8, or too many
     rows for one wave).
 
-    Cost, in 128-byte rows of a chunk: the CTA's weight rows, x's rows at a quarter (L2
-    hits, read by every block: more tiles per CTA read x fewer times), and for a K split
-    SPLIT_COST (two cluster barriers) plus its DSMEM exchange (rows × T FP32 at half)."""
+    Cost, in 128-byte rows of a chunk: per chunk the CTA's weight rows, x's rows at a
+    quarter (L2 hits, read by every block: more tiles per CTA read x fewer times) and
+    CHUNK_COST; for a K split SPLIT_COST plus its DSMEM exchange (rows × T FP32 at half)."""
     if k % CHUNK or n % 8 or n <= 0:
         return None
     chunks, row_tiles = k // CHUNK, -(-n // TILE)
     costs = {
-        (split, tiles): chunks // split * (TILE * tiles + tokens / 4)
+        (split, tiles): chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST)
         + (split > 1) * (SPLIT_COST + TILE * tiles * tokens / 64)
         for tiles in range(1, min(MAX_TILES, row_tiles) + 1) for split in SPLITS
         if chunks % split == 0 and (TILE * tiles // split) % 8 == 0
@@ -408,8 +420,11 @@ def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0) -> str | No
 
 
 def tokens_of(batches) -> list[int]:
-    """The compile buckets of ``batches`` (every bucket when None)."""
-    return sorted({token_tile(b) for b in batches}) if batches is not None else list(TOKEN_TILES)
+    """The compile buckets of ``batches`` (every bucket when None; batches past MAX_BATCH
+    run the reference)."""
+    if batches is None:
+        return list(TOKEN_TILES)
+    return sorted({token_tile(b) for b in batches if 0 < b <= MAX_BATCH})
 
 
 class OprojKernel:
