@@ -179,17 +179,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.prepare:
         prepare(args.prepare)
-    rows, seen = [], set()
+    print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, L2-cold weights")
+    seen, columns = set(), ("shape", "B", "ours", "cuBLAS", "autotune", "floor", "publish", "op+copy")
     for tp in args.tp:
         for name, op, n, k, n_logits in projections(tp):
             if args.shapes and name not in args.shapes:
                 continue
             if (op, n, k, n_logits) in seen and op == "oproj":  # replicated helpers: once
                 continue
+            rows = measure(name, op, n, k, n_logits, tp, args.batches, args.autotune)
+            print_table(rows, () if seen else columns)  # a blank line between shapes
             seen.add((op, n, k, n_logits))
-            rows += measure(name, op, n, k, n_logits, tp, args.batches, args.autotune)
-    print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, L2-cold weights")
-    print_table(rows, ("shape", "B", "ours", "cuBLAS", "autotune", "floor", "publish", "op+copy"))
 
 
 if __name__ == "__main__":
