@@ -49,7 +49,7 @@ def device_arch(device: int) -> str:
 @functools.cache
 def source_fingerprint() -> str:
     """The kernels' sources and the toolchain: a changed kernel never loads a stale .o."""
-    digest = hashlib.sha256(f"cutlass={cutlass.__version__} poll={POLL_TIMEOUT_NS}".encode())
+    digest = hashlib.sha256(f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS}".encode())
     for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
@@ -214,10 +214,17 @@ def bits_float(x: Uint32) -> Float32:
 
 
 SENTINEL = 0x80000000  # the armed word (kimi_ops.mailbox.SENTINEL as uint32)
-# A poll that sees nothing for this long gives up and reports (KIMI_OPS_POLL_TIMEOUT_MS,
-# default 50 ms; compiled in, so the kernel cache is keyed by it): ranks time-sliced on
-# one GPU wait longer for a peer's turn than ranks on their own GPUs do.
-POLL_TIMEOUT_NS = int(float(os.environ.get("KIMI_OPS_POLL_TIMEOUT_MS", "50")) * 1_000_000)
+def bound_ns(variable: str, default_ms: float) -> int:
+    return int(float(os.environ.get(variable, default_ms)) * 1_000_000)
+
+
+# How long a poll that sees nothing waits before it gives up and reports (compiled in, so
+# the kernel cache is keyed by them). A mailbox poll's data is one phase away: 50 ms. The
+# group barrier (kernels/group.py) also absorbs the ranks' host-side skew between steps
+# (first calls, lazy module loads), so it waits 1 s: a dead peer is still reported within
+# 2 s, since polls after a recorded fault do not wait.
+POLL_TIMEOUT_NS = bound_ns("KIMI_OPS_POLL_TIMEOUT_MS", 50)
+BARRIER_TIMEOUT_NS = bound_ns("KIMI_OPS_BARRIER_TIMEOUT_MS", 1000)
 
 
 @cute.jit
@@ -344,6 +351,7 @@ def poll_all(addresses, error: cute.Tensor, code: cutlass.Constexpr[int]):
     start = cute.arch.globaltimer()
     waiting = cutlass.Boolean(True)
     first = cutlass.Boolean(True)
+    faulted = error[0] != cutlass.Int32(0)  # a fault is recorded: one look, no wait (the step is lost)
     while waiting:
         if not first:
             cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
@@ -354,7 +362,7 @@ def poll_all(addresses, error: cute.Tensor, code: cutlass.Constexpr[int]):
             for k in cutlass.range_constexpr(4):
                 values[i, k] = words[k]
             waiting = waiting | (arrived(words) == cutlass.Boolean(False))
-        if waiting & (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS):
+        if waiting & (faulted | (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS)):
             cute.arch.atomic_or(error.iterator, cutlass.Int32(code))
             waiting = cutlass.Boolean(False)
     return [[values[i, k] for k in range(4)] for i in range(count)]

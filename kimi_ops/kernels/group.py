@@ -5,7 +5,7 @@ One CTA; thread p < TP serves peer p. Every thread reads the rank's monotonic ti
 (thread 0 stores it back), waits for the previous grid (its stores, the peer stores of the
 phase, are then done), fences at system scope, stores the ticket into slot ``rank`` of
 peer p's sync box, then polls slot p of the rank's own box until it holds at least the
-ticket — bounded by the global timer (POLL_TIMEOUT_NS), and not at all once the error
+ticket — bounded by the global timer (BARRIER_TIMEOUT_NS), and not at all once the error
 word is set (a fault already recorded: the later barriers of the step return at once, so
 a dead peer costs one poll bound, not one per phase). A second system fence orders the
 phase after it behind the peers' stores.
@@ -20,7 +20,7 @@ from .. import backend
 from ..mailbox import BARRIER_POLL
 from ..ops import mailbox_ops
 from .common import (
-    POLL_TIMEOUT_NS, addresses, compile_options, compiled, fake, fake_stream, hopper, launch, load_words,
+    BARRIER_TIMEOUT_NS, addresses, compile_options, compiled, fake, fake_stream, hopper, launch, load_words,
     register_addresses, store_words,
 )
 
@@ -60,7 +60,7 @@ class GroupBarrier:
                 value = (Int64(seen[1]) << Int64(32)) | Int64(seen[0])
                 waiting = value < mine
                 if waiting:
-                    if cute.arch.globaltimer() - start > POLL_TIMEOUT_NS:
+                    if cute.arch.globaltimer() - start > BARRIER_TIMEOUT_NS:
                         cute.arch.atomic_or(error.iterator, Int32(BARRIER_POLL))
                         waiting = cutlass.Boolean(False)
                     else:

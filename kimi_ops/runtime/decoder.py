@@ -166,6 +166,7 @@ class KimiDecoder(nn.Module):
             backend.prepare("moe_tail_poll", group.tp, config.hidden // group.tp, config.latent, batches, peers["out"])
             if group.barrier:
                 backend.prepare("group_barrier", group.tp, [self.boxes.peers("sync", r) for r in group.ranks])
+        group.host_barrier()  # every rank built and compiled: the first step starts together
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:

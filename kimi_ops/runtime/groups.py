@@ -99,7 +99,8 @@ class SymmMemGroup:
                                  f"{theirs.get(name)!r} on rank {rank}")
 
     def host_barrier(self) -> None:
-        """This rank's queued GPU work is done, and so is every other rank's."""
+        """This rank's queued GPU work is done, and so is every other rank's (the device
+        barrier's bound covers only the ranks' skew within and between steps)."""
         import torch.distributed as dist
 
         torch.cuda.synchronize(self.device)
