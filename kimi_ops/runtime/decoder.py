@@ -160,13 +160,24 @@ class KimiDecoder(nn.Module):
             batches = range(8, config.capacity + 8, 8)  # one compile per 8-token MMA group count
             # The peers' address tables too: built in a cudagraph-tree warm-up, they would
             # live in its pool untracked.
-            peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks] for kind in ("latent", "rs", "out")}
+            peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks]
+                     for kind in ("attn", "front", "latent", "rs", "out")}
+            tp, hidden = group.tp, config.hidden
+            for n, k in ((config.q_lora, hidden), (32, hidden), (128, hidden),  # the DSA helpers (wq_a, w_head, wk)
+                         (config.attn_out // tp, config.q_lora),  # the stand-in core
+                         (2 * config.shared_intermediate // tp, hidden), (hidden, config.shared_intermediate // tp)):
+                backend.prepare("oproj", n, k, batches)
+            backend.prepare("oproj_publish", hidden, config.attn_out // tp, tp, batches, peers["attn"])
+            backend.prepare("moe_front_publish", (config.experts + config.latent) // tp, hidden, config.experts // tp,
+                            tp, batches, peers["front"])
             backend.prepare("moe_tail_publish", config.latent, group.tp, peers["latent"])
             backend.prepare("moe_tail_push", config.hidden, group.tp, peers["rs"])
             backend.prepare("moe_tail_poll", group.tp, config.hidden // group.tp, config.latent, batches, peers["out"])
             if group.barrier:
                 backend.prepare("group_barrier", group.tp, [self.boxes.peers("sync", r) for r in group.ranks])
-        group.host_barrier()  # every rank built and compiled: the first step starts together
+        # Every rank built, its kernels compiled or loaded: the first step starts together (a
+        # kernel loaded inside a step delays its rank past the group barrier's bound).
+        group.host_barrier()
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:
