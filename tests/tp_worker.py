@@ -79,6 +79,18 @@ def equal(group, out: pathlib.Path) -> dict:
     return result
 
 
+def faulted_step(decoder, x) -> dict:
+    """One step that should fault: the KimiMailboxError's message ("" if none) and how long
+    the step took to raise."""
+    start = time.perf_counter()
+    try:
+        decoder(x)
+        raised = ""
+    except KimiMailboxError as error:
+        raised = str(error)
+    return {"raised": raised, "seconds": time.perf_counter() - start}
+
+
 def silent(group, out: pathlib.Path) -> dict:
     decoder = KimiDecoder(CONFIG, LAYERS, tp=group, seed=SEED)
     x = inputs(5)[0].to(group.device)
@@ -86,18 +98,11 @@ def silent(group, out: pathlib.Path) -> dict:
     healthy = torch.equal(decoder(x), want)
     if group.rank == group.tp - 1:
         decoder.layers[2][0].front_publish = lambda x, boxes: None
-    start = time.perf_counter()
-    try:
-        decoder(x)
-        raised = ""
-    except KimiMailboxError as error:
-        raised = str(error)
-    seconds = time.perf_counter() - start
+    fault = faulted_step(decoder, x)
     if group.rank == group.tp - 1:
         del decoder.layers[2][0].front_publish
     decoder.reset()
-    recovered = torch.equal(decoder(x), want)
-    return {"healthy": healthy, "raised": raised, "seconds": seconds, "recovered": recovered}
+    return {"healthy": healthy, **fault, "recovered": torch.equal(decoder(x), want)}
 
 
 def dead(group, out: pathlib.Path) -> dict:
@@ -111,13 +116,7 @@ def dead(group, out: pathlib.Path) -> dict:
     if group.rank == group.tp - 1:
         launch.finish(0, barrier=False)  # this rank dies between steps
     time.sleep(0.5)  # let it go
-    start = time.perf_counter()
-    try:
-        decoder(x)
-        raised = ""
-    except KimiMailboxError as error:
-        raised = str(error)
-    return {"raised": raised, "seconds": time.perf_counter() - start}
+    return faulted_step(decoder, x)
 
 
 def mismatch(group, out: pathlib.Path) -> dict:
