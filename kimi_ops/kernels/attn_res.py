@@ -1,0 +1,413 @@
+"""Block Attention Residuals on Hopper (``kimi::attn_res``, DESIGN §3.8; not in the seeds).
+
+A cluster of ``cluster`` CTAs per token (grid B · cluster); CTA c of token b's cluster owns
+the packets (8 columns, 16 bytes) [c·P, (c+1)·P) of H, P = H / 8 / cluster, a thread per
+packet (``rounds`` packets a thread past 1024). Every sum over H is formed in FP64 from
+terms that are exact in FP32 — x² and K·q of BF16 values have 16 significant bits, so
+FP64 adds them without rounding and every order gives the reference's float64 sum — in
+a fixed order all the same (lane butterfly, warps in order, the cluster's CTAs in rank
+order through DSMEM), then rounded once to FP32 as ``numerics.sum_f32`` does. The
+reference's rounding points, in order:
+
+1. Before ``griddepcontrol.wait`` (the seeds' block statistics): the weights' packets and
+   the N completed blocks' rows (cp.async into a shared-memory stash of ``rows`` ≥ N rows,
+   all in flight at once; read three times, so HBM serves them once); per block
+   ss_n = Σ x² → rr_n = rsqrt.approx(ss_n / H + eps) (div.rn, the instruction torch.rsqrt
+   runs on CUDA); K = BF16((x · rr_n) · key_norm_w) in FP32; logit_n = Σ K · query. The
+   blocks depend only on earlier layers: their writer must be complete when our
+   predecessor releases us (the decoder writes them by torch.cat, a plain launch).
+2. After the wait: new_partial = BF16(partial + Σ_tp sublayer_out[tp]) as an FP32 chain
+   in rank order (stored at once), then its ss, rr, key and logit as above: two rounds.
+3. Softmax over the N + 1 logits in FP32 by warp 0: m = max, e_n = exp(l_n − m) (the
+   accurate exp), s = Σ e_n (lanes' sums, then a butterfly), α_n = e_n / s (div.rn, as
+   torch's CUDA softmax divides), into shared memory.
+4. h = BF16(FP32(Σ_n FP64(α_n · V_n))): FP32 products (the reference's
+   ``alpha * f32(values)``) summed in FP64 in n order, rounded to FP32, then BF16.
+5. h_normed = BF16((h · rr_h) · out_norm_w), rr_h from Σ h² of the rounded h: one round.
+
+A round of the exchange: each warp's butterfly sum to shared memory, a CTA barrier, one
+thread per value adds the warps in order and stores the CTA's sum into slot [value, c] of
+every CTA of the cluster (``store_cluster``), a cluster barrier (release / acquire), then
+every thread adds the slots in rank order. Each round has its own slots: nothing is
+reused within a launch. Three rounds follow the wait; the two of the blocks precede it.
+
+PDL: dependents are released late (once the outputs are written), early in the ``early``
+variant (:class:`~kimi_ops.kernels.common.Release`).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Float64, Int32, Uint32
+from cutlass.memory import SmemAllocator
+
+from .. import backend
+from ..ops import attn_res as attn_res_op
+from .common import (
+    Release, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, fake, fake_stream, hopper,
+    load_words, pack_bf16, store_cluster, store_words, unpack_words,
+)
+from .tail import divide, inverse_rms, load_shared, normalized
+
+CLUSTERS = (1, 2, 4, 8)  # CTAs per token (portable cluster sizes)
+CTA_PACKETS = 128  # packets a CTA takes at most where H allows (H = 7168: 8 CTAs of 112)
+MAX_THREADS = 1024
+# Stash capacities (rows of completed blocks) compiled: a call takes the least ≥ N. Shared
+# memory is rows · P · 16 bytes a CTA (H = 7168: 1.75 KB a row), so a bucket wastes at most
+# a third of it; the decoder prepares those its layers use.
+ROW_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+MAX_TP = 16  # sublayer sources (a thread's TP packets are in flight at once)
+STASH_BYTES = 200 * 1024  # a CTA's stash at most (beside the exchange slots)
+NEG_INF = float("-inf")
+
+
+def cluster_for(hidden: int) -> int:
+    """CTAs per token: the fewest of CLUSTERS that give each CTA at most CTA_PACKETS packets
+    (more CTAs: more SMs' load bandwidth and stash per token, one cluster barrier a round),
+    else the most that divide H's packets."""
+    packets = hidden // 8
+    dividing = [c for c in CLUSTERS if packets % c == 0]
+    return next((c for c in dividing if packets // c <= CTA_PACKETS), dividing[-1])
+
+
+def stash_rows(count: int) -> int | None:
+    """The stash bucket of N completed blocks (None past the largest)."""
+    return next((rows for rows in ROW_BUCKETS if rows >= count), None)
+
+
+class AttnRes(Release):
+    """One token per cluster of ``cluster`` CTAs (see the module doc); N ≤ ``rows``
+    completed blocks (a runtime count), ``tp`` sublayer sources."""
+
+    def __init__(self, hidden: int, tp: int, cluster: int, rows: int, early: bool = False):
+        super().__init__(early)
+        self.hidden, self.tp, self.cluster, self.rows = hidden, tp, cluster, rows
+        self.packets = hidden // 8 // cluster  # per CTA
+        self.threads = min(MAX_THREADS, -(-self.packets // 32) * 32)
+        self.rounds = -(-self.packets // self.threads)  # packets per thread
+        self.warps = self.threads // 32
+        # exchange slots: the blocks' ss and logits, then new_partial's ss and logit, h's ss
+        self.block_ss, self.block_dot = 0, rows
+        self.partial_ss, self.partial_dot, self.h_ss = 2 * rows, 2 * rows + 1, 2 * rows + 2
+        self.slots = 2 * rows + 3
+
+    @cute.jit
+    def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
+                 key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor, h: cute.Tensor,
+                 h_normed: cute.Tensor, count: Int32, eps: Float32, stream):
+        """``blocks`` [N·B, H] (N = ``count``), ``sublayer`` [TP·B, H]: rows by (block or
+        source, token); the rest [B, H] or [H]."""
+        kernel = self.kernel(blocks, partial, sublayer, query, key_norm_w, out_norm_w, new_partial, h, h_normed,
+                             count, eps)
+        kernel.launch(grid=[partial.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1],
+                      cluster=[self.cluster, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
+               key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor, h: cute.Tensor,
+               h_normed: cute.Tensor, count: Int32, eps: Float32):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        token, part = cta // self.cluster, cta % self.cluster
+        batch = partial.shape[0]
+        self.release_early()
+        space = self.allocate()
+        columns = self.columns(part, tid)
+        query_v, key_w = self.weights(query, columns), self.weights(key_norm_w, columns)
+        out_w = self.weights(out_norm_w, columns)
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
+        if cutlass.const_expr(self.rows > 0):
+            self.block_statistics(blocks, space, columns, query_v, key_w, count, batch, token, part, tid, eps)
+        elif cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()
+        cute.arch.griddepcontrol_wait()
+        rows = [self.sources(partial, sublayer, batch, token, columns[q]) for q in range(self.rounds)]
+        self.finish(rows, space, columns, query_v, key_w, out_w, new_partial, h, h_normed, count, token, part,
+                    tid, eps)
+        self.release_late()
+
+    @cute.jit
+    def sources(self, partial, sublayer, batch, token, column):
+        """The packet's rows: partial, then the TP sources in rank order (loads in flight
+        together)."""
+        rows = [load_words(partial.iterator + token * self.hidden + column)]
+        for source in cutlass.range_constexpr(self.tp):
+            rows.append(load_words(sublayer.iterator + (source * batch + token) * self.hidden + column))
+        return rows
+
+    @cute.jit
+    def finish(self, rows, space, columns, query_v, key_w, out_w, new_partial, h, h_normed, count, token, part,
+               tid, eps):
+        """Steps 2-5 of the module doc from each round's rows (partial and the sources)."""
+        stash, partials, received, alpha = space
+        valid = self.valid(tid)
+        values = []  # new_partial's rounded values (FP32) per round
+        squares = Float64(0.0)
+        for q in cutlass.range_constexpr(self.rounds):
+            acc = unpack_words(rows[q][0])
+            for source in cutlass.range_constexpr(self.tp):
+                extra = unpack_words(rows[q][1 + source])
+                acc = [acc[i] + extra[i] for i in range(8)]
+            words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
+            squares += self.stored(new_partial, words, token, columns[q], valid[q])
+            values.append(unpack_words(words))
+        self.warp_sum(partials, self.partial_ss, squares, tid)
+        self.share(partials, received, self.partial_ss, 1, part, tid)
+        inv = inverse_rms(self.total(received, self.partial_ss), self.hidden, eps)
+        dot = Float64(0.0)
+        for q in cutlass.range_constexpr(self.rounds):
+            if valid[q]:
+                dot += key_dot(values[q], inv, key_w[q], query_v[q])
+        self.warp_sum(partials, self.partial_dot, dot, tid)
+        self.share(partials, received, self.partial_dot, 1, part, tid)
+        self.softmax(received, alpha, count, tid)
+        squares = Float64(0.0)
+        mixed = []  # h's rounded values (FP32) per round
+        for q in cutlass.range_constexpr(self.rounds):
+            acc = cute.make_rmem_tensor(8, Float64)  # carried through the runtime loop over N
+            for i in cutlass.range_constexpr(8):
+                acc[i] = Float64(0.0)
+            if cutlass.const_expr(self.rows > 0):
+                for n in cutlass.range(count, unroll=1):
+                    weight = alpha[n]
+                    block = unpack_words(load_shared(stash + self.stash_word(n, q, tid)))
+                    for i in cutlass.range_constexpr(8):
+                        acc[i] = acc[i] + Float64(weight * block[i])
+            weight = alpha[count]
+            total = [acc[i] + Float64(weight * values[q][i]) for i in range(8)]
+            words = [pack_bf16(Float32(total[i]), Float32(total[i + 1])) for i in range(0, 8, 2)]
+            squares += self.stored(h, words, token, columns[q], valid[q])
+            mixed.append(unpack_words(words))
+        self.warp_sum(partials, self.h_ss, squares, tid)
+        self.share(partials, received, self.h_ss, 1, part, tid)
+        inv = inverse_rms(self.total(received, self.h_ss), self.hidden, eps)
+        for q in cutlass.range_constexpr(self.rounds):
+            if valid[q]:
+                store_words(h_normed.iterator + token * self.hidden + columns[q], normalized(mixed[q], inv, out_w[q]))
+
+    @cute.jit
+    def stored(self, out, words, token, column, valid) -> Float64:
+        """A packet of BF16 words into ``out`` where ``valid``; returns Σ x² of its values
+        (0 elsewhere)."""
+        squares = Float64(0.0)
+        if valid:
+            store_words(out.iterator + token * self.hidden + column, words)
+            squares = exact_squares(unpack_words(words))
+        return squares
+
+    @cute.jit
+    def block_statistics(self, blocks, space, columns, query_v, key_w, count, batch, token, part, tid, eps):
+        """Step 1: the N blocks' rows into the stash, their ss and then their logits over
+        the cluster (two rounds, N values each)."""
+        stash, partials, received, _ = space
+        valid = self.valid(tid)
+        for n in cutlass.range(count, unroll=1):
+            for q in cutlass.range_constexpr(self.rounds):
+                if valid[q]:
+                    copy_async(stash + self.stash_word(n, q, tid),
+                               blocks.iterator + (n * batch + token) * self.hidden + columns[q])
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)  # a thread reads back only its own packets
+        for n in cutlass.range(count, unroll=1):
+            squares = Float64(0.0)
+            for q in cutlass.range_constexpr(self.rounds):
+                if valid[q]:
+                    squares += exact_squares(unpack_words(load_shared(stash + self.stash_word(n, q, tid))))
+            self.warp_sum(partials, self.block_ss + n, squares, tid)
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
+        self.share(partials, received, self.block_ss, count, part, tid)
+        for n in cutlass.range(count, unroll=1):
+            inv = inverse_rms(self.total(received, self.block_ss + n), self.hidden, eps)
+            dot = Float64(0.0)
+            for q in cutlass.range_constexpr(self.rounds):
+                if valid[q]:
+                    block = unpack_words(load_shared(stash + self.stash_word(n, q, tid)))
+                    dot += key_dot(block, inv, key_w[q], query_v[q])
+            self.warp_sum(partials, self.block_dot + n, dot, tid)
+        self.share(partials, received, self.block_dot, count, part, tid)
+
+    @cute.jit
+    def softmax(self, received, alpha, count, tid):
+        """Step 3: α_n for n ≤ N (N: new_partial's logit) into ``alpha``, by warp 0."""
+        lanes = -(-(self.rows + 1) // 32)  # logits per lane
+        if tid < 32:
+            logits = []
+            top = Float32(NEG_INF)
+            for j in cutlass.range_constexpr(lanes):
+                n = tid + 32 * j
+                logit = Float32(NEG_INF)
+                if cutlass.const_expr(self.rows > 0):
+                    if n < count:
+                        logit = Float32(self.total(received, self.block_dot + clamp(n, self.rows - 1)))
+                if n == count:
+                    logit = Float32(self.total(received, self.partial_dot))
+                top = cute.arch.fmax(top, logit)  # NaN-quiet: a NaN logit's s is NaN, so every α
+                logits.append(logit)
+            for shift in cutlass.range_constexpr(5):
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << shift))
+            exps = []
+            total = Float32(0.0)
+            for j in cutlass.range_constexpr(lanes):
+                e = Float32(0.0)
+                if tid + 32 * j <= count:
+                    e = cute.math.exp(logits[j] - top)
+                total += e
+                exps.append(e)
+            total = butterfly_sum(total, 32)
+            for j in cutlass.range_constexpr(lanes):
+                if tid + 32 * j <= count:
+                    alpha[tid + 32 * j] = divide(exps[j], total)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def warp_sum(self, partials, slot, value: Float64, tid):
+        """The warp's sum of ``value`` into slot ``slot`` (lane 0 stores it)."""
+        total = butterfly_sum(value, 32)
+        if tid % 32 == 0:
+            partials[slot, tid // 32] = total
+
+    @cute.jit
+    def share(self, partials, received, first, count, part, tid):
+        """One exchange round over slots [first, first + count): the CTA's sums (warps in
+        order) into slot [·, part] of every CTA of the cluster; on return every thread
+        may read them all."""
+        cute.arch.sync_threads()  # every warp's sum is in
+        for n in cutlass.range(tid, count, self.threads, unroll=1):
+            total = Float64(0.0)
+            for w in cutlass.range_constexpr(self.warps):
+                total += partials[first + n, w]
+            if cutlass.const_expr(self.cluster == 1):
+                received[first + n, 0] = total
+            else:
+                for c in cutlass.range_constexpr(self.cluster):
+                    store_cluster(received.iterator + (first + n) * self.cluster + part, total, c)
+        if cutlass.const_expr(self.cluster == 1):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def total(self, received, slot) -> Float64:
+        """Slot ``slot``'s sum over the cluster's CTAs, in rank order."""
+        total = Float64(0.0)
+        for c in cutlass.range_constexpr(self.cluster):
+            total += received[slot, c]
+        return total
+
+    @cute.jit
+    def allocate(self):
+        """(stash words, warp partials [slot, warp], received [slot, CTA], α [rows + 1])."""
+        smem = SmemAllocator()
+        partials = smem.allocate_tensor(Float64, cute.make_layout((self.slots, self.warps), stride=(self.warps, 1)), 16)
+        received = smem.allocate_tensor(Float64, cute.make_layout((self.slots, self.cluster), stride=(self.cluster, 1)),
+                                        16)
+        alpha = smem.allocate_tensor(Float32, cute.make_layout(self.rows + 1), 16)
+        stash = smem.allocate_tensor(Uint32, cute.make_layout(max(self.stash_words(), 4)), 16).iterator
+        return stash, partials, received, alpha
+
+    def stash_words(self) -> int:
+        return self.rows * self.rounds * self.threads * 4
+
+    def stash_word(self, n, q, tid):
+        """Word of block ``n``'s packet ``q`` of thread ``tid`` (16 bytes, consecutive
+        threads adjacent: conflict-free)."""
+        return ((n * self.rounds + q) * self.threads + tid) * 4
+
+    def valid(self, tid):
+        return [tid + self.threads * q < self.packets for q in range(self.rounds)]
+
+    @cute.jit
+    def columns(self, part, tid):
+        """Each round's first column (clamped: past the CTA's packets a thread reads a valid
+        packet it never uses)."""
+        return [(part * self.packets + clamp(tid + self.threads * q, self.packets - 1)) * 8
+                for q in range(self.rounds)]
+
+    @cute.jit
+    def weights(self, weight, columns):
+        """The rounds' packets of a weight [H] as FP32 (loaded before the wait)."""
+        return [unpack_words(load_words(weight.iterator + column)) for column in columns]
+
+
+@cute.jit
+def exact_squares(values) -> Float64:
+    """Σ x² of a packet's FP32 values (BF16 values: exact squares) in FP64."""
+    total = Float64(0.0)
+    for v in values:
+        total += Float64(v * v)
+    return total
+
+
+@cute.jit
+def key_dot(values, inv: Float32, key_w, query_v) -> Float64:
+    """Σ K · q over a packet, K = BF16((x · inv) · key_norm_w): FP32 products of BF16
+    values (exact) added in FP64."""
+    total = Float64(0.0)
+    for i in cutlass.range_constexpr(8):
+        key = Float32(BFloat16((values[i] * inv) * key_w[i]))
+        total += Float64(key * query_v[i])
+    return total
+
+
+@compiled
+def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, early: bool = False):
+    batch, block_rows, source_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    vector = lambda: fake(BFloat16, (hidden,))  # noqa: E731
+    token_rows = lambda: fake(BFloat16, (batch, hidden))  # noqa: E731
+    return cute.compile(
+        AttnRes(hidden, tp, cluster, rows, early=early), fake(BFloat16, (block_rows, hidden)), token_rows(),
+        fake(BFloat16, (source_rows, hidden)), vector(), vector(), vector(), token_rows(), token_rows(), token_rows(),
+        Int32(0), Float32(1e-6), fake_stream(), options=compile_options(),
+    )
+
+
+def unsupported_shape(hidden: int, tp: int, count: int) -> str | None:
+    if hidden <= 0 or hidden % 8:
+        return f"the kernel reads 16-byte packets: H must be a positive multiple of 8, got {hidden}"
+    if tp > MAX_TP:
+        return f"the kernel sums at most {MAX_TP} sublayer sources, got TP = {tp}"
+    rows = stash_rows(count)
+    if rows is None:
+        return f"the kernel stashes at most {ROW_BUCKETS[-1]} completed blocks, got N = {count}"
+    cluster = cluster_for(hidden)
+    if AttnRes(hidden, tp, cluster, rows).stash_words() * 4 > STASH_BYTES:
+        return f"N = {count} blocks of H = {hidden} pass a CTA's shared memory"
+    return None
+
+
+class AttnResKernel:
+    """``kimi::attn_res`` on CUDA."""
+
+    check = staticmethod(attn_res_op.check_attn_res)
+
+    def prepare(self, hidden: int, tps, counts) -> None:
+        """Every (TP, stash bucket) that calls with these source counts and block counts take."""
+        for tp in tps:
+            for rows in sorted({stash_rows(count) for count in counts}):
+                if unsupported_shape(hidden, tp, rows) is None:
+                    compile_attn_res(hidden, tp, cluster_for(hidden), rows)
+
+    def unsupported(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
+        reason = unsupported_shape(partial.shape[1], sublayer_out.shape[0], blocks.shape[0])
+        if reason is None and not aligned(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w):
+            reason = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
+        return reason or hopper(partial)
+
+    def __call__(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
+        batch, hidden = partial.shape
+        count, tp = blocks.shape[0], sublayer_out.shape[0]
+        outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
+        if batch:
+            kernel = compile_attn_res(hidden, tp, cluster_for(hidden), stash_rows(count))
+            # An empty tensor is never read: partial stands in for it.
+            rows = blocks.view(-1, hidden) if count else partial
+            sources = sublayer_out.view(-1, hidden) if tp else partial
+            kernel(rows, partial, sources, query, key_norm_w, out_norm_w, *outputs, count, eps)
+        return tuple(outputs)
+
+
+def register() -> None:
+    backend.KERNELS["attn_res"] = AttnResKernel()

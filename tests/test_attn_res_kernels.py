@@ -1,0 +1,152 @@
+"""The CuTe AttnRes kernel (kernels/attn_res.py): its variants compile for sm_90a without a
+GPU, with no spills and no ptxas performance note; the work split and stash buckets hold
+on the CPU; on a Hopper GPU ``kimi::attn_res`` matches the reference backend on the same
+device (outputs poisoned first, fresh inputs) at every batch up to CAP, N in (0, 1, 3) and
+TP in (1, 2, 8), −0 and NaN rows included, and replays from a CUDA graph."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+
+from kimi_ops.kernels import attn_res  # noqa: E402
+
+from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
+
+kimi = torch.ops.kimi
+HIDDEN, TINY = 7168, 256  # kimi_k3's H; KimiConfig.tiny's
+
+
+@pytest.mark.parametrize("hidden, tp, rows", [
+    (HIDDEN, 1, 0), (HIDDEN, 8, 0), (HIDDEN, 1, 4), (HIDDEN, 2, 4), (HIDDEN, 8, 32), (HIDDEN, 16, 64),
+    (TINY, 1, 0), (TINY, 2, 3),
+])
+def test_attn_res_compiles(hidden, tp, rows, clean_ptxas):
+    assert attn_res.compile_attn_res.build(hidden, tp, attn_res.cluster_for(hidden), rows) is not None
+    clean_ptxas()
+
+
+def test_one_token_per_cluster_each_cta_a_slice_of_whole_packets():
+    """H = 7168: 8 CTAs of 112 packets (128 threads); tiny H: one CTA; every packet of H
+    once, no CTA past CTA_PACKETS where a cluster size allows it."""
+    assert attn_res.cluster_for(HIDDEN) == 8 and attn_res.cluster_for(TINY) == 1
+    for hidden in (64, TINY, 512, 1024, 2048, 4096, HIDDEN, 8192, 1032):
+        cluster = attn_res.cluster_for(hidden)
+        kernel = attn_res.AttnRes(hidden, 1, cluster, 0)
+        assert cluster in attn_res.CLUSTERS and kernel.packets * cluster * 8 == hidden
+        assert kernel.threads * kernel.rounds >= kernel.packets > kernel.threads * (kernel.rounds - 1)
+        assert kernel.threads % 32 == 0 and kernel.threads <= attn_res.MAX_THREADS
+    assert attn_res.AttnRes(HIDDEN, 1, 8, 0).threads == 128
+
+
+def test_every_exchange_round_has_slots_of_its_own():
+    kernel = attn_res.AttnRes(HIDDEN, 8, 8, 6)
+    slots = ([kernel.block_ss + n for n in range(6)] + [kernel.block_dot + n for n in range(6)]
+             + [kernel.partial_ss, kernel.partial_dot, kernel.h_ss])
+    assert sorted(slots) == list(range(kernel.slots))
+
+
+def test_stash_buckets_take_every_block_count_up_to_64():
+    assert attn_res.stash_rows(0) == 0 and attn_res.stash_rows(5) == 6 and attn_res.stash_rows(64) == 64
+    assert attn_res.stash_rows(65) is None
+    for count in range(1, 65):
+        rows = attn_res.stash_rows(count)
+        assert count <= rows < 1.5 * count + 1
+        assert attn_res.unsupported_shape(HIDDEN, 8, count) is None  # fits a CTA's shared memory
+    assert "blocks" in attn_res.unsupported_shape(HIDDEN, 1, 65)
+    assert "16-byte" in attn_res.unsupported_shape(100, 1, 0)
+    assert "sources" in attn_res.unsupported_shape(HIDDEN, 17, 0)
+
+
+def test_prepare_compiles_each_bucket_once(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(attn_res, "compile_attn_res", lambda *key: compiled.append(key))
+    attn_res.AttnResKernel().prepare(HIDDEN, (8, 1), range(0, 6))
+    assert compiled == [(HIDDEN, tp, 8, rows) for tp in (8, 1) for rows in (0, 1, 2, 3, 4, 6)]
+
+
+def args_of(batch, count, tp, seed, hidden=HIDDEN, device="cuda"):
+    """AttnRes inputs of the decoder's scale: rows ~ N(0, 1), a small query, norm weights
+    near 1."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0, offset=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + offset).bfloat16().to(device)
+
+    return (rand(count, batch, hidden), rand(batch, hidden), rand(tp, batch, hidden), rand(hidden, scale=0.05),
+            rand(hidden, scale=0.1, offset=1.0), rand(hidden, scale=0.1, offset=1.0))
+
+
+def poison(batch, hidden):
+    """Freed NaN blocks of the outputs' size: the caching allocator hands them to the op."""
+    blocks = [torch.full((batch, hidden), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    del blocks
+
+
+def assert_matches(got, want):
+    """new_partial bit for bit (the same FP32 chain in rank order); h and h_normed within
+    2 ulps, ≤ 2 % not bit-equal (test_ops' bounds: softmax's exp and division may flip an
+    α's last FP32 bit, rr's division against torch's reciprocal multiply)."""
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    for g, w in zip(got[1:], want[1:]):
+        assert_bf16_close(g, w, max_ulps=2, max_flipped=0.02)
+
+
+@on_hopper
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("count", [0, 1, 3])
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+def test_attn_res_kernel(batch, count, tp):
+    args = args_of(batch, count, tp, seed=1000 * tp + 10 * count + batch)
+    poison(batch, HIDDEN)
+    got = kimi.attn_res(*args, 1e-6)
+    assert_matches(got, reference(kimi.attn_res, *args, 1e-6))
+
+
+@on_hopper
+@pytest.mark.parametrize("count", [0, 5, 30])  # 5, 30: buckets 6 and 32 (rows past N left alone)
+def test_attn_res_kernel_tiny_and_deep(count):
+    for hidden, batch in ((TINY, 4), (HIDDEN, 2)):
+        args = args_of(batch, count, 2, seed=count + hidden, hidden=hidden)
+        poison(batch, hidden)
+        assert_matches(kimi.attn_res(*args, 1e-6), reference(kimi.attn_res, *args, 1e-6))
+
+
+@on_hopper
+def test_attn_res_kernel_negative_zero_and_nan_rows():
+    """Token 1 all −0 (new_partial keeps −0: the FP32 chain starts from partial), token 2
+    one NaN in a source (its every h NaN: the softmax sum is), the others untouched."""
+    blocks, partial, sublayer, query, key_w, out_w = args_of(4, 3, 2, seed=9)
+    partial[1], sublayer[:, 1], blocks[:, 1] = -0.0, -0.0, -0.0
+    sublayer[1, 2, 77] = float("nan")
+    got = kimi.attn_res(blocks, partial, sublayer, query, key_w, out_w, 1e-6)
+    want = reference(kimi.attn_res, blocks, partial, sublayer, query, key_w, out_w, 1e-6)
+    assert_matches(got, want)
+    assert bool((got[0][1].view(torch.int16) == torch.tensor(-0x8000, dtype=torch.int16)).all())
+    assert torch.isnan(got[1][2]).all() and torch.isnan(got[2][2]).all()
+    assert not torch.isnan(got[1][[0, 1, 3]]).any() and int(torch.isnan(got[0][2]).sum()) == 1
+    again = args_of(4, 3, 2, seed=10)  # later calls unaffected
+    assert_matches(kimi.attn_res(*again, 1e-6), reference(kimi.attn_res, *again, 1e-6))
+
+
+@on_hopper
+def test_attn_res_kernel_is_deterministic_and_replays_from_a_graph():
+    args = args_of(8, 3, 8, seed=11)
+    first = kimi.attn_res(*args, 1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = kimi.attn_res(*args, 1e-6)
+    fresh = torch.Generator().manual_seed(12)
+    for replay in range(100):
+        if replay:
+            for tensor in args[:3]:
+                tensor.copy_(torch.randn(tensor.shape, generator=fresh).bfloat16())
+        graph.replay()
+        eager = kimi.attn_res(*args, 1e-6)
+        for s, e in zip(static, eager):
+            assert torch.equal(s.view(torch.int16), e.view(torch.int16)), replay
+        if replay == 0:
+            for s, f in zip(static, first):
+                assert torch.equal(s.view(torch.int16), f.view(torch.int16))
