@@ -39,6 +39,11 @@ SCHEMAS: dict[str, str] = {
     "mailbox_arm": "mailbox_arm(Tensor(a!) box) -> ()",
     "mailbox_rearm": "mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()",
     "mailbox_take": "mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor",
+    "attn_res_take": (
+        "attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks,"
+        " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps)"
+        " -> (Tensor new_partial, Tensor h, Tensor h_normed)"
+    ),
     "oproj_publish": "oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()",
     "moe_front_publish": (
         "moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity,"

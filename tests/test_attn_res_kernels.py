@@ -1,8 +1,10 @@
-"""The CuTe AttnRes kernel (kernels/attn_res.py): its variants compile for sm_90a without a
-GPU, with no spills and no ptxas performance note; the work split and stash buckets hold
-on the CPU; on a Hopper GPU ``kimi::attn_res`` matches the reference backend on the same
-device (outputs poisoned first, fresh inputs) at every batch up to CAP, N in (0, 1, 3) and
-TP in (1, 2, 8), −0 and NaN rows included, and replays from a CUDA graph."""
+"""The CuTe AttnRes kernels (kernels/attn_res.py): their variants compile for sm_90a without
+a GPU, with no spills and no ptxas performance note; the work split and stash buckets hold
+on the CPU; on a Hopper GPU ``kimi::attn_res`` and the fused ``kimi::attn_res_take`` match
+the reference backend on the same device (outputs poisoned first, fresh inputs) at every
+batch up to CAP, N in (0, 1, 3) and TP in (1, 2, 8), −0 and NaN rows included; the fused
+op re-arms what it took, leaves the rest, times out into the error word, and both replay
+from a CUDA graph."""
 
 import pytest
 import torch
@@ -10,13 +12,15 @@ import torch
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
 from kimi_ops.kernels import attn_res  # noqa: E402
+from kimi_ops.mailbox import SENTINEL, TAKE_POLL, KimiMailboxError, no_neg_zero, raise_if_error  # noqa: E402
 
-from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
 kimi = torch.ops.kimi
 HIDDEN, TINY = 7168, 256  # kimi_k3's H; KimiConfig.tiny's
+CAPACITY = 64
 
 
 @pytest.mark.parametrize("hidden, tp, rows", [
@@ -25,6 +29,12 @@ HIDDEN, TINY = 7168, 256  # kimi_k3's H; KimiConfig.tiny's
 ])
 def test_attn_res_compiles(hidden, tp, rows, clean_ptxas):
     assert attn_res.compile_attn_res.build(hidden, tp, attn_res.cluster_for(hidden), rows) is not None
+    clean_ptxas()
+
+
+@pytest.mark.parametrize("hidden, tp, rows", [(HIDDEN, 1, 0), (HIDDEN, 8, 4), (TINY, 2, 3)])
+def test_attn_res_take_compiles(hidden, tp, rows, clean_ptxas):
+    assert attn_res.compile_attn_res.build(hidden, tp, attn_res.cluster_for(hidden), rows, True) is not None
     clean_ptxas()
 
 
@@ -64,7 +74,10 @@ def test_prepare_compiles_each_bucket_once(monkeypatch):
     compiled = []
     monkeypatch.setattr(attn_res, "compile_attn_res", lambda *key: compiled.append(key))
     attn_res.AttnResKernel().prepare(HIDDEN, (8, 1), range(0, 6))
-    assert compiled == [(HIDDEN, tp, 8, rows) for tp in (8, 1) for rows in (0, 1, 2, 3, 4, 6)]
+    assert compiled == [(HIDDEN, tp, 8, rows, False) for tp in (8, 1) for rows in (0, 1, 2, 3, 4, 6)]
+    compiled.clear()
+    attn_res.AttnResTakeKernel().prepare(HIDDEN, (2,), [0, 3, 30])
+    assert compiled == [(HIDDEN, 2, 8, rows, True) for rows in (0, 3, 32)]
 
 
 def args_of(batch, count, tp, seed, hidden=HIDDEN, device="cuda"):
@@ -150,3 +163,77 @@ def test_attn_res_kernel_is_deterministic_and_replays_from_a_graph():
         if replay == 0:
             for s, f in zip(static, first):
                 assert torch.equal(s.view(torch.int16), f.view(torch.int16))
+
+
+def published(box, parity, rows):
+    """``rows`` [TP, B, H] as the producers leave them in ``box`` (−0 → +0, NaN canonical)."""
+    box[parity, :, :rows.shape[1]] = no_neg_zero(rows)
+
+
+def armed(rows):
+    return bool((rows.contiguous().view(torch.int32) == torch.tensor(SENTINEL, dtype=torch.int32)).all())
+
+
+def take(box, parity, error, blocks, partial, weights):
+    return kimi.attn_res_take(box, parity, partial.shape[0], error, blocks, partial, *weights, 1e-6)
+
+
+@on_hopper
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("count", [0, 1, 3])
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+def test_attn_res_take_kernel(batch, count, tp):
+    """Parity 1 of a 3-parity box: rows [:B] published; ours against the reference on a
+    copy of the box: the outputs, the taken rows re-armed, every other row as it was."""
+    blocks, partial, rows, *weights = args_of(batch, count, tp, seed=2000 * tp + 10 * count + batch)
+    ours = armed_box(3, tp, CAPACITY, HIDDEN)
+    ours[0].normal_()  # another parity's rows: never touched
+    published(ours, 1, rows)
+    theirs = ours.clone()
+    errors = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2)]
+    poison(batch, HIDDEN)
+    got = take(ours, 1, errors[0], blocks, partial, weights)
+    want = reference(take, theirs, 1, errors[1], blocks, partial, weights)
+    assert_matches(got, want)
+    assert armed(ours[1]) and torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+    assert int(errors[0]) == 0
+    # the functional op on the same rows agrees bit for bit
+    functional = kimi.attn_res(blocks, partial, no_neg_zero(rows), *weights, 1e-6)
+    for g, f in zip(got, functional):
+        assert torch.equal(g.view(torch.int16), f.view(torch.int16))
+
+
+@on_hopper
+def test_attn_res_take_times_out_into_the_error_word():
+    blocks, partial, _, *weights = args_of(4, 1, 2, seed=5)
+    box = armed_box(1, 2, CAPACITY, HIDDEN)  # nothing published
+    box[0, 1, :4] = 1.0  # one source only
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    take(box, 0, error, blocks, partial, weights)
+    torch.cuda.synchronize()  # returns: the polls are bounded
+    assert int(error) == TAKE_POLL
+    with pytest.raises(KimiMailboxError, match="consumer"):
+        raise_if_error(error)
+
+
+@on_hopper
+def test_attn_res_take_replays_from_a_graph():
+    """Captured once; before each replay the producers' rows land in the box anew."""
+    blocks, partial, rows, *weights = args_of(8, 3, 8, seed=13)
+    box = armed_box(1, 8, CAPACITY, HIDDEN)
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    published(box, 0, rows)
+    take(box, 0, error, blocks, partial, weights)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = take(box, 0, error, blocks, partial, weights)
+    fresh = torch.Generator().manual_seed(14)
+    for replay in range(100):
+        rows = torch.randn(rows.shape, generator=fresh).bfloat16().cuda()
+        published(box, 0, rows)
+        graph.replay()
+        want = kimi.attn_res(blocks, partial, no_neg_zero(rows), *weights, 1e-6)
+        for s, w in zip(static, want):
+            assert torch.equal(s.view(torch.int16), w.view(torch.int16)), replay
+        assert armed(box[0, :, :8])
+    assert int(error) == 0

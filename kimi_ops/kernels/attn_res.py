@@ -42,10 +42,12 @@ from cutlass import BFloat16, Float32, Float64, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
 from .. import backend
+from ..mailbox import TAKE_POLL
 from ..ops import attn_res as attn_res_op
+from ..ops import mailbox_ops
 from .common import (
     Release, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, fake, fake_stream, hopper,
-    load_words, pack_bf16, store_cluster, store_words, unpack_words,
+    load_words, pack_bf16, poll_all, rearm, store_cluster, store_words, unpack_words,
 )
 from .tail import divide, inverse_rms, load_shared, normalized
 
@@ -106,40 +108,42 @@ class AttnRes(Release):
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
                key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor, h: cute.Tensor,
                h_normed: cute.Tensor, count: Int32, eps: Float32):
-        tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        token, part = cta // self.cluster, cta % self.cluster
-        batch = partial.shape[0]
-        self.release_early()
-        space = self.allocate()
-        columns = self.columns(part, tid)
-        query_v, key_w = self.weights(query, columns), self.weights(key_norm_w, columns)
-        out_w = self.weights(out_norm_w, columns)
-        if cutlass.const_expr(self.cluster > 1):
-            cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
-        if cutlass.const_expr(self.rows > 0):
-            self.block_statistics(blocks, space, columns, query_v, key_w, count, batch, token, part, tid, eps)
-        elif cutlass.const_expr(self.cluster > 1):
-            cute.arch.cluster_wait()
+        at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
+        token, _, _ = at
         cute.arch.griddepcontrol_wait()
-        rows = [self.sources(partial, sublayer, batch, token, columns[q]) for q in range(self.rounds)]
-        self.finish(rows, space, columns, query_v, key_w, out_w, new_partial, h, h_normed, count, token, part,
-                    tid, eps)
+        rows = []  # per round: partial, then the TP sources in rank order (loads in flight together)
+        for q in cutlass.range_constexpr(self.rounds):
+            rows.append([load_words(partial.iterator + token * self.hidden + columns[q])]
+                        + [load_words(sublayer.iterator + (source * partial.shape[0] + token) * self.hidden + columns[q])
+                           for source in range(self.tp)])
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
         self.release_late()
 
     @cute.jit
-    def sources(self, partial, sublayer, batch, token, column):
-        """The packet's rows: partial, then the TP sources in rank order (loads in flight
-        together)."""
-        rows = [load_words(partial.iterator + token * self.hidden + column)]
-        for source in cutlass.range_constexpr(self.tp):
-            rows.append(load_words(sublayer.iterator + (source * batch + token) * self.hidden + column))
-        return rows
+    def start(self, blocks, partial, query, key_norm_w, out_norm_w, count, eps):
+        """What precedes the wait: the weights' packets and step 1. Returns ((token, part,
+        tid), shared memory, each round's first column, (query, key_norm_w, out_norm_w)
+        packets)."""
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        token, part = cta // self.cluster, cta % self.cluster
+        self.release_early()
+        space = self.allocate()
+        columns = self.columns(part, tid)
+        weights = (self.weights(query, columns), self.weights(key_norm_w, columns), self.weights(out_norm_w, columns))
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
+        if cutlass.const_expr(self.rows > 0):
+            self.block_statistics(blocks, space, columns, weights, count, partial.shape[0], token, part, tid, eps)
+        elif cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()
+        return (token, part, tid), space, columns, weights
 
     @cute.jit
-    def finish(self, rows, space, columns, query_v, key_w, out_w, new_partial, h, h_normed, count, token, part,
-               tid, eps):
+    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps):
         """Steps 2-5 of the module doc from each round's rows (partial and the sources)."""
+        token, part, tid = at
+        query_v, key_w, out_w = weights
         stash, partials, received, alpha = space
         valid = self.valid(tid)
         values = []  # new_partial's rounded values (FP32) per round
@@ -197,9 +201,10 @@ class AttnRes(Release):
         return squares
 
     @cute.jit
-    def block_statistics(self, blocks, space, columns, query_v, key_w, count, batch, token, part, tid, eps):
+    def block_statistics(self, blocks, space, columns, weights, count, batch, token, part, tid, eps):
         """Step 1: the N blocks' rows into the stash, their ss and then their logits over
         the cluster (two rounds, N values each)."""
+        query_v, key_w, _ = weights
         stash, partials, received, _ = space
         valid = self.valid(tid)
         for n in cutlass.range(count, unroll=1):
@@ -332,6 +337,49 @@ class AttnRes(Release):
         return [unpack_words(load_words(weight.iterator + column)) for column in columns]
 
 
+class AttnResTake(AttnRes):
+    """``kimi::attn_res_take``: AttnRes with the sublayer's rows polled from the box
+    (``mailbox_take`` fused). After step 1 each thread polls its packet of every source
+    (Lamport, the loads in flight together, bounded: TAKE_POLL into the error word) and
+    re-arms it; only then does it wait for the previous grid, before it reads ``partial``
+    (the previous AttnRes's) and writes the outputs. A thread past its CTA's packets polls
+    nothing: its clamped packet is another thread's, which re-arms it."""
+
+    @cute.jit
+    def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, box: cute.Tensor, error: cute.Tensor,
+                 query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor,
+                 h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32,
+                 stream):
+        """``box`` [parities · TP · CAP, H]: source s of token b at row first_row + s · CAP + b."""
+        kernel = self.kernel(blocks, partial, box, error, query, key_norm_w, out_norm_w, new_partial, h, h_normed,
+                             count, first_row, capacity, eps)
+        kernel.launch(grid=[partial.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1],
+                      cluster=[self.cluster, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, box: cute.Tensor, error: cute.Tensor,
+               query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor,
+               h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32):
+        at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
+        token, _, tid = at
+        valid = self.valid(tid)
+        polled = cute.make_rmem_tensor((self.rounds, max(self.tp, 1), 4), Uint32)
+        for q in cutlass.range_constexpr(self.rounds):
+            if valid[q]:
+                packets = [box.iterator + (first_row + source * capacity + token) * self.hidden + columns[q]
+                           for source in range(self.tp)]
+                words = poll_all(packets, error, TAKE_POLL)
+                for source in cutlass.range_constexpr(self.tp):
+                    rearm(packets[source])
+                    for k in cutlass.range_constexpr(4):
+                        polled[q, source, k] = words[source][k]
+        cute.arch.griddepcontrol_wait()
+        rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
+                + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
+        self.release_late()
+
+
 @cute.jit
 def exact_squares(values) -> Float64:
     """Σ x² of a packet's FP32 values (BF16 values: exact squares) in FP64."""
@@ -353,14 +401,17 @@ def key_dot(values, inv: Float32, key_w, query_v) -> Float64:
 
 
 @compiled
-def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, early: bool = False):
+def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool = False, early: bool = False):
+    """AttnRes, or ``polled`` AttnResTake (the box and the error word after ``sublayer``'s
+    place, the box's first row and CAP after ``count``)."""
     batch, block_rows, source_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    vector = lambda: fake(BFloat16, (hidden,))  # noqa: E731
-    token_rows = lambda: fake(BFloat16, (batch, hidden))  # noqa: E731
+    vectors = [fake(BFloat16, (hidden,)) for _ in range(3)]
+    token_rows = [fake(BFloat16, (batch, hidden)) for _ in range(4)]
+    kernel = (AttnResTake if polled else AttnRes)(hidden, tp, cluster, rows, early=early)
+    box = [fake(BFloat16, (source_rows, hidden))] + [fake(Int32, (1,), align=4)] * polled
     return cute.compile(
-        AttnRes(hidden, tp, cluster, rows, early=early), fake(BFloat16, (block_rows, hidden)), token_rows(),
-        fake(BFloat16, (source_rows, hidden)), vector(), vector(), vector(), token_rows(), token_rows(), token_rows(),
-        Int32(0), Float32(1e-6), fake_stream(), options=compile_options(),
+        kernel, fake(BFloat16, (block_rows, hidden)), token_rows[0], *box, *vectors, *token_rows[1:], Int32(0),
+        *[Int32(0), Int32(1)] * polled, Float32(1e-6), fake_stream(), options=compile_options(),
     )
 
 
@@ -378,36 +429,71 @@ def unsupported_shape(hidden: int, tp: int, count: int) -> str | None:
     return None
 
 
+def variant(hidden: int, tp: int, count: int, polled: bool):
+    """The compiled kernel of a call: H, the sources, N's stash bucket."""
+    return compile_attn_res(hidden, tp, cluster_for(hidden), stash_rows(count), polled)
+
+
 class AttnResKernel:
     """``kimi::attn_res`` on CUDA."""
 
     check = staticmethod(attn_res_op.check_attn_res)
+    polled = False
 
     def prepare(self, hidden: int, tps, counts) -> None:
-        """Every (TP, stash bucket) that calls with these source counts and block counts take."""
+        """Every variant calls with these source counts (TP, or the box's sources) and
+        block counts take."""
         for tp in tps:
-            for rows in sorted({stash_rows(count) for count in counts}):
+            for rows in sorted({stash_rows(count) for count in counts}):  # a bucket is its own bucket
                 if unsupported_shape(hidden, tp, rows) is None:
-                    compile_attn_res(hidden, tp, cluster_for(hidden), rows)
+                    variant(hidden, tp, rows, self.polled)
+
+    def unsupported_call(self, hidden, tp, count, tensors) -> str | None:
+        reason = unsupported_shape(hidden, tp, count)
+        if reason is None and not aligned(*tensors):
+            reason = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
+        return reason or hopper(tensors[0])
 
     def unsupported(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
-        reason = unsupported_shape(partial.shape[1], sublayer_out.shape[0], blocks.shape[0])
-        if reason is None and not aligned(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w):
-            reason = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
-        return reason or hopper(partial)
+        return self.unsupported_call(partial.shape[1], sublayer_out.shape[0], blocks.shape[0],
+                                     (partial, blocks, sublayer_out, query, key_norm_w, out_norm_w))
 
     def __call__(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
         batch, hidden = partial.shape
         count, tp = blocks.shape[0], sublayer_out.shape[0]
         outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
         if batch:
-            kernel = compile_attn_res(hidden, tp, cluster_for(hidden), stash_rows(count))
-            # An empty tensor is never read: partial stands in for it.
-            rows = blocks.view(-1, hidden) if count else partial
-            sources = sublayer_out.view(-1, hidden) if tp else partial
-            kernel(rows, partial, sources, query, key_norm_w, out_norm_w, *outputs, count, eps)
+            sources = sublayer_out.view(-1, hidden) if tp else partial  # an empty tensor is never read
+            variant(hidden, tp, count, False)(block_rows(blocks, partial), partial, sources, query, key_norm_w,
+                                              out_norm_w, *outputs, count, eps)
         return tuple(outputs)
+
+
+class AttnResTakeKernel(AttnResKernel):
+    """``kimi::attn_res_take`` on CUDA."""
+
+    check = staticmethod(mailbox_ops.check_attn_res_take)
+    polled = True
+
+    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
+        return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0],
+                                     (box, blocks, partial, query, key_norm_w, out_norm_w))
+
+    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
+        hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
+        outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
+        variant(hidden, tp, blocks.shape[0], True)(
+            block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
+            *outputs, blocks.shape[0], parity * tp * capacity, capacity, eps)
+        return tuple(outputs)
+
+
+def block_rows(blocks, partial):
+    """``blocks`` as rows [N · B, H]; at N = 0 ``partial`` stands in (an empty tensor is
+    never read)."""
+    return blocks.view(-1, blocks.shape[2]) if blocks.shape[0] else partial
 
 
 def register() -> None:
     backend.KERNELS["attn_res"] = AttnResKernel()
+    backend.KERNELS["attn_res_take"] = AttnResTakeKernel()

@@ -6,13 +6,14 @@ from ..checks import check_eps, check_same_device, check_tensor
 from ..numerics import bf16, f32, rank_sum, rms_norm, sum_f32
 
 
-def check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
-    """Returns (B, H)."""
-    op = "attn_res"
+def check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps, op="attn_res"):
+    """Returns (B, H). ``sublayer_out`` None: ``op`` takes the rows from a box it checks
+    itself (attn_res_take)."""
     check_tensor(op, "partial", partial, torch.bfloat16, (None, None))
     batch, hidden = partial.shape
     check_tensor(op, "blocks", blocks, torch.bfloat16, (None, batch, hidden))
-    check_tensor(op, "sublayer_out", sublayer_out, torch.bfloat16, (None, batch, hidden))
+    if sublayer_out is not None:
+        check_tensor(op, "sublayer_out", sublayer_out, torch.bfloat16, (None, batch, hidden))
     for name, weight in (("query", query), ("key_norm_w", key_norm_w), ("out_norm_w", out_norm_w)):
         check_tensor(op, name, weight, torch.bfloat16, (hidden,))
     check_same_device(

@@ -25,7 +25,7 @@ from ..mailbox import (
     no_neg_zero,
 )
 from ..numerics import bf16, f32, matmul_f32, rank_sum
-from . import front, oproj, route, tail
+from . import attn_res, front, oproj, route, tail
 
 
 def check_box(op, name, box, parity=None, batch=None, batch_name="batch") -> None:
@@ -104,6 +104,36 @@ def mailbox_take(box, parity: int, batch: int, error):
 def mailbox_take_fake(box, parity, batch, error):
     check_mailbox_take(box, parity, batch, error)
     return box.new_empty((box.shape[1], batch, box.shape[3]))
+
+
+def check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps) -> int:
+    """Returns H."""
+    op = "attn_res_take"
+    check_box(op, "box", box, parity, batch)
+    check_error(op, error)
+    hidden = box.shape[3]
+    check_tensor(op, "partial", partial, torch.bfloat16, (batch, hidden))
+    attn_res.check_attn_res(blocks, partial, None, query, key_norm_w, out_norm_w, eps, op)
+    check_placement(op, dict(box=box, error=error), dict(blocks=blocks, partial=partial, query=query,
+                                                         key_norm_w=key_norm_w, out_norm_w=out_norm_w))
+    return hidden
+
+
+def attn_res_take(box, parity: int, batch: int, error, blocks, partial, query, key_norm_w, out_norm_w, eps: float):
+    """:func:`mailbox_take` and :func:`~kimi_ops.ops.attn_res.attn_res` in one: the
+    sublayer's rows [:batch] of every source of one parity (o-proj partials or tail
+    output rows) are polled, re-armed, and summed in rank order into new_partial; the
+    rounding points are attn_res's. Returns (new_partial, h, h_normed), each [B, H] bf16."""
+    check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
+    rows = box[parity, :, :batch].clone()
+    flag_missing(error, rows, TAKE_POLL)
+    arm_(box[parity, :, :batch])
+    return attn_res.attn_res(blocks, partial, rows, query, key_norm_w, out_norm_w, eps)
+
+
+def attn_res_take_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
+    hidden = check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
+    return tuple(partial.new_empty((batch, hidden)) for _ in range(3))
 
 
 def check_oproj_publish(x, w, boxes, rank) -> int:
@@ -334,6 +364,7 @@ OPS = {
     "mailbox_arm": (mailbox_arm, fake_of(check_mailbox_arm)),
     "mailbox_rearm": (mailbox_rearm, fake_of(check_mailbox_rearm)),
     "mailbox_take": (mailbox_take, mailbox_take_fake),
+    "attn_res_take": (attn_res_take, attn_res_take_fake),
     "oproj_publish": (oproj_publish, fake_of(check_oproj_publish)),
     "moe_front_publish": (moe_front_publish, fake_of(check_moe_front_publish)),
     "moe_route_poll": (moe_route_poll, moe_route_poll_fake),
