@@ -31,13 +31,20 @@ so every SM of the grid streams its share at once.
    (every ring drained) each CTA stores its FP32 sums of the rows CTA q owns
    (rows/split of the block) into q's shared memory (DSMEM, over q's ring), then after a
    second barrier the owner adds parts 0, 1, … in order. No workspace crosses calls: the
-   functional ops need none (DESIGN §4).
+   functional ops need none (DESIGN §4). A plan ``by_token`` (the DSA front's) gives
+   owner q tokens [q·P, (q+1)·P) of every row of the block instead, so a block's rows
+   meet in one CTA.
 4. Epilogue (:class:`Outputs`): per 8-row packet of a token, BF16 rows to ``out``
    (``kimi::oproj``); FP32 logits (never rounded) for rows below ``n_logits`` and BF16
    latent rows above (``kimi::moe_front``); or the same words into every rank's box
    through ``store_to_peers`` (−0 and NaN canonical, FP32-wise for logits):
    ``kimi::oproj_publish`` (slot = rank) and ``kimi::moe_front_publish`` (the front row
    layout of :func:`~kimi_ops.ops.mailbox_ops.moe_front_publish`).
+
+Raw rows (``body``'s ``norm``, the DSA front's q_c): the producers load x by plain loads,
+store it into the slots, share each token's Σ x² over the cluster (DSMEM) and normalize
+the slots in place before arriving (:meth:`DecodeGemm.produce_normalized`); the consumer
+side is unchanged.
 
 PDL: dependents are released at entry (a dependent may only prefetch its own weights
 before it waits for us, and lands on the SMs our grid leaves free); the weights' first
@@ -49,7 +56,7 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
@@ -58,10 +65,12 @@ from ..ops import front as front_op
 from ..ops import mailbox_ops
 from ..ops import oproj as oproj_op
 from .common import (
-    CHUNK, SMEM_BYTES, addresses, aligned, compile_options, compiled, copy_async, descriptor, expect, fake,
-    fake_stream, float_bits, hopper, l2_evict_first, landed, pack_bf16, paced, pinned, placeholder, register_addresses,
-    release, released, store_cluster, store_to_peers, store_words, swizzled, swizzled_stages, wgmma_bf16,
+    CHUNK, SMEM_BYTES, addresses, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, descriptor,
+    expect, fake, fake_stream, float_bits, hopper, l2_evict_first, landed, load_words, pack_bf16, paced, pinned,
+    placeholder, register_addresses, release, released, store_cluster, store_to_peers, store_words, swizzled,
+    swizzled_stages, unpack_words, wgmma_bf16,
 )
+from .tail import divide, load_shared, rsqrt_like_torch, store_shared
 
 TILE = 64  # rows per wgmma (its M)
 MAX_TILES = 3  # tiles per CTA (one TMA box of 192 rows; four, 256 rows, never ran on a GPU)
@@ -69,6 +78,9 @@ SPLITS = (1, 2, 4, 8)  # CTAs per cluster, each 1/split of K (portable cluster s
 # CTAs resident at one per SM on an H200 by cluster size (cuOccupancyMaxActiveClusters:
 # 66 clusters of 2, 30 of 4, 15 of 8; clusters stay within a GPC)
 RESIDENT = {1: 132, 2: 132, 4: 120, 8: 120}
+# Clusters of 3 (the DSA front's K split, kernels/dsa.py; not in SPLITS): not measured; a
+# GPC holds at least as many clusters of 3 as of 4, so at least the 32 of that grid
+RESIDENT_3 = 96
 TOKEN_TILES = (8, 16, 32, 64)  # wgmma's N: the compile buckets of the batch
 MAX_BATCH = TOKEN_TILES[-1]
 MAX_DEPTH = 32  # ring slots
@@ -108,8 +120,7 @@ def partition(n: int, k: int, tokens: int) -> tuple[int, int] | None:
         return None
     chunks, row_tiles = k // CHUNK, -(-n // TILE)
     costs = {
-        (split, tiles): chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST)
-        + (split > 1) * (SPLIT_COST + TILE * tiles * tokens / 64)
+        (split, tiles): cta_cost(chunks, tiles, split, tokens)
         for tiles in range(1, min(MAX_TILES, row_tiles) + 1) for split in SPLITS
         if chunks % split == 0 and (TILE * tiles // split) % 8 == 0
         and -(-n // (TILE * tiles)) * split <= RESIDENT[split] and 2 * tiles * tokens // 2 <= ACCUMULATOR_REGISTERS
@@ -121,15 +132,26 @@ def partition(n: int, k: int, tokens: int) -> tuple[int, int] | None:
     return tiles, split
 
 
+def cta_cost(chunks: int, tiles: int, split: int, tokens: int) -> float:
+    """:func:`partition`'s cost of a CTA of ``tiles`` tiles over 1/``split`` of ``chunks``."""
+    return (chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST)
+            + (split > 1) * (SPLIT_COST + TILE * tiles * tokens / 64))
+
+
 class GemmPlan:
     """The static partition and shared-memory layout of one (N, K, T) variant."""
 
-    def __init__(self, n: int, k: int, tokens: int):
-        parts = partition(n, k, tokens)
-        if parts is None or tokens not in TOKEN_TILES:
+    def __init__(self, n: int, k: int, tokens: int, parts: tuple[int, int] | None = None, by_token: bool = False,
+                 reserve: int = 0):
+        """``parts``: (tiles, split) instead of :func:`partition`'s; ``by_token``: a K split's
+        owners take token ranges of every row of the block (a head's rows stay in one CTA:
+        kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds."""
+        parts = parts or partition(n, k, tokens)
+        if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
             raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
         self.n, self.k, self.tokens = n, k, tokens
         self.tiles, self.split = parts
+        self.by_token = by_token
         self.rows = TILE * self.tiles  # of a block: the TMA box's rows
         self.blocks = -(-n // self.rows)
         self.ctas = self.blocks * self.split
@@ -139,18 +161,32 @@ class GemmPlan:
         sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1)
         self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
         self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # x copies per producer thread per chunk
-        self.owned = self.rows // self.split  # output rows each CTA of a cluster reduces and stores
+        if by_token:
+            # tokens per owner, even: an accumulator pair (tokens 2t, 2t + 1) has one owner
+            self.per_owner = -(-tokens // self.split) + (-(-tokens // self.split)) % 2
+            self.owned = self.rows  # every row of the block, for per_owner tokens
+            self.stride = self.per_owner + 1  # odd: a warp's rows (thread = row) in distinct banks
+        else:
+            self.per_owner = tokens
+            self.owned = self.rows // self.split  # output rows each CTA of a cluster reduces and stores
+            self.stride = tokens + RECEIVE_PAD  # FP32 words per received row
         self.w_slot, self.x_slot = self.rows * CHUNK * 2, tokens * CHUNK * 2  # bytes, 1024-multiples
         stage = self.w_slot + self.x_slot
-        self.depth = min(self.chunks, MAX_DEPTH, (SMEM_BYTES - 2048) // stage)  # 2 KB: barriers, alignment
-        self.stride = tokens + RECEIVE_PAD  # FP32 words per received row
-        self.receive_bytes = self.rows * self.stride * 4  # [part][owned row][token], over the ring
+        self.reserve = reserve
+        self.depth = min(self.chunks, MAX_DEPTH, (SMEM_BYTES - 2048 - reserve) // stage)  # 2 KB: barriers, alignment
+        self.receive_bytes = self.split * self.owned * self.stride * 4  # [part][owned row][token], over the ring
         self.ring_bytes = max(self.depth * stage, self.receive_bytes)
-        if self.ring_bytes + 2048 > SMEM_BYTES:
+        if self.depth < 1 or self.ring_bytes + 2048 + reserve > SMEM_BYTES:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
 
+    def owner(self, token):
+        """by_token: the CTA of the cluster that reduces ``token`` (and its index there)."""
+        owner = token // self.per_owner
+        return owner, token - owner * self.per_owner
+
     def receive_word(self, part, index, token):
-        """The FP32 word of K part ``part``'s sum of owned row ``index``, ``token``."""
+        """The FP32 word of K part ``part``'s sum of owned row ``index``, ``token`` (by_token:
+        the owner's index of the token)."""
         return (part * self.owned + index) * self.stride + token
 
 
@@ -207,19 +243,31 @@ class DecodeGemm:
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
                  row0: Int32, col0: Int32, col1: Int32, stream):
+        w_copy, w_boxes = self.weight_copy(w)
+        self.launch(self.kernel(w_copy, w_boxes, x, first, second, peers, row0, col0, col1), stream)
+
+    def weight_copy(self, w):
+        """w's TMA descriptor (a kernel parameter): boxes of a block's rows × CHUNK columns."""
         plan = self.plan
-        # w's TMA descriptor (a kernel parameter): boxes of a block's rows × CHUNK columns
-        w_copy, w_boxes = cpasync.make_tiled_tma_atom(
+        return cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), w, swizzled_stages(plan.rows, 1), (plan.rows, CHUNK)
         )
-        self.kernel(w_copy, w_boxes, x, first, second, peers, row0, col0, col1).launch(
-            grid=[plan.ctas, 1, 1], block=[THREADS, 1, 1], cluster=[plan.split, 1, 1], stream=stream, use_pdl=True,
-            min_blocks_per_mp=1,
-        )
+
+    def launch(self, kernel, stream):
+        plan = self.plan
+        kernel.launch(grid=[plan.ctas, 1, 1], block=[THREADS, 1, 1], cluster=[plan.split, 1, 1], stream=stream,
+                      use_pdl=True, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x: cute.Tensor, first: cute.Tensor,
                second: cute.Tensor, peers: cute.Tensor, row0: Int32, col0: Int32, col1: Int32):
+        self.body(w_copy, w_boxes, x, (first, second, peers, row0, col0, col1))
+
+    @cute.jit
+    def body(self, w_copy, w_boxes, x, outs, norm=None):
+        """The engine, whatever the epilogue: ``outs`` are :meth:`finish`'s arguments;
+        ``norm`` (gamma, eps): x holds raw rows, RMS-normalized on their way into shared
+        memory (:meth:`produce_normalized`)."""
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -227,21 +275,36 @@ class DecodeGemm:
         block, part = cta // plan.split, cta % plan.split
         cute.arch.griddepcontrol_launch_dependents()  # see the module doc
         smem = SmemAllocator()
-        full = smem.allocate_tensor(Int64, cute.make_layout(2 * plan.depth), 16).iterator
+        full = smem.allocate_tensor(Int64, cute.make_layout(2 * plan.depth + 1), 16).iterator
         empty = full + plan.depth
+        factored = empty + plan.depth  # norm: every K part's Σ x² of every token is in
         ring = smem.allocate_tensor(Uint32, cute.make_layout(plan.ring_bytes // 4), 1024).iterator
+        squares = None
+        if cutlass.const_expr(norm is not None):
+            squares = smem.allocate_tensor(Float64, cute.make_layout(plan.split * plan.tokens), 16)  # [part][token]
         if tid == 0:
             for slot in cutlass.range_constexpr(plan.depth):
                 cute.arch.mbarrier_init(full + slot, 1 + PRODUCERS)  # the TMA's expect_tx, the x copies
                 cute.arch.mbarrier_init(empty + slot, CONSUMER_WARPS)
+            if cutlass.const_expr(norm is not None):
+                cute.arch.mbarrier_init(factored, 1)
+                cute.arch.mbarrier_arrive_and_expect_tx(factored, plan.split * plan.tokens * 8)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if cutlass.const_expr(norm is not None):
+            cute.arch.cluster_arrive_relaxed()  # our barriers are initialized before peers store into them
         if warp >= CONSUMER_WARPS:
-            self.produce(w_copy, w_boxes, x, ring, full, empty, block, part, tid - 32 * CONSUMER_WARPS)
+            producer = tid - 32 * CONSUMER_WARPS
+            if cutlass.const_expr(norm is not None):
+                self.produce_normalized(w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, *norm)
+            else:
+                self.produce(w_copy, w_boxes, x, ring, full, empty, block, part, producer)
             for _ in cutlass.range_constexpr(2):  # the consumers' two cluster barriers
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
         else:
+            if cutlass.const_expr(norm is not None):
+                cute.arch.cluster_wait()
             cute.arch.griddepcontrol_wait()  # before our stores (x arrives after the producers')
             acc = self.consume(ring, full, empty, warp, lane)
             cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer
@@ -250,7 +313,7 @@ class DecodeGemm:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             self.finish(cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(plan.receive_bytes // 4)),
-                        x.shape[0], block, part, tid, first, second, peers, row0, col0, col1)
+                        x.shape[0], block, part, tid, *outs)
 
     @cute.jit
     def produce(self, w_copy, w_boxes, x, ring, full, empty, block, part, producer):
@@ -260,22 +323,8 @@ class DecodeGemm:
         consumers hand slots back. Every thread copies its share of each chunk's x rows
         (cp.async) once the wait is over and the slot is free."""
         plan = self.plan
-        lane = producer % 32
-        stages = swizzled_stages(plan.rows, plan.depth)
-        box_in, box_out = cpasync.tma_partition(
-            w_copy, 0, cute.make_layout(1),
-            cute.group_modes(cute.make_tensor(cute.recast_ptr(ring, stages.inner, dtype=BFloat16), stages.outer), 0, 2),
-            cute.group_modes(cute.local_tile(w_boxes, (plan.rows, CHUNK), (None, None)), 0, 2),
-        )
-        evict_first = l2_evict_first()
-        first_chunk = part * plan.chunks
-        streamer = producer < 32
-        pace = min(PACE, plan.depth)
-        if streamer:
-            for i in cutlass.range_constexpr(pace):  # the weights do not depend on our predecessor
-                expect(full, i, plan.w_slot, lane)
-                cute.copy(w_copy, box_out[(None, block, first_chunk + i)], box_in[(None, i)], tma_bar_ptr=full + i,
-                          cache_policy=evict_first)
+        stream = self.start_stream(w_copy, w_boxes, ring, full, block, part, producer)
+        box_in, box_out, evict_first, first_chunk, streamer, pace, lane = stream
         # Our x copies: (shared-memory word offset in a slot, element offset in x's rows), the
         # same in every chunk; past the batch's rows: none.
         items = self.x_copies(x, producer)
@@ -287,14 +336,109 @@ class DecodeGemm:
             if streamer:
                 if i >= pace:
                     paced(i, pace, plan.depth, full, full)
-                    expect(full, slot, plan.w_slot, lane)
-                    cute.copy(w_copy, box_out[(None, block, first_chunk + i)], box_in[(None, slot)],
-                              tma_bar_ptr=full + slot, cache_policy=evict_first)
+                    self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
             column = (first_chunk + i) * CHUNK
             for j in cutlass.range_constexpr(plan.x_items):
                 if items[j][2]:
                     copy_async(ring + x_words + slot * (plan.x_slot // 4) + items[j][0], x.iterator + items[j][1] + column)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)
+
+    @cute.jit
+    def start_stream(self, w_copy, w_boxes, ring, full, block, part, producer):
+        """The streamer warp (the producers' first) issues the first PACE weight chunks: the
+        weights do not depend on our predecessor. Returns what the producer loops use."""
+        plan = self.plan
+        lane = producer % 32
+        box_in, box_out = self.weight_boxes(w_copy, w_boxes, ring)
+        evict_first = l2_evict_first()
+        first_chunk = part * plan.chunks
+        streamer = producer < 32
+        pace = min(PACE, plan.depth)
+        if streamer:
+            for i in cutlass.range_constexpr(pace):
+                self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
+        return box_in, box_out, evict_first, first_chunk, streamer, pace, lane
+
+    @cute.jit
+    def weight_boxes(self, w_copy, w_boxes, ring):
+        """The TMA partition of the ring's weight slots and of w's (rows × CHUNK) boxes."""
+        plan = self.plan
+        stages = swizzled_stages(plan.rows, plan.depth)
+        return cpasync.tma_partition(
+            w_copy, 0, cute.make_layout(1),
+            cute.group_modes(cute.make_tensor(cute.recast_ptr(ring, stages.inner, dtype=BFloat16), stages.outer), 0, 2),
+            cute.group_modes(cute.local_tile(w_boxes, (plan.rows, CHUNK), (None, None)), 0, 2),
+        )
+
+    @cute.jit
+    def load_weights(self, w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first):
+        """The streamer warp: chunk ``i``'s weight box into its slot (its full barrier armed)."""
+        slot = i % self.plan.depth
+        expect(full, slot, self.plan.w_slot, lane)
+        cute.copy(w_copy, box_out[(None, block, first_chunk + i)], box_in[(None, slot)], tma_bar_ptr=full + slot,
+                  cache_policy=evict_first)
+
+    @cute.jit
+    def produce_normalized(self, w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, gamma, eps):
+        """Producer thread ``producer`` when x holds raw rows (the DSA front's q_c):
+        xn = BF16((x · rr) · gamma) with rr = rsqrt(Σ x² / K + eps), QueryNorm's rounding
+        points (:func:`~kimi_ops.numerics.rms_norm`). The whole K slice is in the ring at
+        once (plan: depth = chunks), so after the wait every thread loads its x packets of
+        every chunk into registers (the same 8 columns of a chunk for each of its tokens),
+        warp 0 then queues the rest of the weights; each token's Σ x² over our slice (FP64:
+        BF16 squares are exact in FP32 and their sum in FP64, so any order gives the
+        reference's FP32 ss) goes to every CTA of the cluster (st.async on ``factored``);
+        once every part's sums are in, each chunk's packets are normalized into their slots
+        (the swizzle TMA would write) and the slot's full barrier is arrived on."""
+        plan = self.plan
+        assert plan.depth == plan.chunks, "raw rows need the CTA's whole K slice in the ring"
+        stream = self.start_stream(w_copy, w_boxes, ring, full, block, part, producer)
+        box_in, box_out, evict_first, first_chunk, streamer, pace, lane = stream
+        piece = producer % (CHUNK // 8)
+        column0 = first_chunk * CHUNK + piece * 8
+        gammas = [unpack_words(load_words(gamma.iterator + column0 + i * CHUNK)) for i in range(plan.chunks)]
+        cute.arch.griddepcontrol_wait()
+        batch = x.shape[0]
+        tokens = [producer // (CHUNK // 8) + PRODUCERS // (CHUNK // 8) * j for j in range(plan.x_items)]
+        rows = [x.iterator + clamp(token, batch - 1) * x.stride[0] + column0 for token in tokens]
+        packets = [[load_words(row + i * CHUNK) for row in rows] for i in range(plan.chunks)]
+        if streamer:  # after x's loads: they do not queue behind the rest of the weights
+            for i in cutlass.range_constexpr(pace, plan.chunks):
+                self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
+        # The raw packets into their slots (the swizzle TMA would write: wgmma reads them as
+        # any x), their squares summed on the way: x leaves the registers at once.
+        x_words = plan.depth * plan.w_slot // 4
+        slots = [[ring + x_words + i * (plan.x_slot // 4) + swizzled(0, token, piece) * 4 for token in tokens]
+                 for i in range(plan.chunks)]
+        totals = [Float64(0.0)] * plan.x_items
+        for i in cutlass.range_constexpr(plan.chunks):
+            for j in cutlass.range_constexpr(plan.x_items):
+                if tokens[j] < plan.tokens:
+                    store_shared(slots[i][j], packets[i][j])
+                for v in unpack_words(packets[i][j]):
+                    totals[j] = totals[j] + Float64(v * v)
+        cute.arch.cluster_wait()  # every CTA's barriers are initialized
+        for j in cutlass.range_constexpr(plan.x_items):
+            total = butterfly_sum(totals[j], CHUNK // 8)  # the token's 8 pieces
+            if (piece == 0) & (tokens[j] < plan.tokens):
+                words = double_words(total)
+                for cta in cutlass.range_constexpr(plan.split):
+                    cute.arch.store_async_dsmem(squares.iterator + part * plan.tokens + tokens[j], words, factored, cta)
+        cute.arch.mbarrier_wait(factored, 0)
+        inverse = []
+        for j in cutlass.range_constexpr(plan.x_items):
+            ss = Float64(0.0)  # the parts' exact sums: any order
+            for p in cutlass.range_constexpr(plan.split):
+                ss += squares[p * plan.tokens + clamp(tokens[j], plan.tokens - 1)]
+            inverse.append(rsqrt_like_torch(divide(Float32(ss), Float32(plan.k)) + eps))
+        for i in cutlass.range_constexpr(plan.chunks):
+            for j in cutlass.range_constexpr(plan.x_items):
+                if tokens[j] < plan.tokens:
+                    values = unpack_words(load_shared(slots[i][j]))
+                    normed = [(values[e] * inverse[j]) * gammas[i][e] for e in range(8)]
+                    store_shared(slots[i][j], [pack_bf16(normed[e], normed[e + 1]) for e in range(0, 8, 2)])
+            cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then wgmma's reads (async proxy)
+            cute.arch.mbarrier_arrive(full + i)
 
     @cute.jit
     def x_copies(self, x, producer):
@@ -355,18 +499,30 @@ class DecodeGemm:
 
     @cute.jit
     def scatter(self, acc, receive, part, warp, lane):
-        """Our FP32 sums to their rows' owners in the cluster: [part][owned row][token]."""
+        """Our FP32 sums to their owners in the cluster: [part][owned row][token] (by_token:
+        [part][row][the owner's token index], one word a store: the odd stride)."""
         plan = self.plan
         n = plan.tokens // 2
         g, t = lane // 4, lane % 4
-        for tile in cutlass.range_constexpr(plan.tiles):
-            for h in cutlass.range_constexpr(2):
-                row = tile * TILE + 16 * warp + 8 * h + g
-                owner = row // plan.owned
-                index = row - owner * plan.owned
-                for j in cutlass.range_constexpr(plan.tokens // 8):
-                    k = tile * n + 4 * j + 2 * h
-                    store_cluster(receive + plan.receive_word(part, index, 8 * j + 2 * t), [acc[k], acc[k + 1]], owner)
+        if cutlass.const_expr(plan.by_token):
+            for tile in cutlass.range_constexpr(plan.tiles):
+                for h in cutlass.range_constexpr(2):
+                    row = tile * TILE + 16 * warp + 8 * h + g
+                    for j in cutlass.range_constexpr(plan.tokens // 8):
+                        k = tile * n + 4 * j + 2 * h
+                        for e in cutlass.range_constexpr(2):
+                            owner, index = plan.owner(8 * j + 2 * t + e)
+                            store_cluster(receive + plan.receive_word(part, row, index), acc[k + e], owner)
+        else:
+            for tile in cutlass.range_constexpr(plan.tiles):
+                for h in cutlass.range_constexpr(2):
+                    row = tile * TILE + 16 * warp + 8 * h + g
+                    owner = row // plan.owned
+                    index = row - owner * plan.owned
+                    for j in cutlass.range_constexpr(plan.tokens // 8):
+                        k = tile * n + 4 * j + 2 * h
+                        store_cluster(receive + plan.receive_word(part, index, 8 * j + 2 * t), [acc[k], acc[k + 1]],
+                                      owner)
 
     @cute.jit
     def finish(self, receive, batch, block, part, tid, first, second, peers, row0, col0, col1):
@@ -388,6 +544,13 @@ class DecodeGemm:
         for p in cutlass.range_constexpr(1, plan.split):
             values = [values[i] + receive[plan.receive_word(p, 8 * packet + i, token)] for i in range(8)]
         return values
+
+
+@cute.jit
+def double_words(value: Float64):
+    """An FP64 value as its two 32-bit words (low first), for st.async."""
+    return cute.arch.inline_ptx("mov.b64 { {$w0}, {$w1} }, {$r0};", write_only_types=[Int32, Int32],
+                                read_only_args=[value])
 
 
 # Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are

@@ -1,0 +1,402 @@
+"""The DSA indexer front on Hopper (the seeds' ``dsa/front_mma.py`` IndexFrontMma, re-derived
+for wgmma): ``kimi::dsa_index_front`` as one variant of the decode-GEMM engine
+(:mod:`kimi_ops.kernels.gemm`) with a quantizing epilogue, and ``kimi::dsa_index_key_insert``
+as a launch of its own.
+
+Front: q_c [B, K] × wq_b [4096, K]ᵀ (K = 1536) on the engine's main loop. A CTA owns one
+indexer head (its 128 wq_b rows: two 64-row tiles, one TMA box) over 1/split of K; the
+split CTAs of a head form a cluster (:func:`index_partition`: split 3 for K = 1536, 96
+CTAs, eight 8 KB chunks each, the whole slice in the ring at once). Everything up to the
+K parts' exchange is the engine's: the weights by TMA (L2 evict-first, the first PACE
+chunks before the PDL wait), x by the producer warpgroup, per-chunk wgmma sums added in
+chunk order. The K parts meet by token (GemmPlan ``by_token``): CTA q of the cluster takes
+tokens [q·P, (q+1)·P) of every row of the head and adds the parts 0, 1, … in order (the
+same bits every run), so a head's 128 channels are in one CTA and its amax needs no
+second exchange.
+
+Raw-row mode (``q_norm_w`` given): the producers normalize x on its way into shared memory
+(``DecodeGemm.produce_normalized``): Σ x² per token over the CTA's K slice in FP64 (exact),
+the parts' sums to every CTA of the cluster over DSMEM (st.async), rr = rsqrt.approx(ss/K
++ eps) (torch.rsqrt's instruction on CUDA), xn = BF16((x · rr) · gamma): QueryNorm's
+rounding points (:func:`kimi_ops.numerics.rms_norm`).
+
+Epilogue (:meth:`IndexFront.finish`, thread = channel): proj = BF16(Σ parts); per (token,
+head) amax = max(1e-10, max |proj|) (NaN-propagating, as torch.amax), scale = the
+smallest power of two ≥ amax / 448 (IEEE division, then the exponent bits: exact),
+q = e4m3(proj · 1/scale) (rcp of a power of two is exact, and of ±0 / ∞ gives what torch's
+division gives; satfinite = the reference's clamp to ±448), head_w = BF16((head_in · scale)
+· 4096^-0.5) (two exact products: the last is 2^-6).
+
+Key insert (:class:`KeyInsert`): a warp per token (4 values a lane), 8 tokens a CTA:
+LayerNorm with FP64 sums (exact, any order: the reference's FP32 mean and variance),
+BF16(((x − mean) · rstd) · w + b) by mul.rn / add.rn (never contracted into an FMA), the
+same FP8 rule, then the 132-byte row (codes, FP32 scale) at ``cache[slot]``; slot −1 and
+slots outside the cache write nothing (the op's host check raises on them first; under
+capture the kernel drops them, as the reference does).
+
+MX key scales (the seeds' ``mx``, UE8M0 bytes): the public cache row carries a 4-byte FP32
+scale; a UE8M0 byte is that scale's exponent field (power-of-two scales: exact), so an MX
+variant is a layout change of the cache (129 or 132 + per-block bytes), not of the maths —
+see benchmarks/NOTES.md.
+"""
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Float64, Int64, Uint8, Uint32
+from cutlass.memory import SmemAllocator
+
+from .. import backend
+from ..ops import dsa as dsa_op
+from .common import (
+    CHUNK, SMEM_BYTES, aligned, bits_float, butterfly_sum, compile_options, compiled, fake, fake_stream, float_bits,
+    hopper, launch, placeholder,
+)
+from .gemm import (
+    CONSUMER_WARPS, MAX_BATCH, PRODUCERS, RESIDENT, RESIDENT_3, TILE, DecodeGemm, GemmPlan, cta_cost, token_tile,
+    tokens_of,
+)
+from .tail import divide, rsqrt_like_torch
+
+HEADS, DIM = dsa_op.HEADS, dsa_op.DIM
+N = HEADS * DIM  # wq_b's rows
+TILES = DIM // TILE  # a head's rows: one CTA's block
+SPLITS = (1, 2, 3)  # K parts per head (cluster sizes; 4 would need 128 CTAs in clusters of 4: 120 resident)
+E4M3_MAX = 448.0
+FOLD = (HEADS * DIM) ** -0.5  # 2^-6
+NORM_REGISTERS = 160  # words of x and gamma packets a producer thread holds in raw-row mode
+KEY_WARPS = 8  # tokens per key-insert CTA
+
+
+def resident(split: int) -> int:
+    return RESIDENT_3 if split == 3 else RESIDENT[split]
+
+
+def reserve(tokens: int, split: int) -> int:
+    """Shared bytes beside the ring: the raw-row mode's Σ x² [part][token] (FP64) and the
+    epilogue's amax [warp][token] (FP32), with alignment."""
+    per_owner = -(-tokens // split) + (-(-tokens // split)) % 2
+    return 8 * split * tokens + 4 * CONSUMER_WARPS * per_owner + 64
+
+
+def index_partition(k: int, tokens: int, norm: bool) -> tuple[int, int] | None:
+    """(tiles, split) of the front at T tokens: a head per row block (TILES tiles), the K
+    split of least :func:`~kimi_ops.kernels.gemm.cta_cost` whose grid is resident at once;
+    raw-row mode also needs the whole K slice in the ring (depth = chunks: the producers
+    hold every chunk's x until the factors are in) and its packets in registers."""
+    if k % CHUNK or k <= 0:
+        return None
+    chunks = k // CHUNK
+    x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)
+    fits = []
+    for split in SPLITS:
+        per_cta = chunks // split
+        if chunks % split or HEADS * split > resident(split):
+            continue
+        stage = (TILE * TILES + tokens) * CHUNK * 2
+        if norm and (per_cta * stage + 2048 + reserve(tokens, split) > SMEM_BYTES
+                     or per_cta * (x_items + 1) * 4 > NORM_REGISTERS):
+            continue
+        fits.append((cta_cost(chunks, TILES, split, tokens), split))
+    return (TILES, min(fits)[1]) if fits else None
+
+
+@functools.cache
+def index_plan(k: int, tokens: int, norm: bool) -> GemmPlan:
+    parts = index_partition(k, tokens, norm)
+    if parts is None:
+        raise ValueError(f"the DSA front does not take K={k} at {tokens} tokens (norm={norm})")
+    return GemmPlan(N, k, tokens, parts, by_token=True, reserve=reserve(tokens, parts[1]))
+
+
+# Device helpers: IEEE where torch is IEEE, bit-exact where the reference works on bits.
+
+
+def f32_ptx(instruction: str, *args):
+    """One FP32 instruction ``instruction d, a[, b]`` on FP32 operands."""
+    operands = ", ".join(f"{{$r{i}}}" for i in range(len(args)))
+    return cute.arch.inline_ptx(f"{instruction} {{$w0}}, {operands};", write_only_types=[Float32],
+                                read_only_args=list(args))
+
+
+@cute.jit
+def abs_f32(x: Float32) -> Float32:
+    return f32_ptx("abs.f32", x)
+
+
+@cute.jit
+def max_nan(a: Float32, b: Float32) -> Float32:
+    """max that propagates NaN (as torch.amax and clamp_min do)."""
+    return f32_ptx("max.NaN.f32", a, b)
+
+
+@cute.jit
+def reciprocal(x: Float32) -> Float32:
+    """IEEE 1/x (rcp.rn): exact for a power of two; 1/±0 = ±∞, 1/∞ = 0, as x / scale needs."""
+    return f32_ptx("rcp.rn.f32", x)
+
+
+@cute.jit
+def mul_rn(a: Float32, b: Float32) -> Float32:
+    """a · b rounded on its own (ptxas never fuses a .rn product into an FMA)."""
+    return f32_ptx("mul.rn.f32", a, b)
+
+
+@cute.jit
+def add_rn(a: Float32, b: Float32) -> Float32:
+    return f32_ptx("add.rn.f32", a, b)
+
+
+@cute.jit
+def pow2_ceil(x: Float32) -> Float32:
+    """kimi_ops.numerics.pow2_ceil on the bits: x itself when its mantissa is zero, else the
+    next exponent (NaN: 0x80000000, as the reference's bit arithmetic gives)."""
+    bits = float_bits(x)
+    result = bits
+    if (bits & Uint32(0x007FFFFF)) != Uint32(0):
+        result = (bits & Uint32(0x7F800000)) + Uint32(0x00800000)
+    return bits_float(result)
+
+
+@cute.jit
+def e4m3_pair(high: Float32, low: Float32) -> Uint32:
+    """Two e4m3 codes (RNE, saturated to ±448, NaN → 0x7F) in the low 16 bits, ``low`` first."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, {$r0}, {$r1}; cvt.u32.u16 {$w0}, t; }",
+        write_only_types=[Uint32], read_only_args=[high, low],
+    )
+
+
+@cute.jit
+def warp_max(value: Float32) -> Float32:
+    """max_nan over the warp, in every lane."""
+    top = value
+    for shift in cutlass.range_constexpr(5):
+        top = max_nan(top, cute.arch.shuffle_sync_bfly(top, offset=1 << shift))
+    return top
+
+
+@cute.jit
+def fp8_scale(amax: Float32) -> Float32:
+    """The power-of-two scale of an amax already clamped to ≥ 1e-10 (NaN stays NaN)."""
+    return pow2_ceil(divide(amax, Float32(E4M3_MAX)))
+
+
+@cute.jit
+def load_pair(address):
+    """Two words (four BF16 values), one 8-byte load."""
+    return cute.arch.inline_ptx("ld.global.v2.b32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Uint32, Uint32],
+                                read_only_args=[address])
+
+
+@cute.jit
+def store_word(address, word: Uint32):
+    cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[address, word])
+
+
+@cute.jit
+def float64_sum(values):
+    """Σ in FP64 of FP32 values: exact for a lane's four keys (BF16) or their FP32 squares."""
+    total = Float64(0.0)
+    for v in values:
+        total += Float64(v)
+    return total
+
+
+@cute.jit
+def unpack_pair(words):
+    values = []
+    for word in words:
+        values += [bits_float(word << Uint32(16)), bits_float(word & Uint32(0xFFFF0000))]
+    return values
+
+
+class IndexFront(DecodeGemm):
+    """``kimi::dsa_index_front`` at one (K, T, mode): the engine's main loop and K-part
+    exchange (by token), the quantizing epilogue of the module doc; ``norm``: raw rows."""
+
+    def __init__(self, plan: GemmPlan, norm: bool):
+        super().__init__(plan, None)
+        self.norm = norm
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, q: cute.Tensor, head_w: cute.Tensor,
+                 head_in: cute.Tensor, eps: Float32, stream):
+        w_copy, w_boxes = self.weight_copy(w)
+        self.launch(self.kernel(w_copy, w_boxes, x, gamma, q, head_w, head_in, eps), stream)
+
+    @cute.kernel
+    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x: cute.Tensor, gamma: cute.Tensor, q: cute.Tensor,
+               head_w: cute.Tensor, head_in: cute.Tensor, eps: Float32):
+        self.body(w_copy, w_boxes, x, (q, head_w, head_in), (gamma, eps) if self.norm else None)
+
+    @cute.jit
+    def finish(self, receive, batch, block, part, tid, q, head_w, head_in):
+        """Thread ``tid`` = channel of head ``block`` for our tokens [part·P, (part+1)·P):
+        BF16 of the parts' sum in part order, the head amax over the four warps, the scale,
+        the e4m3 code and (thread 0) the folded head weight."""
+        plan = self.plan
+        warp, lane = tid // 32, tid % 32
+        per_owner = plan.per_owner
+        amax = SmemAllocator().allocate_tensor(Float32, cute.make_layout(CONSUMER_WARPS * per_owner), 16)
+        values = []
+        for index in cutlass.range_constexpr(per_owner):
+            total = receive[plan.receive_word(0, tid, index)]
+            for p in cutlass.range_constexpr(1, plan.split):
+                total = total + receive[plan.receive_word(p, tid, index)]
+            value = Float32(BFloat16(total))  # the projection's output
+            values.append(value)
+            top = warp_max(abs_f32(value))
+            if lane == 0:
+                amax[warp * per_owner + index] = top
+        cute.arch.barrier(barrier_id=1, number_of_threads=32 * CONSUMER_WARPS)
+        first = part * per_owner
+        for index in cutlass.range_constexpr(per_owner):
+            token = first + index
+            if token < batch:
+                top = Float32(1e-10)
+                for w in cutlass.range_constexpr(CONSUMER_WARPS):
+                    top = max_nan(top, amax[w * per_owner + index])
+                scale = fp8_scale(top)
+                code = e4m3_pair(Float32(0.0), values[index] * reciprocal(scale))
+                q[token, block * DIM + tid] = Uint8(code & Uint32(0xFF))
+                if tid == 0:
+                    weight = (Float32(head_in[token, block]) * scale) * Float32(FOLD)
+                    head_w[token, block] = BFloat16(weight)
+
+
+class KeyInsert:
+    """``kimi::dsa_index_key_insert``: a warp per token, KEY_WARPS tokens a CTA (module doc)."""
+
+    @cute.jit
+    def __call__(self, k_in: cute.Tensor, norm_w: cute.Tensor, norm_b: cute.Tensor, cache: cute.Tensor,
+                 slots: cute.Tensor, eps: Float32, stream):
+        launch(self.kernel(k_in, norm_w, norm_b, cache, slots, eps), [(k_in.shape[0] + KEY_WARPS - 1) // KEY_WARPS],
+               stream)
+
+    @cute.kernel
+    def kernel(self, k_in: cute.Tensor, norm_w: cute.Tensor, norm_b: cute.Tensor, cache: cute.Tensor,
+               slots: cute.Tensor, eps: Float32):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp, lane = tid // 32, tid % 32
+        cute.arch.griddepcontrol_launch_dependents()  # a tiny grid: dependents may start at once
+        weights = unpack_pair(load_pair(norm_w.iterator + 4 * lane))  # weights: before the wait
+        biases = unpack_pair(load_pair(norm_b.iterator + 4 * lane))
+        cute.arch.griddepcontrol_wait()
+        token = cta * KEY_WARPS + warp
+        if token < k_in.shape[0]:
+            slot = Int64(slots[token])
+            if (slot >= Int64(0)) & (slot < Int64(cache.shape[0])):
+                self.insert(k_in, token, slot, cache, weights, biases, eps, lane)
+
+    @cute.jit
+    def insert(self, k_in, token, slot, cache, weights, biases, eps, lane):
+        x = unpack_pair(load_pair(k_in.iterator + Int64(token) * k_in.stride[0] + 4 * lane))
+        total = float64_sum(x)
+        mean = divide(Float32(butterfly_sum(total, 32)), Float32(DIM))
+        centered = [v - mean for v in x]
+        squares = float64_sum([mul_rn(c, c) for c in centered])
+        rstd = rsqrt_like_torch(add_rn(divide(Float32(butterfly_sum(squares, 32)), Float32(DIM)), eps))
+        keys = [Float32(BFloat16(add_rn(mul_rn(mul_rn(centered[i], rstd), weights[i]), biases[i]))) for i in range(4)]
+        top = abs_f32(keys[0])
+        for i in cutlass.range_constexpr(1, 4):
+            top = max_nan(top, abs_f32(keys[i]))
+        scale = fp8_scale(max_nan(Float32(1e-10), warp_max(top)))
+        inverse = reciprocal(scale)
+        low, high = e4m3_pair(keys[1] * inverse, keys[0] * inverse), e4m3_pair(keys[3] * inverse, keys[2] * inverse)
+        row = cache.iterator + slot * (DIM + 4)
+        store_word(row + 4 * lane, low | (high << Uint32(16)))
+        if lane == 0:
+            store_word(row + DIM, float_bits(scale))
+
+
+# Compiles: the front per (K, T, mode); the key insert once (its grid follows the batch).
+
+
+@compiled
+def compile_index_front(k: int, tokens: int, norm: bool):
+    batch = cute.sym_int()
+    return cute.compile(
+        IndexFront(index_plan(k, tokens, norm), norm),
+        fake(BFloat16, (batch, k)), fake(BFloat16, (N, k)), fake(BFloat16, (k,) if norm else (1,)),
+        fake(Uint8, (batch, N)), fake(BFloat16, (batch, HEADS)), fake(BFloat16, (batch, HEADS)), Float32(1e-6),
+        fake_stream(), options=compile_options(),
+    )
+
+
+@compiled
+def compile_key_insert():
+    batch, slots = cute.sym_int(), cute.sym_int()
+    return cute.compile(
+        KeyInsert(), fake(BFloat16, (batch, DIM), align=8), fake(BFloat16, (DIM,), align=8),
+        fake(BFloat16, (DIM,), align=8), fake(Uint8, (slots, DIM + 4), align=4), fake(Int64, (batch,), align=8),
+        Float32(1e-6), fake_stream(), options=compile_options(),
+    )
+
+
+def unsupported_front(k: int, batch: int, norm: bool) -> str | None:
+    if batch > MAX_BATCH:
+        return f"the DSA front takes at most {MAX_BATCH} tokens, got {batch}"
+    if index_partition(k, token_tile(max(batch, 1)), norm) is None:
+        return f"the DSA front needs K % {CHUNK} == 0 and (raw rows) the K slice in one ring (K={k})"
+    return None
+
+
+class IndexFrontKernel:
+    """``kimi::dsa_index_front`` on CUDA: both row modes, per batch bucket."""
+
+    check = staticmethod(dsa_op.check_dsa_index_front)
+
+    def prepare(self, k: int, batches=None, modes=(True, False)) -> None:
+        """``modes``: raw rows (q_norm_w given) and / or normalized rows."""
+        for norm in modes:
+            for tokens in tokens_of(batches):
+                if index_partition(k, tokens, norm):
+                    compile_index_front(k, tokens, norm)
+
+    def unsupported(self, rows, wq_b, head_in, q_norm_w, eps):
+        if not aligned(rows, wq_b, head_in, *([q_norm_w] if q_norm_w is not None else [])):
+            return "the DSA front reads 16-byte packets: rows, wq_b, head_in and q_norm_w must be 16-byte aligned"
+        return unsupported_front(rows.shape[1], rows.shape[0], q_norm_w is not None) or hopper(rows)
+
+    def __call__(self, rows, wq_b, head_in, q_norm_w, eps):
+        batch, k = rows.shape
+        q = rows.new_empty((batch, HEADS, DIM), dtype=torch.float8_e4m3fn)
+        head_w = rows.new_empty((batch, HEADS))
+        if batch:
+            norm = q_norm_w is not None
+            compile_index_front(k, token_tile(batch), norm)(
+                rows, wq_b, q_norm_w if norm else placeholder(rows, torch.bfloat16), q.view(torch.uint8).view(batch, N),
+                head_w, head_in, eps,
+            )
+        return q, head_w
+
+
+class KeyInsertKernel:
+    """``kimi::dsa_index_key_insert`` on CUDA (the op's host slot check first)."""
+
+    check = staticmethod(dsa_op.check_dsa_index_key_insert)
+
+    def prepare(self) -> None:
+        compile_key_insert()
+
+    def unsupported(self, k_in, norm_w, norm_b, eps, cache, slots):
+        if not (aligned(k_in) and all(t.data_ptr() % 8 == 0 for t in (norm_w, norm_b, slots))
+                and cache.data_ptr() % 4 == 0):
+            return "the key insert reads 8-byte packets and stores words: align k_in, norm_w, norm_b and the cache"
+        if cache.shape[0] >= 2**31:
+            return f"the key insert indexes at most 2^31 cache rows, got {cache.shape[0]}"
+        return hopper(k_in)
+
+    def __call__(self, k_in, norm_w, norm_b, eps, cache, slots):
+        dsa_op.check_slot_values(cache, slots)  # a clear error on the host path; under capture the kernel drops them
+        if k_in.shape[0] and cache.shape[0]:
+            compile_key_insert()(k_in, norm_w, norm_b, cache, slots, eps)
+
+
+def register() -> None:
+    backend.KERNELS["dsa_index_front"] = IndexFrontKernel()
+    backend.KERNELS["dsa_index_key_insert"] = KeyInsertKernel()
