@@ -101,6 +101,39 @@ def test_by_token_exchange_sums_every_part_once_in_order(tokens):
     assert seen == set(range(tokens))
 
 
+@pytest.mark.parametrize("tokens", gemm.TOKEN_TILES)
+def test_raw_rows_cover_every_packet_once_and_send_every_sum_once(tokens):
+    """CPU model of DecodeGemm.produce_normalized's items: producer p holds token
+    p // 8 + 16·j, piece p % 8 of every chunk; the (token, piece) packets of a slot are each
+    written once, the 8 lanes of a token (one butterfly) are one warp's consecutive lanes,
+    and one lane per token sends its Σ x²: the factored barrier's split · T · 8 bytes."""
+    plan = dsa.index_plan(K, tokens, True)
+    written, senders = {}, {}
+    for producer in range(gemm.PRODUCERS):
+        piece = producer % (gemm.CHUNK // 8)
+        for j in range(plan.x_items):
+            token = producer // (gemm.CHUNK // 8) + gemm.PRODUCERS // (gemm.CHUNK // 8) * j
+            if token >= tokens:
+                continue
+            word = gemm.swizzled(0, token, piece) * 4
+            assert word not in written and word + 4 <= plan.x_slot // 4
+            written[word] = (token, piece)
+            assert producer // 32 == (producer - piece) // 32 == (producer - piece + 7) // 32  # one warp's lanes
+            if piece == 0:
+                assert token not in senders
+                senders[token] = producer
+    assert len(written) == tokens * gemm.CHUNK // 8 and sorted(senders) == list(range(tokens))
+    assert plan.split * len(senders) * 8 == plan.split * plan.tokens * 8
+
+
+def test_key_insert_takes_aligned_rows_only():
+    k_in = torch.zeros(3 * 128 + 1, dtype=torch.bfloat16)[1:].view(3, 128)  # 2 bytes off
+    norm = torch.ones(128, dtype=torch.bfloat16)
+    reason = dsa.KeyInsertKernel().unsupported(k_in, norm, norm, 1e-6, torch.zeros(4, 132, dtype=torch.uint8),
+                                               torch.zeros(3, dtype=torch.int64))
+    assert "align" in reason
+
+
 def kernel_rule(values: torch.Tensor):
     """The epilogue's quantization as the kernel computes it (module doc), in torch FP32:
     NaN-propagating amax clamped at 1e-10, IEEE amax / 448, pow2_ceil on the bits,

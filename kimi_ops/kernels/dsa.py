@@ -384,7 +384,7 @@ class KeyInsertKernel:
         compile_key_insert()
 
     def unsupported(self, k_in, norm_w, norm_b, eps, cache, slots):
-        if not (aligned(k_in) and all(t.data_ptr() % 8 == 0 for t in (norm_w, norm_b, slots))
+        if not (all(t.data_ptr() % 8 == 0 for t in (k_in, norm_w, norm_b, slots))  # contiguous (the op's check)
                 and cache.data_ptr() % 4 == 0):
             return "the key insert reads 8-byte packets and stores words: align k_in, norm_w, norm_b and the cache"
         if cache.shape[0] >= 2**31:
