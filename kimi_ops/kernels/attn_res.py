@@ -46,8 +46,8 @@ from ..mailbox import TAKE_POLL
 from ..ops import attn_res as attn_res_op
 from ..ops import mailbox_ops
 from .common import (
-    Release, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, fake, fake_stream, hopper,
-    load_words, pack_bf16, poll_all, rearm, store_cluster, store_words, unpack_words,
+    SMEM_BYTES, Release, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, fake, fake_stream,
+    hopper, load_words, pack_bf16, poll_all, rearm, store_cluster, store_words, unpack_words,
 )
 from .tail import divide, inverse_rms, load_shared, normalized
 
@@ -59,7 +59,6 @@ MAX_THREADS = 1024
 # a third of it; the decoder prepares those its layers use.
 ROW_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MAX_TP = 16  # sublayer sources (a thread's TP packets are in flight at once)
-STASH_BYTES = 200 * 1024  # a CTA's stash at most (beside the exchange slots)
 NEG_INF = float("-inf")
 
 
@@ -113,9 +112,10 @@ class AttnRes(Release):
         cute.arch.griddepcontrol_wait()
         rows = []  # per round: partial, then the TP sources in rank order (loads in flight together)
         for q in cutlass.range_constexpr(self.rounds):
-            rows.append([load_words(partial.iterator + token * self.hidden + columns[q])]
-                        + [load_words(sublayer.iterator + (source * partial.shape[0] + token) * self.hidden + columns[q])
-                           for source in range(self.tp)])
+            own = [partial.iterator + token * self.hidden + columns[q]]
+            sources = [sublayer.iterator + (s * partial.shape[0] + token) * self.hidden + columns[q]
+                       for s in range(self.tp)]
+            rows.append([load_words(address) for address in own + sources])
         self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
         self.release_late()
 
@@ -316,6 +316,12 @@ class AttnRes(Release):
     def stash_words(self) -> int:
         return self.rows * self.rounds * self.threads * 4
 
+    def smem_bytes(self) -> int:
+        """What :meth:`allocate` takes (each piece 16-byte aligned)."""
+        pieces = (8 * self.slots * self.warps, 8 * self.slots * self.cluster, 4 * (self.rows + 1),
+                  4 * max(self.stash_words(), 4))
+        return sum(-(-piece // 16) * 16 for piece in pieces)
+
     def stash_word(self, n, q, tid):
         """Word of block ``n``'s packet ``q`` of thread ``tid`` (16 bytes, consecutive
         threads adjacent: conflict-free)."""
@@ -423,8 +429,7 @@ def unsupported_shape(hidden: int, tp: int, count: int) -> str | None:
     rows = stash_rows(count)
     if rows is None:
         return f"the kernel stashes at most {ROW_BUCKETS[-1]} completed blocks, got N = {count}"
-    cluster = cluster_for(hidden)
-    if AttnRes(hidden, tp, cluster, rows).stash_words() * 4 > STASH_BYTES:
+    if AttnRes(hidden, tp, cluster_for(hidden), rows).smem_bytes() > SMEM_BYTES:
         return f"N = {count} blocks of H = {hidden} pass a CTA's shared memory"
     return None
 
