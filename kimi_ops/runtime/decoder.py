@@ -167,6 +167,8 @@ class KimiDecoder(nn.Module):
                          (config.attn_out // tp, config.q_lora),  # the stand-in core
                          (2 * config.shared_intermediate // tp, hidden), (hidden, config.shared_intermediate // tp)):
                 backend.prepare("oproj", n, k, batches)
+            backend.prepare("dsa_index_front", config.q_lora, batches, (True,))  # raw rows: q_norm_w given
+            backend.prepare("dsa_index_key_insert")
             backend.prepare("oproj_publish", hidden, config.attn_out // tp, tp, batches, peers["attn"])
             backend.prepare("moe_front_publish", (config.experts + config.latent) // tp, hidden, config.experts // tp,
                             tp, batches, peers["front"])
