@@ -31,6 +31,14 @@ every CTA of the cluster (``store_cluster``), a cluster barrier (release / acqui
 every thread adds the slots in rank order. Each round has its own slots: nothing is
 reused within a launch. Three rounds follow the wait; the two of the blocks precede it.
 
+``AttnResTake`` (``kimi::attn_res_take``, ``mailbox_take`` fused): the same kernel, the
+sublayer's rows polled from the box after step 1 (bounded, into the error word), re-armed,
+and only then the wait (for ``partial`` and the outputs).
+
+Shared memory a CTA: the stash (H = 7168: 1.75 KB a row), 8 bytes a slot per warp and per
+CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 CTAs an
+SM) while the stash bucket is ≤ 24 rows (N ≤ 24); deeper stacks run in two (not measured).
+
 PDL: dependents are released late (once the outputs are written), early in the ``early``
 variant (:class:`~kimi_ops.kernels.common.Release`).
 """
@@ -314,7 +322,7 @@ class AttnRes(Release):
         return stash, partials, received, alpha
 
     def stash_words(self) -> int:
-        return self.rows * self.rounds * self.threads * 4
+        return self.rows * self.packets * 4
 
     def smem_bytes(self) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned)."""
@@ -322,10 +330,12 @@ class AttnRes(Release):
                   4 * max(self.stash_words(), 4))
         return sum(-(-piece // 16) * 16 for piece in pieces)
 
+    @cute.jit
     def stash_word(self, n, q, tid):
-        """Word of block ``n``'s packet ``q`` of thread ``tid`` (16 bytes, consecutive
-        threads adjacent: conflict-free)."""
-        return ((n * self.rounds + q) * self.threads + tid) * 4
+        """Word of block ``n``'s packet (16 bytes) of thread ``tid``'s round ``q``, rows of
+        the CTA's packets: consecutive threads adjacent, conflict-free. Clamped: a thread
+        past the packets reads a valid one it never uses."""
+        return (n * self.packets + clamp(tid + self.threads * q, self.packets - 1)) * 4
 
     def valid(self, tid):
         return [tid + self.threads * q < self.packets for q in range(self.rounds)]
