@@ -80,6 +80,50 @@ def test_prepare_compiles_each_bucket_once(monkeypatch):
     assert compiled == [(HIDDEN, 2, 8, rows, True) for rows in (0, 3, 32)]
 
 
+def kernel_model(blocks, partial, sublayer, query, key_w, out_w, eps, cluster):
+    """The kernel's arithmetic on the CPU, step by step and in its orders (a thread's
+    packet of 8, the lanes' butterfly, the warps, the cluster's CTAs), with torch's rsqrt
+    and exp in place of the GPU's instructions. For H whose CTAs' packets are whole warps."""
+    hidden = partial.shape[1]
+    shape = attn_res.AttnRes(hidden, 1, cluster, 0)
+    assert shape.packets == shape.threads
+
+    def over_h(terms):  # float64 [..., H] -> Σ in the kernel's order, rounded to FP32
+        lanes = terms.reshape(*terms.shape[:-1], cluster, shape.warps, 32, 8).sum(-1)
+        while lanes.shape[-1] > 1:  # the butterfly: lane l adds lane l ^ 1, then l ^ 2, ...
+            lanes = lanes[..., 0::2] + lanes[..., 1::2]
+        return lanes[..., 0].sum(-1).sum(-1).float()
+
+    def inverse_rms(values):  # FP32 of BF16 values
+        return torch.rsqrt(over_h(values.double() ** 2) / hidden + eps)
+
+    acc = partial.float()
+    for source in sublayer:  # rank order
+        acc = acc + source.float()
+    new_partial = acc.bfloat16()
+    values = torch.cat([blocks, new_partial[None]]).float()
+    keys = ((values * inverse_rms(values).unsqueeze(-1)) * key_w.float()).bfloat16().float()
+    logits = over_h(keys.double() * query.double())  # [N + 1, B]
+    e = torch.exp(logits - logits.max(0).values)
+    alpha = e / e.sum(0)
+    h = (alpha.unsqueeze(-1) * values).double().sum(0).float().bfloat16()  # FP32 products, FP64 sum
+    h_normed = ((h.float() * inverse_rms(h.float()).unsqueeze(-1)) * out_w.float()).bfloat16()
+    return new_partial, h, h_normed
+
+
+@pytest.mark.parametrize("count, tp", [(0, 1), (3, 2), (5, 8)])
+def test_kernel_arithmetic_reproduces_the_reference_rounding_points(count, tp):
+    """On the CPU, the kernel's orders of FP64 sums of FP32-exact terms give the
+    reference's bits: new_partial and h_normed exactly, h exactly (its α from the same
+    exp and division as torch's softmax here: on the GPU they may flip an α's last bit)."""
+    for hidden, batch in ((TINY, 4), (1024, 3)):
+        args = args_of(batch, count, tp, seed=count + tp, hidden=hidden, device="cpu")
+        want = reference(kimi.attn_res, *args, 1e-6)
+        got = kernel_model(*args, 1e-6, attn_res.cluster_for(hidden))
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.int16), w.view(torch.int16))
+
+
 def args_of(batch, count, tp, seed, hidden=HIDDEN, device="cuda"):
     """AttnRes inputs of the decoder's scale: rows ~ N(0, 1), a small query, norm weights
     near 1."""
