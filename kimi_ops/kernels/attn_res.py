@@ -106,8 +106,11 @@ class AttnRes(Release):
                  h_normed: cute.Tensor, count: Int32, eps: Float32, stream):
         """``blocks`` [N·B, H] (N = ``count``), ``sublayer`` [TP·B, H]: rows by (block or
         source, token); the rest [B, H] or [H]."""
-        kernel = self.kernel(blocks, partial, sublayer, query, key_norm_w, out_norm_w, new_partial, h, h_normed,
-                             count, eps)
+        self.launch(self.kernel(blocks, partial, sublayer, query, key_norm_w, out_norm_w, new_partial, h, h_normed,
+                                count, eps), partial, stream)
+
+    def launch(self, kernel, partial, stream):
+        """A cluster per token (partial's rows), with programmatic dependent launch."""
         kernel.launch(grid=[partial.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1],
                       cluster=[self.cluster, 1, 1], stream=stream, use_pdl=True)
 
@@ -367,10 +370,8 @@ class AttnResTake(AttnRes):
                  h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32,
                  stream):
         """``box`` [parities · TP · CAP, H]: source s of token b at row first_row + s · CAP + b."""
-        kernel = self.kernel(blocks, partial, box, error, query, key_norm_w, out_norm_w, new_partial, h, h_normed,
-                             count, first_row, capacity, eps)
-        kernel.launch(grid=[partial.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1],
-                      cluster=[self.cluster, 1, 1], stream=stream, use_pdl=True)
+        self.launch(self.kernel(blocks, partial, box, error, query, key_norm_w, out_norm_w, new_partial, h, h_normed,
+                                count, first_row, capacity, eps), partial, stream)
 
     @cute.kernel
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, box: cute.Tensor, error: cute.Tensor,
