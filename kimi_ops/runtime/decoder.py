@@ -175,6 +175,8 @@ class KimiDecoder(nn.Module):
             backend.prepare("moe_tail_publish", config.latent, group.tp, peers["latent"])
             backend.prepare("moe_tail_push", config.hidden, group.tp, peers["rs"])
             backend.prepare("moe_tail_poll", group.tp, config.hidden // group.tp, config.latent, batches, peers["out"])
+            counts = range((num_layers - 1) // config.attn_res_block + 1)  # the completed blocks a residual sees
+            backend.prepare("attn_res", config.hidden, (group.tp, 1), counts)  # o-proj rows (TP sources), tail rows
             if group.barrier:
                 backend.prepare("group_barrier", group.tp, [self.boxes.peers("sync", r) for r in group.ranks])
         # Every rank built, its kernels compiled or loaded: the first step starts together (a
