@@ -45,7 +45,6 @@ variant (:class:`~kimi_ops.kernels.common.Release`).
 
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import BFloat16, Float32, Float64, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
@@ -54,10 +53,10 @@ from ..mailbox import TAKE_POLL
 from ..ops import attn_res as attn_res_op
 from ..ops import mailbox_ops
 from .common import (
-    SMEM_BYTES, Release, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, fake, fake_stream,
-    hopper, load_words, pack_bf16, poll_all, rearm, store_cluster, store_words, unpack_words,
+    SMEM_BYTES, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, divide, fake, fake_stream,
+    hopper, inverse_rms, load_shared, load_words, normalized, pack_bf16, poll_all, rearm, Release, store_cluster,
+    store_words, unpack_words,
 )
-from .tail import divide, inverse_rms, load_shared, normalized
 
 CLUSTERS = (1, 2, 4, 8)  # CTAs per token (portable cluster sizes)
 CTA_PACKETS = 128  # packets a CTA takes at most where H allows (H = 7168: 8 CTAs of 112)

@@ -535,3 +535,44 @@ def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torc
 
 def aligned(*tensors) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@cute.jit
+def load_shared(address):
+    """Four words from shared memory, one 16-byte load."""
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[address],
+    )
+
+
+@cute.jit
+def store_shared(address, words):
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words])
+
+
+@cute.jit
+def divide(x: Float32, y: Float32) -> Float32:
+    """IEEE x / y (div.rn), as torch divides."""
+    return cute.arch.inline_ptx("div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[x, y])
+
+
+@cute.jit
+def rsqrt_like_torch(x: Float32) -> Float32:
+    """rsqrt.approx.f32 without flush-to-zero: what torch.rsqrt runs on CUDA, so that xn is
+    bit-equal to the reference on the same device."""
+    return cute.arch.inline_ptx("rsqrt.approx.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x])
+
+
+@cute.jit
+def inverse_rms(total: Float64, latent: int, eps: Float32) -> Float32:
+    """inv = rsqrt.approx(ss / L + eps) from the exact FP64 ss, rounded to FP32 first, as
+    the reference's float32 ss."""
+    return rsqrt_like_torch(divide(Float32(total), Float32(latent)) + eps)
+
+
+@cute.jit
+def normalized(values, inv: Float32, scale):
+    """A packet of xn = BF16((latent · inv) · gamma) as four BF16x2 words."""
+    normed = [(values[i] * inv) * scale[i] for i in range(8)]
+    return [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)]

@@ -51,14 +51,13 @@ from cutlass.memory import SmemAllocator
 from .. import backend
 from ..ops import dsa as dsa_op
 from .common import (
-    CHUNK, SMEM_BYTES, aligned, bits_float, butterfly_sum, compile_options, compiled, fake, fake_stream, float_bits,
-    hopper, launch, placeholder,
+    CHUNK, SMEM_BYTES, aligned, bits_float, butterfly_sum, compile_options, compiled, divide, fake, fake_stream,
+    float_bits, hopper, launch, placeholder, rsqrt_like_torch,
 )
 from .gemm import (
     CONSUMER_WARPS, MAX_BATCH, PRODUCERS, RESIDENT, RESIDENT_3, TILE, DecodeGemm, GemmPlan, cta_cost, token_tile,
     tokens_of,
 )
-from .tail import divide, rsqrt_like_torch
 
 HEADS, DIM = dsa_op.HEADS, dsa_op.DIM
 N = HEADS * DIM  # wq_b's rows

@@ -66,11 +66,10 @@ from ..ops import mailbox_ops
 from ..ops import oproj as oproj_op
 from .common import (
     CHUNK, SMEM_BYTES, addresses, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, descriptor,
-    expect, fake, fake_stream, float_bits, hopper, l2_evict_first, landed, load_words, pack_bf16, paced, pinned,
-    placeholder, register_addresses, release, released, store_cluster, store_to_peers, store_words, swizzled,
-    swizzled_stages, unpack_words, wgmma_bf16,
+    divide, expect, fake, fake_stream, float_bits, hopper, l2_evict_first, landed, load_shared, load_words, paced,
+    pack_bf16, pinned, placeholder, register_addresses, release, released, rsqrt_like_torch, store_cluster,
+    store_shared, store_to_peers, store_words, swizzled, swizzled_stages, unpack_words, wgmma_bf16,
 )
-from .tail import divide, load_shared, rsqrt_like_torch, store_shared
 
 TILE = 64  # rows per wgmma (its M)
 MAX_TILES = 3  # tiles per CTA (one TMA box of 192 rows; four, 256 rows, never ran on a GPU)

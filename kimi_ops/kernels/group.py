@@ -13,7 +13,6 @@ phase after it behind the peers' stores.
 
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Int32, Int64, Uint32
 
 from .. import backend
