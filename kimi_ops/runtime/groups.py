@@ -68,6 +68,8 @@ class SymmMemGroup:
         self.tp = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.ranks = (self.rank,)
+        if not torch.cuda.is_available():
+            fail_setting("SymmMemGroup", "device", "a CUDA device (torch symmetric memory)", "no CUDA device")
         if device is None:
             device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         self.device = torch.device(device)
