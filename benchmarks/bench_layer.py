@@ -1,0 +1,348 @@
+"""Per-layer decode latency at TP1 on one GPU (issue 25, deliverable 3): the plain-PyTorch
+composite (benchmarks/composite.py) against our decoder, on the same weights, B in BATCHES.
+
+Per-layer rows (µs per layer: a forward of LAYERS layers over LAYERS, the embedding's
+AttnRes shared among them; a 1-layer decoder does not exist: layer counts ≡ 1 mod 3 make
+the tail parities collide, so LAYERS = 2):
+
+- eager: the composite launched from the host, back-to-back calls (CUDA events);
+- eager graph: the same composite captured in one CUDA graph and replayed;
+- compiled: ``torch.compile(mode="reduce-overhead")`` of the composite (Inductor's CUDA
+  graphs; the cudagraph skips it counted are reported, 0 expected), back-to-back calls;
+- ours: ``KimiDecoder`` (TP1 mailboxes) replayed from one CUDA graph. There is no PDL-off
+  switch today: the kernels launch with PDL as they are built, so this is the issue's
+  'with PDL' row and 'without PDL' is not measured;
+- floor: the weight bytes a layer reads (every weight but the routed experts', plus the
+  experts the batch routed to) at 4.3 TB/s.
+
+A forward reads over a GB of weights at kimi_k3 shapes (2 layers), far past the 60 MB L2,
+so the layer rows need no weight copies. The breakdown runs each of our ops of layer 0
+alone, CUDA-graph replayed, with the real arguments of a forward (its activations and
+boxes), every call of the graph on its own copy of the op's weights (copies > 60 MB): µs
+against the op's weight floor. A polling op runs with its producer (a poll alone would find
+its box re-armed): those rows say ``+``.
+
+    python benchmarks/bench_layer.py [--batches 1 8 64] [--tp8-rank] [--json out.json]
+    python benchmarks/bench_layer.py --smoke     # KimiConfig.tiny(), every path once, no timing
+    python benchmarks/plot_layer.py out.json     # the breakdown as a PNG
+
+``--tp8-rank``: one TP8 rank's shard shapes with TP1 mailboxes, through a TP1 config whose
+widths make the decoder run them (TP8_RANK): o-proj K = 1536, shared 768, front
+[112 + 448, 7168], core [1536, 1536]. Not a full rank: routing ranks 112 experts (a rank
+polls all 896 logits), the experts work in L = 448, and the tail's up projection is
+[7168, 448] (the rank's [896, 3584] has the same 6.4 MB).
+"""
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+import kimi_ops  # noqa: F401
+from kimi_ops import KimiConfig, KimiDecoder
+from kimi_ops.moe import routed_experts
+
+sys.path.insert(0, os.path.dirname(__file__))
+from composite import CompositeDecoder  # noqa: E402
+from timing import graph_us, print_table  # noqa: E402
+
+BATCHES = (1, 8, 64)
+LAYERS = 2
+L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
+HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (issue 21, issue 25)
+TP8_RANK = dict(attn_out=1536, shared_intermediate=768, experts=112, latent=448)
+kimi = torch.ops.kimi
+
+
+def config_for(args) -> KimiConfig:
+    if args.smoke:
+        return KimiConfig.tiny()
+    config = KimiConfig.kimi_k3(expert_intermediate=args.expert_intermediate)
+    return tp8_rank(config) if args.tp8_rank else config
+
+
+def tp8_rank(config: KimiConfig) -> KimiConfig:
+    """``config`` with TP8_RANK's widths (KimiConfig checks them again)."""
+    return replace(config, **TP8_RANK)
+
+
+def stream_us(fn, calls: int = 10, repeats: int = 10) -> float:
+    """Median µs per call of ``calls`` back-to-back host calls of ``fn`` (launch cost included)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def expert_bytes(layer, ids) -> int:
+    """The routed experts' weight bytes a batch reads: each distinct expert once."""
+    per_expert = layer.expert_gate_up[0].nbytes + layer.expert_down[0].nbytes
+    return int(ids.unique().numel()) * per_expert
+
+
+def layer_weight_bytes(composite, ids_per_layer) -> list[int]:
+    """Each layer's weight bytes (its index cache excluded; the routed experts by ids)."""
+    out = []
+    for layer, ids in zip(composite.layers, ids_per_layer):
+        fixed = sum(b.nbytes for name, b in layer.named_buffers()
+                    if name not in ("index_cache", "expert_gate_up", "expert_down"))
+        out.append(fixed + expert_bytes(layer, ids))
+    return out
+
+
+@dataclass
+class Unit:
+    """One op of layer 0 with its real arguments: ``call(*weights)`` runs it. ``in_layer``:
+    its time counts in the layer's Σ (a lone publish does not: its '+' row holds it)."""
+
+    name: str
+    call: object
+    weights: tuple = ()
+    floor_bytes: int = 0
+    in_layer: bool = True
+
+
+def layer_units(decoder, hidden, slots) -> list[Unit]:
+    """Layer 0 of rank 0 walked as KimiDecoder.forward drives it, each op run once (its
+    outputs are the next op's real arguments); the units re-run them."""
+    c, boxes = decoder.config, decoder.boxes
+    part, (attn_res, moe_res) = decoder.layers[0][0], decoder.attn_res[0]
+    index, oproj, front, tail = part.index, part.oproj, part.front, part.tail
+    batch, eps, error = hidden.shape[0], c.eps, boxes.error(0)
+    empty = hidden.new_empty((0, batch, c.hidden))
+    partial, _, x = decoder.residual(decoder.embed_res, empty, torch.zeros_like(hidden), hidden[None])
+    units = []
+
+    def unit(name, call, *weights, extra_bytes=0, in_layer=True):
+        units.append(Unit(name, call, weights, sum(w.nbytes for w in weights) + extra_bytes, in_layer))
+        return call(*weights)
+
+    q_c = unit("oproj wq_a", lambda w: kimi.oproj(x, w), index.wq_a)
+    head_in = unit("oproj w_head", lambda w: kimi.oproj(x, w), index.w_head)
+    unit("dsa_index_front", lambda w: kimi.dsa_index_front(q_c, w, head_in, index.q_norm_w, eps), index.wq_b,
+         extra_bytes=index.q_norm_w.nbytes)
+    k_in = unit("oproj wk", lambda w: kimi.oproj(x, w), index.wk)
+    unit("dsa_index_key_insert", lambda: kimi.dsa_index_key_insert(
+        k_in, index.k_norm_w, index.k_norm_b, eps, index.index_cache, slots),
+        extra_bytes=index.k_norm_w.nbytes + index.k_norm_b.nbytes)
+    attn = unit("oproj core", lambda w: kimi.oproj(q_c, w), oproj.w_core)
+    attn_boxes = boxes.peers("attn", 0)
+    unit("oproj_publish", lambda w: kimi.oproj_publish(attn, w, attn_boxes, 0), oproj.w_o, in_layer=False)
+
+    def take_attn(w):
+        kimi.oproj_publish(attn, w, attn_boxes, 0)
+        return kimi.mailbox_take(boxes.own("attn", 0), 0, batch, error)
+
+    rows = unit("oproj_publish + mailbox_take", take_attn, oproj.w_o)
+    res_bytes = 3 * 2 * c.hidden
+    partial, _, x = unit("attn_res", lambda: decoder.residual(attn_res, empty, partial, rows), extra_bytes=res_bytes)
+    front_boxes = boxes.peers("front", 0)
+    unit("moe_front_publish", lambda w: kimi.moe_front_publish(x, w, c.experts, front_boxes, front.parity, 0),
+         front.front, in_layer=False)
+
+    def route(w):
+        kimi.moe_front_publish(x, w, c.experts, front_boxes, front.parity, 0)
+        return kimi.moe_route_poll(boxes.own("front", 0), front.bias, c.routed_scale, c.renorm, front.parity,
+                                   batch, error)
+
+    ids, weights, latent = unit("moe_front_publish + moe_route_poll", route, front.front,
+                                extra_bytes=front.bias.nbytes)
+    gate_up = unit("oproj shared gate_up", lambda w: kimi.oproj(x, w), front.shared_gate_up)
+    act = unit("situ", lambda: kimi.situ(gate_up, 1.0, 0.0))
+    shared = unit("oproj shared down", lambda w: kimi.oproj(act, w), front.shared_down)
+    rs_boxes, latent_boxes = boxes.peers("rs", 0), boxes.peers("latent", 0)
+    unit("moe_tail_push", lambda: kimi.moe_tail_push(shared, rs_boxes, front.parity, 0), in_layer=False)
+    expanded = unit("routed experts (stand-in)", lambda g, d: routed_experts(latent, ids, g, d),
+                    front.expert_gate_up, front.expert_down)
+    units[-1].floor_bytes = expert_bytes(front, ids)  # only the distinct experts routed to
+    unit("moe_tail_publish", lambda: kimi.moe_tail_publish(expanded, weights, latent_boxes, tail.parity, 0),
+         in_layer=False)
+
+    def tail_chain(w):
+        kimi.moe_tail_push(shared, rs_boxes, tail.parity, 0)
+        kimi.moe_tail_publish(expanded, weights, latent_boxes, tail.parity, 0)
+        kimi.moe_tail_poll(boxes.own("latent", 0), boxes.own("rs", 0), tail.gamma, w, eps, boxes.peers("out", 0),
+                           error, tail.parity, tail.rearm, c.capacity if tail.wrap else batch, 0, batch)
+        return kimi.mailbox_take(boxes.own("out", 0), 0, batch, error)
+
+    out_rows = unit("tail: push + publish + moe_tail_poll + take", tail_chain, tail.w_up,
+                    extra_bytes=tail.gamma.nbytes)
+    unit("attn_res (MoE)", lambda: decoder.residual(moe_res, empty, partial, out_rows), extra_bytes=res_bytes)
+    return units
+
+
+def rotating(unit: Unit):
+    """A call of the unit on the next copy of its weights (copies > L2; the graph captures
+    the rotation), and how many calls a graph should hold."""
+    if not unit.weights:
+        return unit.call, 20
+    nbytes = sum(w.nbytes for w in unit.weights)
+    read = unit.floor_bytes or nbytes  # the experts read only the routed rows
+    copies = max(2, int(L2_BYTES // max(read, 1)) + 1)
+    copies = min(copies, max(2, int(8e9 // nbytes)))  # the experts' whole arrays: bounded memory
+    sets = [unit.weights] + [tuple(w.clone() for w in unit.weights) for _ in range(copies - 1)]
+    turn = [0]
+
+    def call():
+        unit.call(*sets[turn[0] % copies])
+        turn[0] += 1
+
+    return call, max(20, copies)
+
+
+def rel_l2(got, want) -> torch.Tensor:
+    """Per-token relative L2 error of got against want."""
+    return (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-30)
+
+
+def attempt(row, key, measure_fn) -> None:
+    """row[key] = measure_fn(); a composite column that fails says why (row[key + '_error'])
+    instead of ending the run."""
+    try:
+        row[key] = measure_fn()
+    except Exception as error:  # noqa: BLE001 (a peer's failure is a result, not our crash)
+        row[key + "_error"] = f"{type(error).__name__}: {error}"
+        print(f"warning: {key} at B = {row['B']} failed: {row[key + '_error']}", file=sys.stderr)
+
+
+def compiled_us(composite, hidden, slots, want, row) -> float:
+    """torch.compile(mode="reduce-overhead") of the composite, back-to-back calls; records in
+    ``row`` the cudagraph skips Inductor counted (0 expected) and how far its h is from
+    ours (Inductor fuses across the composite's BF16 roundings)."""
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(composite, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    skips = counters["inductor"]["cudagraph_skips"]
+    us = stream_us(lambda: compiled(hidden, slots))
+    row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
+    row["compiled_rel_l2_max"] = float(rel_l2(compiled(hidden, slots)[0], want).max())
+    return us
+
+
+def measure(decoder, composite, batch, smoke) -> dict:
+    """One batch: the layer row and the breakdown (timings None in smoke mode)."""
+    config, layers = decoder.config, decoder.num_layers
+    device = decoder.boxes.error(0).device
+    gen = torch.Generator().manual_seed(batch)
+    hidden = torch.randn(batch, config.hidden, generator=gen).bfloat16().to(device)
+    slots = torch.arange(batch, device=device)
+    trace = {}
+    with torch.no_grad():
+        got, _ = composite(hidden, slots, trace)
+        want = decoder(hidden, slots)
+    err = rel_l2(got, want)
+    floors = layer_weight_bytes(composite, trace["ids"])
+    floor = sum(floors) / layers / HBM_BYTES_PER_US
+    row = {"B": batch, "eager_us": None, "eager_graph_us": None, "compiled_us": None, "ours_us": None,
+           "floor_us": floor, "cudagraph_skips": None,
+           "rel_l2_max": float(err.max()), "rel_l2_mean": float(err.mean()), "compiled_rel_l2_max": None}
+    cuda = hidden.is_cuda
+    if cuda and not smoke:
+        with torch.no_grad():
+            row["ours_us"] = graph_us(lambda: decoder(hidden, slots), calls=10, replays=20) / layers
+            attempt(row, "eager_us", lambda: stream_us(lambda: composite(hidden, slots)) / layers)
+            attempt(row, "eager_graph_us",
+                    lambda: graph_us(lambda: composite(hidden, slots), calls=10, replays=20) / layers)
+            attempt(row, "compiled_us", lambda: compiled_us(composite, hidden, slots, want, row) / layers)
+    elif cuda:  # smoke on a GPU: every path once (the compiled one too)
+        compiled = torch.compile(composite, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            compiled(hidden, slots)
+    breakdown = []
+    for unit in layer_units(decoder, hidden, slots):
+        if cuda and not smoke:
+            call, calls = rotating(unit)
+            us = graph_us(call, calls=calls)
+        else:  # the timed path's call (weights rotated), once
+            rotating(unit)[0]()
+            us = None
+        breakdown.append({"op": unit.name, "us": us, "floor_us": unit.floor_bytes / HBM_BYTES_PER_US,
+                          "weight_bytes": unit.floor_bytes, "in_layer": unit.in_layer})
+    decoder.check()  # every poll of the breakdown found its rows
+    decoder.reset()  # the lone publishes left rows in the boxes
+    return {"row": row, "breakdown": breakdown}
+
+
+NOTES = [
+    "µs per layer: a forward of LAYERS layers / LAYERS (the embedding AttnRes shared among them)",
+    "ours: KimiDecoder CUDA-graph replayed, kernels with PDL as built; no PDL-off switch exists, "
+    "so 'without PDL' is not measured",
+    "compiled: torch.compile(mode='reduce-overhead') of the composite; cudagraph_skips should be 0",
+    "err eager / err comp.: the largest per-token relative L2 error of the composite's h (eager / compiled) "
+    "against ours",
+    "floor: weight bytes (routed experts: the distinct experts routed to) at 4.3 TB/s; activations not counted",
+    "breakdown: each op of layer 0 graph-replayed alone on its real arguments, weights rotated past L2; "
+    "a poll runs with its producer ('+' rows)",
+]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--tp8-rank", action="store_true", help="one TP8 rank's shard shapes, TP1 mailboxes")
+    parser.add_argument("--expert-intermediate", type=int, default=16, help="the routed experts' width (a stand-in)")
+    parser.add_argument("--json", help="write the rows and breakdowns here")
+    parser.add_argument("--smoke", action="store_true", help="KimiConfig.tiny(), every path once, no timing")
+    args = parser.parse_args(argv)
+    config = config_for(args)
+    torch._dynamo.config.cache_size_limit = 64  # a compiled graph per batch: more than the default 8
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not args.smoke and device != "cuda":
+        raise SystemExit("bench_layer times CUDA graphs: it needs a GPU (--smoke runs anywhere)")
+    name = "tiny" if args.smoke else "kimi_k3 TP8 rank" if args.tp8_rank else "kimi_k3"
+    decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device=device)
+    composite = CompositeDecoder(decoder)
+    results = {b: measure(decoder, composite, b, args.smoke) for b in args.batches}
+    where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"{where}, {name} TP1, {LAYERS}-layer KimiDecoder, median µs per layer"
+          + (" (smoke: no timing)" if args.smoke else ""))
+    columns = ("B", "eager", "eager graph", "compiled", "ours PDL", "floor", "ours/floor", "comp./ours", "skips",
+               "err eager", "err comp.")
+    rows = []
+    for b, result in results.items():
+        r = result["row"]
+        ratio = r["ours_us"] / r["floor_us"] if r["ours_us"] else None
+        speedup = r["compiled_us"] / r["ours_us"] if r["ours_us"] and r["compiled_us"] else None
+        rows.append(tuple("-" if v is None else v for v in (
+            b, r["eager_us"], r["eager_graph_us"], r["compiled_us"], r["ours_us"], r["floor_us"], ratio, speedup,
+            r["cudagraph_skips"], f"{r['rel_l2_max']:.2e}",
+            None if r["compiled_rel_l2_max"] is None else f"{r['compiled_rel_l2_max']:.2e}")))
+    print_table(rows, columns)
+    for b, result in results.items():
+        ops = result["breakdown"]
+        width = max(len(op["op"]) for op in ops)
+        print(f"\nbreakdown, B = {b}: µs per call; floor: the op's weight bytes; * not in the layer's Σ")
+        print(f"{'op':<{width + 2}s} {'ours':>10s} {'floor':>10s} {'ours/floor':>10s}")
+        layer = [op for op in ops if op["in_layer"]]
+        total = None if any(op["us"] is None for op in layer) else sum(op["us"] for op in layer)
+        for op in ops + [{"op": "Σ of the layer's ops", "us": total, "in_layer": True,
+                          "floor_us": sum(op["floor_us"] for op in layer)}]:
+            us, ratio = ("-", "-") if op["us"] is None else (f"{op['us']:.2f}", f"{op['us'] / op['floor_us']:.2f}"
+                                                             if op["floor_us"] else "-")
+            mark = " " if op["in_layer"] else "*"
+            print(f"{op['op']:<{width}s} {mark} {us:>10s} {op['floor_us']:10.2f} {ratio:>10s}")
+    for note in NOTES:
+        print("note:", note)
+    out = {"device": where, "config": name, "shapes": asdict(config), "layers": LAYERS, "smoke": args.smoke,
+           "notes": NOTES, "rows": [r["row"] for r in results.values()],
+           "breakdown": {str(b): r["breakdown"] for b, r in results.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
