@@ -1,7 +1,8 @@
 """bench_layer's breakdown as a PNG: per op of the layer, our time against its weight floor,
-one panel per batch (matplotlib; without it a clear message and exit status 1).
+one panel per batch (matplotlib; without it a clear message and exit status 1). Several
+JSON files (say one run per batch) of one config make one figure.
 
-    python benchmarks/plot_layer.py layer.json [--out layer.png]
+    python benchmarks/plot_layer.py layer.json [more.json ...] [--out layer.png]
 """
 
 import argparse
@@ -11,11 +12,17 @@ import sys
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json", help="bench_layer.py --json output")
-    parser.add_argument("--out", help="the PNG (default: the JSON's path with .png)")
+    parser.add_argument("json", nargs="+", help="bench_layer.py --json outputs (one config)")
+    parser.add_argument("--out", help="the PNG (default: the first JSON's path with .png)")
     args = parser.parse_args(argv)
-    with open(args.json) as f:
-        result = json.load(f)
+    runs = []
+    for path in args.json:
+        with open(path) as f:
+            runs.append(json.load(f))
+    if len({(run["config"], run["device"]) for run in runs}) > 1:
+        print("plot_layer: the JSON files are of different configs or devices", file=sys.stderr)
+        return 2
+    result = {**runs[0], "breakdown": {b: ops for run in runs for b, ops in run["breakdown"].items()}}
     try:
         import matplotlib
 
@@ -39,7 +46,7 @@ def main(argv=None) -> int:
         ax.set_title(f"{result['config']}, B = {batch}, {result['device']}" + (" (smoke: not timed)" if result["smoke"] else ""))
         ax.legend()
     fig.tight_layout()
-    out = args.out or args.json.rsplit(".", 1)[0] + ".png"
+    out = args.out or args.json[0].rsplit(".", 1)[0] + ".png"
     fig.savefig(out, dpi=120)
     print(out)
     return 0
