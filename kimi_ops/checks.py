@@ -79,9 +79,11 @@ def check_placement(op: str, written: dict, read: dict) -> None:
     other, or a read see a write)."""
     check_same_device(op, **written, **read)
     check_distinct(op, **written)
-    for name, tensor in read.items():
-        if tensor is not None:
-            check_distinct(op, **written, **{name: tensor})
+    buffers = named_tensors(written)
+    for name, tensor in named_tensors(read):  # each read against each written buffer, once
+        for buffer_name, buffer in buffers:
+            if torch._C._is_alias_of(tensor, buffer):
+                fail(op, name, f"a buffer of its own (not the memory of '{buffer_name}')", "the same memory")
 
 
 def check_range(op: str, name: str, value: float, low: float, high: float) -> None:

@@ -354,7 +354,7 @@ def poll_all(addresses, error: cute.Tensor, code: cutlass.Constexpr[int]):
     faulted = error[0] != cutlass.Int32(0)  # a fault is recorded: one look, no wait (the step is lost)
     while waiting:
         if not first:
-            cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
+            nap()
         first = cutlass.Boolean(False)
         waiting = cutlass.Boolean(False)
         for i in cutlass.range_constexpr(count):
@@ -366,6 +366,12 @@ def poll_all(addresses, error: cute.Tensor, code: cutlass.Constexpr[int]):
             cute.arch.atomic_or(error.iterator, cutlass.Int32(code))
             waiting = cutlass.Boolean(False)
     return [[values[i, k] for k in range(4)] for i in range(count)]
+
+
+@cute.jit
+def nap():
+    """A short sleep between polls (64 ns), so spinning warps leave the SM's issue slots to others."""
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
 
 
 @cute.jit

@@ -19,7 +19,7 @@ from .. import backend
 from ..mailbox import BARRIER_POLL
 from ..ops import mailbox_ops
 from .common import (
-    BARRIER_TIMEOUT_NS, addresses, compile_options, compiled, fake, fake_stream, hopper, launch, load_words,
+    BARRIER_TIMEOUT_NS, addresses, compile_options, compiled, fake, fake_stream, hopper, launch, load_words, nap,
     register_addresses, store_words,
 )
 
@@ -63,7 +63,7 @@ class GroupBarrier:
                         cute.arch.atomic_or(error.iterator, Int32(BARRIER_POLL))
                         waiting = cutlass.Boolean(False)
                     else:
-                        cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
+                        nap()
             fence_system()
         cute.arch.griddepcontrol_launch_dependents()
 

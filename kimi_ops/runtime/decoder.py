@@ -154,15 +154,15 @@ class KimiDecoder(nn.Module):
         self.to(device)
         self.boxes = DecodeBoxes(group, config, device)  # after .to(): static addresses
         if device.type == "cuda":  # compile kernels now, not in a capture
+            tp, hidden = group.tp, config.hidden
             backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
-            backend.prepare("situ", config.shared_intermediate // group.tp, "bfloat16")
+            backend.prepare("situ", config.shared_intermediate // tp, "bfloat16")
             backend.prepare("situ", config.expert_intermediate, "float32")
             batches = range(8, config.capacity + 8, 8)  # one compile per 8-token MMA group count
             # The peers' address tables too: built in a cudagraph-tree warm-up, they would
             # live in its pool untracked.
             peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks]
                      for kind in ("attn", "front", "latent", "rs", "out")}
-            tp, hidden = group.tp, config.hidden
             for n, k in ((config.q_lora, hidden), (32, hidden), (128, hidden),  # the DSA helpers (wq_a, w_head, wk)
                          (config.attn_out // tp, config.q_lora),  # the stand-in core
                          (2 * config.shared_intermediate // tp, hidden), (hidden, config.shared_intermediate // tp)):
@@ -172,13 +172,13 @@ class KimiDecoder(nn.Module):
             backend.prepare("oproj_publish", hidden, config.attn_out // tp, tp, batches, peers["attn"])
             backend.prepare("moe_front_publish", (config.experts + config.latent) // tp, hidden, config.experts // tp,
                             tp, batches, peers["front"])
-            backend.prepare("moe_tail_publish", config.latent, group.tp, peers["latent"])
-            backend.prepare("moe_tail_push", config.hidden, group.tp, peers["rs"])
-            backend.prepare("moe_tail_poll", group.tp, config.hidden // group.tp, config.latent, batches, peers["out"])
+            backend.prepare("moe_tail_publish", config.latent, tp, peers["latent"])
+            backend.prepare("moe_tail_push", hidden, tp, peers["rs"])
+            backend.prepare("moe_tail_poll", tp, hidden // tp, config.latent, batches, peers["out"])
             counts = range((num_layers - 1) // config.attn_res_block + 1)  # the completed blocks a residual sees
-            backend.prepare("attn_res", config.hidden, (group.tp, 1), counts)  # o-proj rows (TP sources), tail rows
+            backend.prepare("attn_res", hidden, (tp, 1), counts)  # o-proj rows (TP sources), tail rows
             if group.barrier:
-                backend.prepare("group_barrier", group.tp, [self.boxes.peers("sync", r) for r in group.ranks])
+                backend.prepare("group_barrier", tp, [self.boxes.peers("sync", r) for r in group.ranks])
         # Every rank built, its kernels compiled or loaded: the first step starts together (a
         # kernel loaded inside a step delays its rank past the group barrier's bound).
         group.host_barrier()
