@@ -58,7 +58,9 @@ def key_composite(k_in, norm_w, norm_b, eps, cache, slots):
     """The key insert in plain torch (every slot valid: the benchmark's)."""
     key = torch.nn.functional.layer_norm(k_in.float(), (DIM,), norm_w.float(), norm_b.float(), eps).bfloat16()
     q, scale = quantize(key)
-    cache.index_copy_(0, slots, torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], -1))
+    bits = scale.view(torch.int32)  # the scale's bytes by shifts: Inductor cannot view FP32 as bytes
+    scale_bytes = torch.cat([(bits >> shift) & 0xFF for shift in (0, 8, 16, 24)], -1).to(torch.uint8)
+    cache.index_copy_(0, slots, torch.cat([q.view(torch.uint8), scale_bytes], -1))
 
 
 def inputs(batch, device="cuda", seed=0):

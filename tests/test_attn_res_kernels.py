@@ -142,13 +142,20 @@ def poison(batch, hidden):
     del blocks
 
 
-def assert_matches(got, want):
+def assert_matches(got, want, blocks, out_norm_w, eps=1e-6):
     """new_partial bit for bit (the same FP32 chain in rank order); h and h_normed within
-    2 ulps, ≤ 2 % not bit-equal (test_ops' bounds: softmax's exp and division may flip an
-    α's last FP32 bit, rr's division against torch's reciprocal multiply)."""
+    2 ulps counted at the terms' magnitude, ≤ 25 % not bit-equal. The kernel's rsqrt.approx,
+    torch's on CUDA and torch's on the CPU each differ from the others by an ulp at times
+    (seen on the H200); an ulp of a key's rr can flip a BF16 key, which moves a logit by
+    ~2⁻⁸ |K q| and α by as much relatively: where α·V terms cancel, h moves by many of its
+    own ulps but under one of the terms', and at B = 1 a token's α shift moves all of h
+    (13 % of elements flipped, seen at N = 3, TP = 8)."""
     assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
-    for g, w in zip(got[1:], want[1:]):
-        assert_bf16_close(g, w, max_ulps=2, max_flipped=0.02)
+    terms = torch.cat([blocks, want[0][None]]).float().abs().amax(0)  # max_n |V_n|
+    h = want[1].float()
+    rr = torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    for g, w, magnitude in zip(got[1:], want[1:], (terms, terms * rr * out_norm_w.float().abs())):
+        assert_bf16_close(g, w, max_ulps=2, max_flipped=0.25, magnitude=magnitude)
 
 
 @on_hopper
@@ -159,7 +166,7 @@ def test_attn_res_kernel(batch, count, tp):
     args = args_of(batch, count, tp, seed=1000 * tp + 10 * count + batch)
     poison(batch, HIDDEN)
     got = kimi.attn_res(*args, 1e-6)
-    assert_matches(got, reference(kimi.attn_res, *args, 1e-6))
+    assert_matches(got, reference(kimi.attn_res, *args, 1e-6), args[0], args[5])
 
 
 @on_hopper
@@ -168,7 +175,7 @@ def test_attn_res_kernel_tiny_and_deep(count):
     for hidden, batch in ((TINY, 4), (HIDDEN, 2)):
         args = args_of(batch, count, 2, seed=count + hidden, hidden=hidden)
         poison(batch, hidden)
-        assert_matches(kimi.attn_res(*args, 1e-6), reference(kimi.attn_res, *args, 1e-6))
+        assert_matches(kimi.attn_res(*args, 1e-6), reference(kimi.attn_res, *args, 1e-6), args[0], args[5])
 
 
 @on_hopper
@@ -180,12 +187,12 @@ def test_attn_res_kernel_negative_zero_and_nan_rows():
     sublayer[1, 2, 77] = float("nan")
     got = kimi.attn_res(blocks, partial, sublayer, query, key_w, out_w, 1e-6)
     want = reference(kimi.attn_res, blocks, partial, sublayer, query, key_w, out_w, 1e-6)
-    assert_matches(got, want)
+    assert_matches(got, want, blocks, out_w)
     assert bool((got[0][1].view(torch.int16) == torch.tensor(-0x8000, dtype=torch.int16)).all())
     assert torch.isnan(got[1][2]).all() and torch.isnan(got[2][2]).all()
     assert not torch.isnan(got[1][[0, 1, 3]]).any() and int(torch.isnan(got[0][2]).sum()) == 1
     again = args_of(4, 3, 2, seed=10)  # later calls unaffected
-    assert_matches(kimi.attn_res(*again, 1e-6), reference(kimi.attn_res, *again, 1e-6))
+    assert_matches(kimi.attn_res(*again, 1e-6), reference(kimi.attn_res, *again, 1e-6), again[0], again[5])
 
 
 @on_hopper
@@ -238,7 +245,7 @@ def test_attn_res_take_kernel(batch, count, tp):
     poison(batch, HIDDEN)
     got = take(ours, 1, errors[0], blocks, partial, weights)
     want = reference(take, theirs, 1, errors[1], blocks, partial, weights)
-    assert_matches(got, want)
+    assert_matches(got, want, blocks, weights[2])
     assert armed(ours[1]) and torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
     assert int(errors[0]) == 0
     # the functional op on the same rows agrees bit for bit

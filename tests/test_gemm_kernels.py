@@ -229,7 +229,8 @@ def test_front_publish_stores_logit_words_and_latent_in_every_box(tp, batch):
         others = torch.ones(width, dtype=torch.bool)
         others[rank * latent_width : (rank + 1) * latent_width] = False
         others[logit_at : logit_at + 2 * experts] = False
-        assert armed(row[:, others])
+        if others.any():  # TP1: the rank's latent and logits fill the row
+            assert armed(row[:, others])
 
 
 @on_hopper
