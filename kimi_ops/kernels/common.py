@@ -48,10 +48,12 @@ def device_arch(device: int) -> str:
 
 @functools.cache
 def source_fingerprint() -> str:
-    """The kernels' sources and the toolchain: a changed kernel never loads a stale .o."""
+    """The kernels' sources, subpackages' included, and the toolchain: a changed kernel
+    never loads a stale .o."""
     digest = hashlib.sha256(f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS}".encode())
-    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
