@@ -43,7 +43,6 @@ import torch
 
 import kimi_ops  # noqa: F401
 from kimi_ops import KimiConfig, KimiDecoder
-from kimi_ops.moe import routed_experts
 
 sys.path.insert(0, os.path.dirname(__file__))
 from composite import CompositeDecoder  # noqa: E402
@@ -141,13 +140,13 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     attn_boxes = boxes.peers("attn", 0)
     unit("oproj_publish", lambda w: kimi.oproj_publish(attn, w, attn_boxes, 0), oproj.w_o, in_layer=False)
 
-    def take_attn(w):
-        kimi.oproj_publish(attn, w, attn_boxes, 0)
-        return kimi.mailbox_take(boxes.own("attn", 0), 0, batch, error)
-
-    rows = unit("oproj_publish + mailbox_take", take_attn, oproj.w_o)
     res_bytes = 3 * 2 * c.hidden
-    partial, _, x = unit("attn_res", lambda: decoder.residual(attn_res, empty, partial, rows), extra_bytes=res_bytes)
+
+    def take_attn(w, partial=partial):
+        kimi.oproj_publish(attn, w, attn_boxes, 0)
+        return decoder.residual_take(attn_res, boxes.own("attn", 0), empty, partial, batch, error)
+
+    partial, _, x = unit("oproj_publish + attn_res_take", take_attn, oproj.w_o, extra_bytes=res_bytes)
     front_boxes = boxes.peers("front", 0)
     unit("moe_front_publish", lambda w: kimi.moe_front_publish(x, w, c.experts, front_boxes, front.parity, 0),
          front.front, in_layer=False)
@@ -164,22 +163,21 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     shared = unit("oproj shared down", lambda w: kimi.oproj(act, w), front.shared_down)
     rs_boxes, latent_boxes = boxes.peers("rs", 0), boxes.peers("latent", 0)
     unit("moe_tail_push", lambda: kimi.moe_tail_push(shared, rs_boxes, front.parity, 0), in_layer=False)
-    expanded = unit("routed experts (stand-in)", lambda g, d: routed_experts(latent, ids, g, d),
+    expanded = unit("routed experts (stand-in)", lambda g, d: kimi.routed_experts(latent, ids, g, d, 0, 1),
                     front.expert_gate_up, front.expert_down)
     units[-1].floor_bytes = expert_bytes(front, ids)  # only the distinct experts routed to
     unit("moe_tail_publish", lambda: kimi.moe_tail_publish(expanded, weights, latent_boxes, tail.parity, 0),
          in_layer=False)
 
-    def tail_chain(w):
+    def tail_chain(w, partial=partial):
         kimi.moe_tail_push(shared, rs_boxes, tail.parity, 0)
         kimi.moe_tail_publish(expanded, weights, latent_boxes, tail.parity, 0)
         kimi.moe_tail_poll(boxes.own("latent", 0), boxes.own("rs", 0), tail.gamma, w, eps, boxes.peers("out", 0),
                            error, tail.parity, tail.rearm, c.capacity if tail.wrap else batch, 0, batch)
-        return kimi.mailbox_take(boxes.own("out", 0), 0, batch, error)
+        return decoder.residual_take(moe_res, boxes.own("out", 0), empty, partial, batch, error)
 
-    out_rows = unit("tail: push + publish + moe_tail_poll + take", tail_chain, tail.w_up,
-                    extra_bytes=tail.gamma.nbytes)
-    unit("attn_res (MoE)", lambda: decoder.residual(moe_res, empty, partial, out_rows), extra_bytes=res_bytes)
+    unit("tail: push + publish + moe_tail_poll + attn_res_take", tail_chain, tail.w_up,
+         extra_bytes=tail.gamma.nbytes + res_bytes)
     return units
 
 

@@ -11,6 +11,7 @@ TORCH_LIBRARY(kimi, m) {
   m.def("dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, float eps) -> (Tensor q, Tensor head_w)");
   m.def("dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps, Tensor(a!) cache, Tensor slots) -> ()");
   m.def("attn_res(Tensor blocks, Tensor partial, Tensor sublayer_out, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)");
+  m.def("routed_experts(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int rank, int tp) -> Tensor");
   m.def("mailbox_arm(Tensor(a!) box) -> ()");
   m.def("mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()");
   m.def("mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor");

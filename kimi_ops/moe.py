@@ -43,24 +43,10 @@ class MoeWeights:
         )
 
 
-def routed_experts(latent, ids, gate_up, down) -> torch.Tensor:
-    """Each token's 16 experts on its latent row: [B, 16, L] bf16, by rank. A plain-torch
-    stand-in (the experts are not a seed kernel): per expert a SwiGLU in the latent space,
-    BF16 at the activation and the output. Its FP32 accumulations are idealized as in
-    :mod:`kimi_ops.numerics`: each dot product of BF16 values is formed in float64 (exact
-    for such products up to float64's own rounding) and rounded once to FP32, so that no
-    summation order (eager's, Inductor's) changes a bit: the compiled decoder equals the
-    eager one (an FP32 einsum differed on 4 of 20 inputs at TP2)."""
-    batch, top_k = ids.shape
-    hidden = torch.einsum("bl,bril->bri", latent.double(), gate_up[ids].double()).float()
-    act = kimi.situ(hidden.reshape(batch * top_k, -1), 1.0, 0.0).view(batch, top_k, -1)
-    return torch.einsum("bri,brli->brl", act.double(), down[ids].double()).float().bfloat16()
-
-
 def moe_step(x: torch.Tensor, w: MoeWeights, config: KimiConfig) -> torch.Tensor:
     """x [B, H] bf16 → the MoE sublayer's output [B, H] bf16."""
     logits, latent = kimi.moe_front(x, w.front, config.experts)
     ids, weights = kimi.moe_route(logits, w.bias, config.routed_scale, config.renorm)
     shared = kimi.oproj(kimi.situ(kimi.oproj(x, w.shared_gate_up), 1.0, 0.0), w.shared_down)
-    expanded = routed_experts(latent, ids, w.expert_gate_up, w.expert_down)
+    expanded = kimi.routed_experts(latent, ids, w.expert_gate_up, w.expert_down, 0, 1)
     return kimi.moe_tail(expanded, weights, shared, w.gamma, w.w_up, config.eps)

@@ -34,6 +34,10 @@ SCHEMAS: dict[str, str] = {
         " Tensor key_norm_w, Tensor out_norm_w, float eps)"
         " -> (Tensor new_partial, Tensor h, Tensor h_normed)"
     ),
+    # The routed experts' stand-in (not a seed kernel; DESIGN §2's rows of this rank's experts).
+    "routed_experts": (
+        "routed_experts(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int rank, int tp) -> Tensor"
+    ),
     # Mailbox ops (DESIGN §4): every buffer written, the peers' boxes included, is marked
     # (x!), one alias set per argument.
     "mailbox_arm": "mailbox_arm(Tensor(a!) box) -> ()",

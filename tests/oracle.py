@@ -91,3 +91,14 @@ def attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
     alpha = torch.softmax((d(keys) * d(query)).sum(-1), 0)
     h = (alpha.unsqueeze(-1) * d(values)).sum(0).to(BF)
     return new_partial, h, rms(h, out_norm_w, eps)
+
+
+def routed_experts(latent, ids, gate_up, down, rank, tp):
+    experts = gate_up.shape[0]
+    rows = torch.zeros(latent.shape[0], ids.shape[1], latent.shape[1], dtype=BF)
+    for b, token in enumerate(ids.tolist()):
+        for k, e in enumerate(token):
+            if 0 <= e < experts and e // (experts // tp) == rank:
+                act = situ((d(gate_up[e]) @ d(latent[b])).float()[None], 1.0, 0.0)[0]
+                rows[b, k] = (d(down[e]) @ d(act)).float().to(BF)
+    return rows

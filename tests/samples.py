@@ -32,6 +32,9 @@ def sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
             rand(gen, 2, batch, 64), rand(gen, batch, 64), rand(gen, 2, batch, 64),
             rand(gen, 64, scale=0.1), rand(gen, 64) + 1, rand(gen, 64) + 1, 1e-6,
         )
+    if name == "routed_experts":  # E = 32 over TP2, rank 1: half the pairs zero
+        ids = torch.stack([torch.randperm(32, generator=gen)[:16] for _ in range(batch)]).to(torch.int32)
+        return rand(gen, batch, 64), ids, rand(gen, 32, 2 * 16, 64, scale=0.1), rand(gen, 32, 64, 16, scale=0.2), 1, 2
     return mailbox_sample_args(name, batch, gen)
 
 

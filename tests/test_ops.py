@@ -64,6 +64,24 @@ def test_situ(gen, device, batch, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("rank, tp", [(0, 1), (3, 4)])
+def test_routed_experts(gen, device, batch, rank, tp):
+    """Every rank's rows of its experts, the others zero; ids outside [0, E) give zero rows."""
+    experts, width, intermediate = 64, 256, 16
+    latent = randn(gen, batch, width, dtype=torch.bfloat16, device=device)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:16] for _ in range(batch)]).to(torch.int32)
+    ids[0, :2] = torch.tensor([-1, experts], dtype=torch.int32)
+    gate_up = randn(gen, experts, 2 * intermediate, width, dtype=torch.bfloat16, device=device, scale=width**-0.5)
+    down = randn(gen, experts, width, intermediate, dtype=torch.bfloat16, device=device, scale=intermediate**-0.5)
+    got = kimi.routed_experts(latent, ids.to(device), gate_up, down, rank, tp)
+    want = oracle.routed_experts(latent.cpu(), ids, gate_up.cpu(), down.cpu(), rank, tp)
+    assert_bf16_close(got, want, max_ulps=1, max_flipped=0.02)
+    served = (ids >= 0) & (ids < experts) & (ids // (experts // tp) == rank)
+    assert not got.cpu()[~served].any() and got.cpu()[served].abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
 def test_moe_front(gen, device, batch):
     x = randn(gen, batch, 1024, dtype=torch.bfloat16, device=device)
     w = randn(gen, 96 + 256, 1024, dtype=torch.bfloat16, device=device, scale=0.03)

@@ -134,14 +134,14 @@ def test_compiled_decoder_equals_eager_and_reinplaces_boxes():
         assert torch.equal(compiled(hidden_states(5, seed)), eager(hidden_states(5, seed)))
     compiled_module.check()
     calls = re.findall(r"torch\.ops\.kimi\.(\w+)\.default\((.*)\)", code)
-    mutating = {"mailbox_take", "moe_route_poll", "moe_tail_poll", "oproj_publish",
+    mutating = {"attn_res_take", "moe_route_poll", "moe_tail_poll", "oproj_publish",
                 "moe_front_publish", "moe_tail_push", "moe_tail_publish", "dsa_index_key_insert"}
     seen = {name for name, _ in calls} & mutating
     assert seen == mutating
     for name, args in calls:
         for box_list in re.findall(r"\[([^\]]*)\]", args):
             assert all(re.fullmatch(r"arg\d+_1", a.strip()) for a in box_list.split(",")), (name, args)
-        if name in ("mailbox_take", "moe_route_poll", "moe_tail_poll"):
+        if name in ("attn_res_take", "moe_route_poll", "moe_tail_poll"):
             assert re.match(r"arg\d+_1,", args), (name, args)
     assert ".copy_(" not in code and "clone" not in code
 
@@ -194,7 +194,7 @@ def test_reset_recovers_after_a_fault(compiled):
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_compiled_decoder_bit_equal_to_eager_at_every_tp(tp):
-    """The stand-in experts sum in float64 (moe.routed_experts), so Inductor's reduction
+    """The stand-in experts sum in float64 (kimi::routed_experts), so Inductor's reduction
     order cannot change a bit: ten random inputs, bit-equal at every TP."""
     torch._dynamo.reset()
     eager = KimiDecoder(CONFIG, 2, tp=tp, seed=14)

@@ -30,6 +30,7 @@ kimi::oproj(Tensor x, Tensor w) -> Tensor
 kimi::dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, float eps) -> (Tensor q, Tensor head_w)
 kimi::dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps, Tensor(a!) cache, Tensor slots) -> ()
 kimi::attn_res(Tensor blocks, Tensor partial, Tensor sublayer_out, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)
+kimi::routed_experts(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int rank, int tp) -> Tensor
 kimi::mailbox_arm(Tensor(a!) box) -> ()
 kimi::mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()
 kimi::mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor

@@ -2,7 +2,7 @@
 module holds an op family's checks, reference (the oracle) and fake;
 :mod:`kimi_ops.registry` attaches them to the dispatcher."""
 
-from . import attn_res, dsa, front, mailbox_ops, oproj, route, tail
+from . import attn_res, dsa, experts, front, mailbox_ops, oproj, route, tail
 
 # op name → (reference, fake); the schemas live in kimi_ops.schemas.
 OPS = {
@@ -14,5 +14,6 @@ OPS = {
     "dsa_index_front": (dsa.dsa_index_front, dsa.dsa_index_front_fake),
     "dsa_index_key_insert": (dsa.dsa_index_key_insert, dsa.dsa_index_key_insert_fake),
     "attn_res": (attn_res.attn_res, attn_res.attn_res_fake),
+    "routed_experts": (experts.routed_experts, experts.routed_experts_fake),
     **mailbox_ops.OPS,
 }

@@ -8,7 +8,7 @@ the output rows that the next AttnRes consumes.
 
 The attention core is a documented stand-in (not a seed kernel): attn = BF16(q_c @
 w_core.T), fed by q_c, the DSA index front's input rows; each rank computes its K/TP
-columns. Routed experts are plain torch in the latent space (:func:`kimi_ops.moe.routed_experts`);
+columns. Routed experts are a stand-in in the latent space (``kimi::routed_experts``);
 rank r serves experts [r·E/TP, (r+1)·E/TP) and zeroes the rows of the others.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from .. import backend
 from ..checks import fail_setting, is_int
 from ..config import PACKED, KimiConfig
-from ..mailbox import parities, raise_if_error
+from ..mailbox import KimiMailboxError, parities, raise_if_error
 from ..moe import MoeWeights
 from .boxes import DecodeBoxes
 from .groups import make_group
@@ -157,7 +157,7 @@ class KimiDecoder(nn.Module):
             tp, hidden = group.tp, config.hidden
             backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
             backend.prepare("situ", config.shared_intermediate // tp, "bfloat16")
-            backend.prepare("situ", config.expert_intermediate, "float32")
+            backend.prepare("routed_experts", config.latent, config.expert_intermediate)
             batches = range(8, config.capacity + 8, 8)  # one compile per 8-token MMA group count
             # The peers' address tables too: built in a cudagraph-tree warm-up, they would
             # live in its pool untracked.
@@ -176,12 +176,15 @@ class KimiDecoder(nn.Module):
             backend.prepare("moe_tail_push", hidden, tp, peers["rs"])
             backend.prepare("moe_tail_poll", tp, hidden // tp, config.latent, batches, peers["out"])
             counts = range((num_layers - 1) // config.attn_res_block + 1)  # the completed blocks a residual sees
-            backend.prepare("attn_res", hidden, (tp, 1), counts)  # o-proj rows (TP sources), tail rows
+            backend.prepare("attn_res", hidden, (1,), counts)  # the embedding's
+            backend.prepare("attn_res_take", hidden, (tp, 1), counts)  # o-proj rows (TP sources), tail rows
             if group.barrier:
                 backend.prepare("group_barrier", tp, [self.boxes.peers("sync", r) for r in group.ranks])
         # Every rank built, its kernels compiled or loaded: the first step starts together (a
         # kernel loaded inside a step delays its rank past the group barrier's bound).
         group.host_barrier()
+        if device.type == "cuda" and group.barrier:
+            self.warm_up()
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:
@@ -192,6 +195,11 @@ class KimiDecoder(nn.Module):
 
     def residual(self, res, blocks, partial, rows):
         return kimi.attn_res(blocks, partial, rows, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
+
+    def residual_take(self, res, box, blocks, partial, batch, error):
+        """AttnRes over the sublayer's rows taken from ``box`` (parity 0): polled, re-armed."""
+        return kimi.attn_res_take(box, 0, batch, error, blocks, partial, res.query, res.key_norm_w, res.out_norm_w,
+                                  self.config.eps)
 
     def check_inputs(self, hidden, slots) -> None:
         """forward's arguments (metadata only: no sync, so compiled and captured calls
@@ -232,8 +240,8 @@ class KimiDecoder(nn.Module):
                 part.attention(x[r], slots, boxes)
             self.barrier()
             for r, part in zip(ranks, layer):
-                rows = kimi.mailbox_take(boxes.own("attn", r), 0, batch, boxes.error(r))
-                partial[r], h[r], x[r] = self.residual(attn_res, blocks[r], partial[r], rows)
+                partial[r], h[r], x[r] = self.residual_take(attn_res, boxes.own("attn", r), blocks[r], partial[r],
+                                                            batch, boxes.error(r))
                 part.front_publish(x[r], boxes)
             self.barrier()
             for r, part in zip(ranks, layer):
@@ -243,8 +251,8 @@ class KimiDecoder(nn.Module):
                 part.tail.run(batch, boxes)
             self.barrier()
             for r in ranks:
-                rows = kimi.mailbox_take(boxes.own("out", r), 0, batch, boxes.error(r))
-                partial[r], h[r], x[r] = self.residual(moe_res, blocks[r], partial[r], rows)
+                partial[r], h[r], x[r] = self.residual_take(moe_res, boxes.own("out", r), blocks[r], partial[r],
+                                                            batch, boxes.error(r))
                 if (i + 1) % config.attn_res_block == 0:  # a block boundary (static)
                     blocks[r] = torch.cat([blocks[r], partial[r][None]])
                     partial[r] = torch.zeros_like(partial[r])
@@ -254,6 +262,21 @@ class KimiDecoder(nn.Module):
         ):
             self.check()
         return h[ranks[0]]
+
+    def warm_up(self) -> None:
+        """A multi-process group's first step of each batch bucket, before any real one: a
+        rank pays its one-time costs there (lazy module loads, allocator pools), which at TP8
+        on one GPU outlasted a peer's poll bound in the first real step. A poll that times
+        out meanwhile only sets an error word; every slot is −1 (no key written); reset()
+        then re-arms the boxes, so the first real step equals a fresh decoder's."""
+        config, device = self.config, self.boxes.error(self.group.ranks[0]).device
+        for batch in sorted({min(bucket, config.capacity) for bucket in range(8, config.capacity + 8, 8)}):
+            try:
+                self(torch.zeros(batch, config.hidden, dtype=torch.bfloat16, device=device),
+                     torch.full((batch,), -1, dtype=torch.int64, device=device))
+            except KimiMailboxError:
+                pass
+        self.reset()
 
     def barrier(self) -> None:
         """The end of a phase: every rank's stores into the boxes are done. A multi-process

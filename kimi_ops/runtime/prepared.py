@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from ..config import KimiConfig
-from ..moe import routed_experts
 from .boxes import DecodeBoxes
 
 kimi = torch.ops.kimi
@@ -89,9 +88,11 @@ class PreparedFront(Prepared):
         )
         shared = kimi.oproj(kimi.situ(kimi.oproj(x, self.shared_gate_up), 1.0, 0.0), self.shared_down)
         kimi.moe_tail_push(shared, boxes.peers("rs", rank), self.parity, rank)
-        expanded = routed_experts(latent, ids, self.expert_gate_up, self.expert_down)
-        mine = (ids // (config.experts // self.tp) == rank).unsqueeze(-1)
-        return torch.where(mine, expanded, torch.zeros_like(expanded)), weights
+        return self.experts(latent, ids), weights
+
+    def experts(self, latent, ids):
+        """This rank's routed experts' rows [B, 16, L] (the others' zero)."""
+        return kimi.routed_experts(latent, ids, self.expert_gate_up, self.expert_down, self.rank, self.tp)
 
 
 class PreparedTail(Prepared):

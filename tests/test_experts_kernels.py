@@ -1,0 +1,112 @@
+"""The routed experts' CuTe kernel (kernels/experts.py): its variants compile for sm_90a
+without a GPU, with no spills and no ptxas performance note; on a Hopper GPU
+``kimi::routed_experts`` equals the reference backend on the same device (outputs
+poisoned first, fresh inputs) at every batch up to CAP, at TP1 and at a TP8 rank, with
+repeated experts across tokens (each expert served once), repeated ids in a token, ids
+outside [0, E), −0 and NaN latent rows; it replays from a CUDA graph."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+
+from kimi_ops.kernels import experts  # noqa: E402
+
+from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
+
+kimi = torch.ops.kimi
+K3, TINY = (3584, 16, 896), (128, 16, 64)  # (L, I, E): kimi_k3's stand-in, KimiConfig.tiny's L and E
+
+
+@pytest.mark.parametrize("latent, intermediate", [(3584, 16), (3584, 8), (128, 16), (256, 16), (64, 8)])
+def test_routed_experts_compiles(latent, intermediate, clean_ptxas):
+    cluster = experts.cluster_for(latent, intermediate)
+    assert experts.compile_routed_experts.build(latent, intermediate, cluster) is not None
+    clean_ptxas()
+
+
+def test_a_cluster_slices_the_latent_into_packets_of_its_threads():
+    assert experts.cluster_for(3584, 16) == 8 and experts.cluster_for(128, 16) == 2 and experts.cluster_for(64, 8) == 1
+    for latent in (64, 128, 256, 1024, 3584, 7168):
+        for intermediate in (8, 16, 32):
+            cluster = experts.cluster_for(latent, intermediate)
+            kernel = experts.RoutedExperts(latent, intermediate, cluster)
+            assert kernel.packets * cluster * 8 == latent and kernel.threads <= experts.MAX_THREADS
+            assert kernel.gate_rows * experts.GROUPS == 2 * intermediate  # every gate/up row once
+            assert kernel.writers * experts.ROWS_OUT == kernel.packets * 8 and kernel.writers <= kernel.threads
+    assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
+    assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference
+    assert "multiple of 64" in experts.unsupported_shape(100, 16, 1)
+    assert "tokens" in experts.unsupported_shape(3584, 16, experts.MAX_BATCH + 1)
+
+
+def args_of(batch, shape, seed, device="cuda"):
+    """Latent rows ~ N(0, 1), weights scaled like trained ones, ids as routing gives them
+    (16 distinct experts a token), drawn from a third of E so that tokens share experts."""
+    latent, intermediate, count = shape
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(count // 3, generator=gen)[:16] * 3 for _ in range(batch)]).to(torch.int32)
+
+    def rand(*size, scale):
+        return (torch.randn(*size, generator=gen) * scale).bfloat16().to(device)
+
+    return (rand(batch, latent, scale=1.0), ids.to(device), rand(count, 2 * intermediate, latent, scale=latent**-0.5),
+            rand(count, latent, intermediate, scale=intermediate**-0.5))
+
+
+def poison(batch, latent):
+    """Freed NaN blocks of the output's size: the caching allocator hands one to the op."""
+    blocks = [torch.full((batch, 16, latent), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    del blocks
+
+
+def assert_matches(got, want):
+    """The rows within an ulp, ≤ 1 % not bit-equal (situ's sigmoid and the FP64 sums'
+    rounding at a tie); the zero rows exactly."""
+    assert_bf16_close(got, want, max_ulps=1, max_flipped=0.01)
+    assert torch.equal(got == 0, want == 0)
+
+
+@on_hopper
+@pytest.mark.parametrize("rank, tp", [(0, 1), (5, 8)])
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+def test_routed_experts_kernel(batch, rank, tp):
+    args = args_of(batch, K3, seed=100 * tp + batch)
+    poison(batch, K3[0])
+    got = kimi.routed_experts(*args, rank, tp)
+    assert_matches(got, reference(kimi.routed_experts, *args, rank, tp))
+
+
+@on_hopper
+def test_routed_experts_kernel_tiny_and_odd_ids():
+    """KimiConfig.tiny's L and E (a cluster of two); a token with a repeated id (both rows written), ids −1 and
+    E (zero rows), −0 and NaN latent rows (NaN rows only where the NaN token's experts are)."""
+    latent, ids, gate_up, down = args_of(6, TINY, seed=7)
+    ids[0, 3] = ids[0, 4]
+    ids[1, 0], ids[1, 1] = -1, TINY[2]
+    latent[2] = -0.0
+    latent[3, 5] = float("nan")
+    poison(6, TINY[0])
+    for rank, tp in ((0, 1), (1, 2)):
+        got = kimi.routed_experts(latent, ids, gate_up, down, rank, tp)
+        want = reference(kimi.routed_experts, latent, ids, gate_up, down, rank, tp)
+        assert_bf16_close(got, want, max_ulps=1, max_flipped=0.01)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+
+
+@on_hopper
+def test_routed_experts_kernel_replays_from_a_graph():
+    args = args_of(8, K3, seed=11)
+    first = kimi.routed_experts(*args, 0, 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = kimi.routed_experts(*args, 0, 1)
+    for seed in range(12, 17):
+        fresh = args_of(8, K3, seed=seed)
+        for buffer, value in zip(args, fresh):
+            buffer.copy_(value)
+        graph.replay()
+        assert torch.equal(static, kimi.routed_experts(*args, 0, 1))
+    assert not torch.equal(static, first)
