@@ -110,11 +110,15 @@ def dirty_shared_memory():
 
 def reference(op, *args):
     """``op(*args)`` under the reference backend (the oracle on the same device)."""
+    before = os.environ.get("KIMI_OPS_BACKEND")
     os.environ["KIMI_OPS_BACKEND"] = "reference"
     try:
         return op(*args)
     finally:
-        del os.environ["KIMI_OPS_BACKEND"]
+        if before is None:
+            del os.environ["KIMI_OPS_BACKEND"]
+        else:
+            os.environ["KIMI_OPS_BACKEND"] = before
 
 
 def benchmark(name: str):

@@ -94,11 +94,14 @@ def attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
 
 
 def routed_experts(latent, ids, gate_up, down, rank, tp):
+    """(rows [B, 16, L] bf16, their terms' magnitude Σ_j |act_j · down[e, l, j]|)."""
     experts = gate_up.shape[0]
     rows = torch.zeros(latent.shape[0], ids.shape[1], latent.shape[1], dtype=BF)
+    magnitude = torch.zeros(rows.shape, dtype=torch.float64)
     for b, token in enumerate(ids.tolist()):
         for k, e in enumerate(token):
             if 0 <= e < experts and e // (experts // tp) == rank:
-                act = situ((d(gate_up[e]) @ d(latent[b])).float()[None], 1.0, 0.0)[0]
-                rows[b, k] = (d(down[e]) @ d(act)).float().to(BF)
-    return rows
+                act = d(situ((d(gate_up[e]) @ d(latent[b])).float()[None], 1.0, 0.0)[0])
+                rows[b, k] = (d(down[e]) @ act).float().to(BF)
+                magnitude[b, k] = d(down[e]).abs() @ act.abs()
+    return rows, magnitude

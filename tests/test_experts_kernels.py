@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
+from kimi_ops import backend  # noqa: E402
 from kimi_ops.kernels import experts  # noqa: E402
 
 from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
@@ -29,7 +30,7 @@ def test_routed_experts_compiles(latent, intermediate, clean_ptxas):
 
 def test_a_cluster_slices_the_latent_into_packets_of_its_threads():
     assert experts.cluster_for(3584, 16) == 8 and experts.cluster_for(128, 16) == 2 and experts.cluster_for(64, 8) == 1
-    for latent in (64, 128, 256, 1024, 3584, 7168):
+    for latent in (64, 128, 256, 1024, 3584, 4096):
         for intermediate in (8, 16, 32):
             cluster = experts.cluster_for(latent, intermediate)
             kernel = experts.RoutedExperts(latent, intermediate, cluster)
@@ -39,6 +40,7 @@ def test_a_cluster_slices_the_latent_into_packets_of_its_threads():
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
     assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference
     assert "multiple of 64" in experts.unsupported_shape(100, 16, 1)
+    assert "up to 4096" in experts.unsupported_shape(7168, 16, 1)  # 448 threads would spill
     assert "tokens" in experts.unsupported_shape(3584, 16, experts.MAX_BATCH + 1)
 
 
@@ -62,6 +64,12 @@ def poison(batch, latent):
     del blocks
 
 
+def served_by_the_kernel(*args):
+    """The call's arguments are the kernel's (under the auto backend an unsupported call
+    would compare the reference with itself)."""
+    assert backend.KERNELS["routed_experts"].unsupported(*args) is None
+
+
 def assert_matches(got, want):
     """The rows within an ulp, ≤ 1 % not bit-equal (situ's sigmoid and the FP64 sums'
     rounding at a tie); the zero rows exactly."""
@@ -74,6 +82,7 @@ def assert_matches(got, want):
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_routed_experts_kernel(batch, rank, tp):
     args = args_of(batch, K3, seed=100 * tp + batch)
+    served_by_the_kernel(*args, rank, tp)
     poison(batch, K3[0])
     got = kimi.routed_experts(*args, rank, tp)
     assert_matches(got, reference(kimi.routed_experts, *args, rank, tp))
@@ -88,12 +97,24 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
     ids[1, 0], ids[1, 1] = -1, TINY[2]
     latent[2] = -0.0
     latent[3, 5] = float("nan")
-    poison(6, TINY[0])
     for rank, tp in ((0, 1), (1, 2)):
+        served_by_the_kernel(latent, ids, gate_up, down, rank, tp)
+        poison(6, TINY[0])
         got = kimi.routed_experts(latent, ids, gate_up, down, rank, tp)
         want = reference(kimi.routed_experts, latent, ids, gate_up, down, rank, tp)
-        assert_bf16_close(got, want, max_ulps=1, max_flipped=0.01)
+        assert_matches(got, want)
         assert torch.equal(torch.isnan(got), torch.isnan(want))
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", [33, experts.MAX_BATCH])
+def test_routed_experts_kernel_one_cta_per_expert_and_wide_batches(batch):
+    """L = 64, I = 8 (a cluster of one) at batches past the mask loop's stride and at the
+    kernel's largest."""
+    args = args_of(batch, (64, 8, 48), seed=batch)
+    served_by_the_kernel(*args, 2, 3)
+    poison(batch, 64)
+    assert_matches(kimi.routed_experts(*args, 2, 3), reference(kimi.routed_experts, *args, 2, 3))
 
 
 @on_hopper

@@ -74,8 +74,9 @@ def test_routed_experts(gen, device, batch, rank, tp):
     gate_up = randn(gen, experts, 2 * intermediate, width, dtype=torch.bfloat16, device=device, scale=width**-0.5)
     down = randn(gen, experts, width, intermediate, dtype=torch.bfloat16, device=device, scale=intermediate**-0.5)
     got = kimi.routed_experts(latent, ids.to(device), gate_up, down, rank, tp)
-    want = oracle.routed_experts(latent.cpu(), ids, gate_up.cpu(), down.cpu(), rank, tp)
-    assert_bf16_close(got, want, max_ulps=1, max_flipped=0.02)
+    want, magnitude = oracle.routed_experts(latent.cpu(), ids, gate_up.cpu(), down.cpu(), rank, tp)
+    # An act flipped by the CPU's and CUDA's sigmoid moves a row by an ulp of its terms
+    assert_bf16_close(got, want, max_ulps=1, max_flipped=0.02, magnitude=magnitude)
     served = (ids >= 0) & (ids < experts) & (ids // (experts // tp) == rank)
     assert not got.cpu()[~served].any() and got.cpu()[served].abs().sum() > 0
 

@@ -1,11 +1,12 @@
 """The routed experts' stand-in on Hopper (``kimi::routed_experts``; not a seed kernel).
 
-A cluster of ``cluster`` CTAs per (token, expert) pair (grid B · 16 · cluster); CTA c of a
-cluster owns the latent slice of packets (8 columns) [c·P, (c+1)·P). The cluster of pair
-(b, k), expert e = ids[b, k], serves e for every token routed to it if (b, k) is e's first
-pair and e is this rank's; the other clusters of e exit, so each routed expert's weights
-are read once a step, with no gather and no sort. A pair of another rank's expert (or an
-id outside [0, E)) gets a zero row from its own cluster.
+Clusters of ``cluster`` CTAs (as many as fit the SMs, one CTA an SM) take the (token,
+expert) pairs round robin; CTA c of a cluster owns the latent slice of packets (8 columns)
+[c·P, (c+1)·P). For pair (b, k), expert e = ids[b, k]: if e is this rank's and (b, k) is
+its first pair (token-major; the CTA's threads scan ids[:pair]), the cluster serves e for
+every token routed to it; a later pair of e is skipped, so each routed expert's weights are
+read once a step, with no gather and no sort. A pair of another rank's expert (or an id
+outside [0, E)) gets a zero row.
 
 For each token of e, the reference's rounding points:
 
@@ -15,13 +16,17 @@ For each token of e, the reference's rounding points:
 2. act_j = situ(hidden_j, hidden_{I+j}): gate and up rounded to BF16, FP32 math, BF16.
 3. row_l = BF16(FP32(Σ_j act_j · down[e, l, j])), the sum in FP64.
 
-4·P threads. Phase 1: thread t takes packet t % P of rows t // P + 4k (k < 2I/4), phase 2 threads t < 2P rows 4t..4t+3 of the slice (one 8-byte store): both keep their
-weights in registers across e's tokens. One cluster barrier a token; its slots alternate between two
+4·P threads. Phase 1: thread t takes packet t % P of rows t // P + 4k (k < 2I/4); phase
+2: threads t < 2P rows 4t..4t+3 of the slice (one 8-byte store). Both keep e's weights in
+registers across its tokens. One cluster barrier a token; its slots alternate between two
 buffers, so a CTA may start the next token while a peer still reads the last one's.
 """
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import BFloat16, Float32, Float64, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
@@ -39,7 +44,7 @@ ROWS_OUT = 4  # phase 2's output rows a thread writes
 # down rows reloaded a token), so it runs the reference.
 MAX_INTERMEDIATE = 16
 MAX_BATCH = 1024  # the tokens' match masks in shared memory
-MAX_THREADS = 1024
+MAX_THREADS = 256  # 194 registers a thread at I = 16: more threads spill (L = 7168: 448, 140 B)
 
 
 def cluster_for(latent: int, intermediate: int) -> int | None:
@@ -63,63 +68,69 @@ class RoutedExperts(Release):
 
     @cute.jit
     def __call__(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
-                 out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, stream):
-        """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]."""
-        self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts).launch(
-            grid=[out.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
+                 out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, clusters: Int32,
+                 stream):
+        """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L];
+        ``clusters`` ≤ B·16 clusters take the pairs round robin."""
+        self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, clusters).launch(
+            grid=[clusters * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
             stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
-               out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32):
+               out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, clusters: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        pair, part = cta // self.cluster, cta % self.cluster
         self.release_early()
-        smem = SmemAllocator()
-        double = 2 * self.intermediate
-        partials = smem.allocate_tensor(Float64, cute.make_layout((double, self.packets), stride=(self.packets, 1)), 16)
-        received = smem.allocate_tensor(
-            Float64, cute.make_layout((2, double, self.cluster), stride=(double * self.cluster, self.cluster, 1)), 16)
-        acts = smem.allocate_tensor(Float32, cute.make_layout((2, self.intermediate), stride=(self.intermediate, 1)),
-                                    16)
-        masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
-        cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
-        expert = ids[pair]
-        served = Int32(0)
-        if expert >= 0:
-            if expert < experts:
-                if expert // per_rank == rank:
-                    served = Int32(1)
+        space = self.allocate()
         writer = clamp(tid, self.writers - 1)
-        column = part * self.packets * 8 + ROWS_OUT * writer  # phase 2's first row of the slice
-        if served == 0:
-            if tid < self.writers:
-                store_words(out.iterator + pair * self.latent + column, [Uint32(0), Uint32(0)])
-        else:
-            for b in cutlass.range(tid, batch, self.threads, unroll=1):
-                mask = Int32(0)
-                for k in cutlass.range_constexpr(TOP_K):
-                    if ids[b * TOP_K + k] == expert:
-                        mask = mask | Int32(1 << k)
-                masks[b] = mask
-            cute.arch.sync_threads()
-            token = pair // TOP_K
-            first = Int32(1)  # no earlier pair (token-major) has this expert
-            for b in cutlass.range(token, unroll=1):
-                if masks[b] != 0:
-                    first = Int32(0)
-            if (masks[token] & ((Int32(1) << (pair % TOP_K)) - Int32(1))) != 0:
-                first = Int32(0)
-            if first == 1:
-                self.serve(latent, gate_up, down, out, batch, expert, token, part, tid, writer, column, partials,
-                           received, acts, masks)
+        column = (cta % self.cluster) * self.packets * 8 + ROWS_OUT * writer  # phase 2's first row of the slice
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
+            cute.arch.cluster_wait()
+        cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
+        turn = cute.make_rmem_tensor(1, Int32)  # tokens served so far: the exchange slots' buffer
+        turn[0] = Int32(0)
+        for pair in cutlass.range(cta // self.cluster, batch * TOP_K, clusters, unroll=1):
+            expert = ids[pair]
+            served = Int32(0)
+            if expert >= 0:
+                if expert < experts:
+                    if expert // per_rank == rank:
+                        served = Int32(1)
+            if served == 0:
+                if tid < self.writers:
+                    store_words(out.iterator + pair * self.latent + column, [Uint32(0), Uint32(0)])
+            elif self.first_pair(ids, expert, pair, space, tid) != 0:
+                self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, cta % self.cluster, tid,
+                           column, space, turn)
         self.release_late()
 
     @cute.jit
-    def serve(self, latent, gate_up, down, out, batch, expert, token, part, tid, writer, column, partials, received,
-              acts, masks):
-        """Every token from ``token`` on whose mask holds ``expert``: steps 1-3."""
+    def first_pair(self, ids, expert, pair, space, tid) -> Int32:
+        """1 if no earlier pair (token-major) has ``expert``: the CTA's threads scan ids[:pair]."""
+        flag = space[4]
+        cute.arch.sync_threads()  # every thread read the last pair's flag and masks
+        if tid == 0:
+            flag[0] = Int32(0)
+        cute.arch.sync_threads()
+        for j in cutlass.range(tid, pair, self.threads, unroll=1):
+            if ids[j] == expert:
+                flag[0] = Int32(1)
+        cute.arch.sync_threads()
+        return Int32(1) - flag[0]
+
+    @cute.jit
+    def serve(self, latent, ids, gate_up, down, out, batch, expert, token, part, tid, column, space, turn):
+        """Every token from ``token`` on routed to ``expert``: steps 1-3 (its masks: which of
+        the token's 16 slots hold it)."""
+        partials, received, acts, masks, _ = space
+        for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
+            mask = Int32(0)
+            for k in cutlass.range_constexpr(TOP_K):
+                if ids[b * TOP_K + k] == expert:
+                    mask = mask | Int32(1 << k)
+            masks[b] = mask
         packet, group = tid % self.packets, tid // self.packets
         offset = (part * self.packets + packet) * 8
         gate_w = [load_words(gate_up.iterator + (expert * 2 * self.intermediate + group + GROUPS * k)
@@ -127,11 +138,7 @@ class RoutedExperts(Release):
         down_w = [[word for j in range(0, self.intermediate, 8)
                    for word in load_words(down.iterator + (expert * self.latent + column + i) * self.intermediate + j)]
                   for i in range(ROWS_OUT)]
-        if cutlass.const_expr(self.cluster > 1):
-            cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
-            cute.arch.cluster_wait()
-        turn = cute.make_rmem_tensor(1, Int32)  # tokens served so far: the slots' buffer
-        turn[0] = Int32(0)
+        cute.arch.sync_threads()  # the masks
         for b in cutlass.range(token, batch, unroll=1):
             mask = masks[b]
             if mask != 0:
@@ -154,6 +161,22 @@ class RoutedExperts(Release):
                         if ((mask >> k) & Int32(1)) != 0:
                             store_words(out.iterator + (b * TOP_K + k) * self.latent + column, words)
                 turn[0] = turn[0] + Int32(1)
+
+    @cute.jit
+    def allocate(self):
+        """(partials [2I, P] FP64 (rows padded: conflict-free column reads), received
+        [2, 2I, cluster] FP64, acts [2, I] FP32, masks [MAX_BATCH], the first-pair flag)."""
+        smem = SmemAllocator()
+        double = 2 * self.intermediate
+        partials = smem.allocate_tensor(Float64, cute.make_layout((double, self.packets), stride=(self.packets + 1, 1)),
+                                        16)
+        received = smem.allocate_tensor(
+            Float64, cute.make_layout((2, double, self.cluster), stride=(double * self.cluster, self.cluster, 1)), 16)
+        acts = smem.allocate_tensor(Float32, cute.make_layout((2, self.intermediate), stride=(self.intermediate, 1)),
+                                    16)
+        masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
+        flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
+        return partials, received, acts, masks, flag
 
     @cute.jit
     def share(self, partials, received, buffer, part, tid):
@@ -199,7 +222,7 @@ def compile_routed_experts(latent: int, intermediate: int, cluster: int, early: 
     return cute.compile(
         RoutedExperts(latent, intermediate, cluster, early), fake(BFloat16, (tokens, latent)),
         fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
-        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), fake_stream(),
+        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), fake_stream(),
         options=compile_options(),
     )
 
@@ -209,10 +232,16 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
         return (f"the kernel keeps an expert's rows in registers: I must be a multiple of 8 in "
                 f"[8, {MAX_INTERMEDIATE}], got {intermediate}")
     if latent % 64 or cluster_for(latent, intermediate) is None:
-        return f"the kernel splits L into whole warps of packets per CTA: L must be a multiple of 64, got {latent}"
+        return (f"the kernel splits L over a cluster of at most {CLUSTERS[0]} CTAs, each a multiple of 8 packets "
+                f"and at most {MAX_THREADS // GROUPS}: L must be a multiple of 64 up to 4096, got {latent}")
     if batch > MAX_BATCH:
         return f"the kernel matches at most {MAX_BATCH} tokens, got B = {batch}"
     return None
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def variant(latent: int, intermediate: int):
@@ -239,8 +268,9 @@ class RoutedExpertsKernel:
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
+            clusters = min(batch * TOP_K, max(1, multiprocessors(latent.device) // cluster_for(width, intermediate)))
             variant(width, intermediate)(latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate),
-                                         out.view(-1, width), batch, rank, experts // tp, experts)
+                                         out.view(-1, width), batch, rank, experts // tp, experts, clusters)
         return out
 
 
