@@ -22,7 +22,7 @@ import torch
 from kimi_ops import KimiArgumentError, KimiConfig, KimiDecoder, KimiMailboxError, launch
 from kimi_ops.mailbox import SENTINEL, parities
 
-CONFIG = KimiConfig.tiny(latent=256)  # the tail kernels' shapes (as tests/test_gpu.py)
+CONFIG = KimiConfig.tiny(latent=256, expert_intermediate=16)  # the tail and expert kernels (as test_gpu)
 LAYERS, SEED, BATCHES, INPUTS, REPLAYS = 6, 21, (1, 5, 64), 4, 100
 
 
