@@ -1,4 +1,4 @@
-"""Where the time of kimi::moe_tail goes: the phase clock (kernels.tail.Stamps) of MoeTail or
+"""Where the time of kimi::moe_tail goes: the phase clock (kernels.common.Stamps) of MoeTail or
 WaveMoeTail at TP1, CUDA-graph replayed with the weights L2-cold as in bench_tail.py. Per phase,
 µs from the call's first CTA start: earliest / median / latest CTA (median over the
 graph's calls), and the CTAs' median by their own SM clock from their own start.
@@ -12,7 +12,8 @@ import sys
 import torch
 
 import kimi_ops  # noqa: F401
-from kimi_ops.kernels import tail
+from kimi_ops.kernels.tail import host
+from kimi_ops.kernels.tail.common import PHASES
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_tail import COPIES, HIDDEN, LATENT, activations, layer_weights  # noqa: E402
@@ -22,10 +23,10 @@ CALLS = COPIES * 4
 
 
 def profile(batch: int, w_ups, gamma) -> None:
-    ctas = tail.functional_ctas(HIDDEN, LATENT, batch)
-    phases = len(tail.Stamps.PHASES)
+    ctas = host.functional_ctas(HIDDEN, LATENT, batch)
+    phases = len(PHASES)
     buffers = torch.zeros(CALLS, ctas * phases * 2, dtype=torch.int64, device="cuda")
-    kernel = tail.TailKernel()
+    kernel = host.TailKernel()
     expanded, weights, shared = activations(batch)
     turn = [0]
 
@@ -41,7 +42,7 @@ def profile(batch: int, w_ups, gamma) -> None:
     print(f"B={batch}: {us:.2f} µs per call; the next call starts {overlap:.2f} µs before the last CTA "
           f"ends; SM clock {ghz:.2f} GHz")
     print(f"{'phase':>14s} {'first':>7s} {'median':>7s} {'last':>7s} {'own clock':>9s}")
-    for name, row in zip([n for n, s in zip(tail.Stamps.PHASES, stamped) if s], table):
+    for name, row in zip([n for n, s in zip(PHASES, stamped) if s], table):
         print(f"{name:>14s} " + " ".join(f"{v:7.2f}" for v in row[:3]) + f" {row[3]:9.2f}")
 
 

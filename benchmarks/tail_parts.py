@@ -12,7 +12,7 @@ import os
 import sys
 
 import kimi_ops  # noqa: F401
-from kimi_ops.kernels import tail
+from kimi_ops.kernels.tail import host
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_tail import COPIES, activations, composite, layer_weights  # noqa: E402
@@ -26,7 +26,7 @@ def main() -> None:
     w_ups, gamma = layer_weights()
     expanded, weights, shared = activations(1)
     graph_us(lambda: composite(expanded, weights, shared, gamma, w_ups[0], 1e-6))  # bench_tail's state
-    kernel, rows = tail.TailKernel(), []
+    kernel, rows = host.TailKernel(), []
     for batch in [int(b) for b in sys.argv[1:]] or BATCHES:
         expanded, weights, shared = activations(batch)
         out = shared.new_empty((batch, w_ups[0].shape[0]))

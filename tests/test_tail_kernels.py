@@ -1,4 +1,4 @@
-"""The CuTe MoE tail (kernels/tail.py): every variant compiles for sm_90a without a GPU,
+"""The CuTe MoE tail (kernels/tail/): every variant compiles for sm_90a without a GPU,
 with no spills and no ptxas performance note; on a Hopper GPU the functional op and the
 mailbox ops match the reference backend, polls are bounded, and a 6-layer tail stack
 replays from a CUDA graph 1000 times."""
@@ -8,7 +8,9 @@ import torch
 
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
-from kimi_ops.kernels import tail  # noqa: E402
+from kimi_ops.kernels.common import SMEM_BYTES  # noqa: E402
+from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
+from kimi_ops.kernels.tail import host, split, wave  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
 from kimi_ops.runtime.boxes import TailBoxes  # noqa: E402
 
@@ -24,36 +26,36 @@ LATENT, HIDDEN, CAPACITY = 3584, 7168, 64
 @pytest.mark.parametrize("batch", [1, 4, 8, 64])
 @pytest.mark.parametrize("publish", [False, True])
 def test_tail_compiles(tp, batch, publish, clean_ptxas):
-    assert tail.compile_tail.build(tp, HIDDEN // tp, LATENT, tail.groups_of(batch), publish) is not None
+    assert host.compile_tail.build(tp, HIDDEN // tp, LATENT, host.groups_of(batch), publish) is not None
     clean_ptxas()
 
 
 def test_stamping_tail_compiles(clean_ptxas):  # benchmarks/profile_tail.py's variant
-    assert tail.compile_tail.build(1, HIDDEN, LATENT, 1, False, True) is not None
+    assert host.compile_tail.build(1, HIDDEN, LATENT, 1, False, True) is not None
     clean_ptxas()
 
 
 @pytest.mark.parametrize("batch, stamps", [(32, False), (64, False), (64, True)])
 def test_wave_tail_compiles(batch, stamps, clean_ptxas):
-    assert tail.compile_wave_tail.build(HIDDEN, LATENT, tail.groups_of(batch), stamps) is not None
+    assert host.compile_wave_tail.build(HIDDEN, LATENT, host.groups_of(batch), stamps) is not None
     clean_ptxas()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("batch", [32, 64])
 def test_poll_wave_compiles(tp, batch, clean_ptxas):
-    assert tail.compile_poll_front.build(LATENT, tp, HIDDEN // tp) is not None
-    assert tail.compile_wave_tail.build(HIDDEN // tp, LATENT, tail.groups_of(batch), False, tp) is not None
+    assert host.compile_poll_front.build(LATENT, tp, HIDDEN // tp) is not None
+    assert host.compile_wave_tail.build(HIDDEN // tp, LATENT, host.groups_of(batch), False, tp) is not None
     clean_ptxas(2)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_fronts_and_push_compile(tp, clean_ptxas):
-    assert tail.compile_front.build(LATENT, tp) is not None
-    assert tail.compile_push.build(HIDDEN, tp) is not None
+    assert host.compile_front.build(LATENT, tp) is not None
+    assert host.compile_push.build(HIDDEN, tp) is not None
     if tp == 1:
         for per_sm in (1, 2):
-            assert tail.compile_norm_front.build(LATENT, per_sm) is not None
+            assert host.compile_norm_front.build(LATENT, per_sm) is not None
     clean_ptxas(4 if tp == 1 else 2)
 
 
@@ -61,48 +63,48 @@ def test_stash_takes_what_the_registers_hold():
     """Functional mode holds 32 registers per stashed chunk per lane beside 12 per token
     group (ptxas -v, no spills under the 168 cap of nine warps: 156 registers at B <= 8,
     129 at B = 16, 168 at B = 32, 152 at B = 64); publish mode's polls leave no room."""
-    assert [tail.plan_for(1, HIDDEN, LATENT, g).stash for g in (1, 2, 4, 8)] == [4, 3, 3, 1]
-    assert tail.MoeTail(tail.plan_for(2, HIDDEN // 2, LATENT, 1), publish=True).stashed == 0
+    assert [host.plan_for(1, HIDDEN, LATENT, g).stash for g in (1, 2, 4, 8)] == [4, 3, 3, 1]
+    assert split.MoeTail(host.plan_for(2, HIDDEN // 2, LATENT, 1), publish=True).stashed == 0
 
 
 def test_front_takes_two_per_sm_where_its_ctas_fit_beside_the_tail(monkeypatch):
     """H200 (132 SMs): the wave's 112 CTAs leave 20 SMs, 40 NormFront CTAs at two per SM;
     MoeTail's 28 clusters of 4 as well."""
-    monkeypatch.setattr(tail, "multiprocessors", lambda device: 132)
-    assert tail.functional_ctas(HIDDEN, LATENT, 16) == 112
-    assert [tail.front_per_sm(HIDDEN, LATENT, b, 0) for b in (1, 8, 16, 32, 40, 48, 64)] == [2, 2, 2, 2, 2, 1, 1]
+    monkeypatch.setattr(host, "multiprocessors", lambda device: 132)
+    assert host.functional_ctas(HIDDEN, LATENT, 16) == 112
+    assert [host.front_per_sm(HIDDEN, LATENT, b, 0) for b in (1, 8, 16, 32, 40, 48, 64)] == [2, 2, 2, 2, 2, 1, 1]
 
 
 def test_prepare_skips_shapes_the_kernel_does_not_take(monkeypatch):
     """L = 128 (KimiConfig.tiny) runs the reference: a decoder's prepare must not fail on it."""
     compiled = []
-    monkeypatch.setattr(tail, "compile_tail", lambda *key: compiled.append(key))
-    monkeypatch.setattr(tail, "compile_norm_front", lambda *key: None)
-    tail.TailKernel().prepare(128, 256, [1, 16])
-    tail.TailPollKernel().prepare(2, 128, 128, [1, 16])
+    monkeypatch.setattr(host, "compile_tail", lambda *key: compiled.append(key))
+    monkeypatch.setattr(host, "compile_norm_front", lambda *key: None)
+    host.TailKernel().prepare(128, 256, [1, 16])
+    host.TailPollKernel().prepare(2, 128, 128, [1, 16])
     assert compiled == []
-    tail.TailKernel().prepare(256, 256, [1, 16])
-    tail.TailPollKernel().prepare(2, 128, 256, [16])
+    host.TailKernel().prepare(256, 256, [1, 16])
+    host.TailPollKernel().prepare(2, 128, 256, [16])
     assert compiled == [(1, 256, 256, 1, False, False), (1, 256, 256, 2, False, False), (2, 128, 256, 2, True)]
 
 
 def test_prepare_compiles_the_wave_past_its_first_groups(monkeypatch):
     compiled = []
-    monkeypatch.setattr(tail, "compile_tail", lambda *key: compiled.append(("tail", *key)))
-    monkeypatch.setattr(tail, "compile_wave_tail", lambda *key: compiled.append(("wave", *key)))
-    monkeypatch.setattr(tail, "compile_norm_front", lambda *key: None)
-    tail.TailKernel().prepare(LATENT, HIDDEN, [1, 16, 32, 64])
+    monkeypatch.setattr(host, "compile_tail", lambda *key: compiled.append(("tail", *key)))
+    monkeypatch.setattr(host, "compile_wave_tail", lambda *key: compiled.append(("wave", *key)))
+    monkeypatch.setattr(host, "compile_norm_front", lambda *key: None)
+    host.TailKernel().prepare(LATENT, HIDDEN, [1, 16, 32, 64])
     assert compiled == [("tail", 1, HIDDEN, LATENT, 1, False, False), ("tail", 1, HIDDEN, LATENT, 2, False, False),
                         ("wave", HIDDEN, LATENT, 4, False), ("wave", HIDDEN, LATENT, 8, False)]
 
 
 def test_poll_prepare_compiles_the_wave_up_to_max_wave_tp(monkeypatch):
     compiled = []
-    monkeypatch.setattr(tail, "compile_tail", lambda *key: compiled.append(("tail", *key)))
-    monkeypatch.setattr(tail, "compile_wave_tail", lambda *key: compiled.append(("wave", *key)))
-    monkeypatch.setattr(tail, "compile_poll_front", lambda *key: compiled.append(("front", *key)))
+    monkeypatch.setattr(host, "compile_tail", lambda *key: compiled.append(("tail", *key)))
+    monkeypatch.setattr(host, "compile_wave_tail", lambda *key: compiled.append(("wave", *key)))
+    monkeypatch.setattr(host, "compile_poll_front", lambda *key: compiled.append(("front", *key)))
     for tp in (1, 2, 8):
-        tail.TailPollKernel().prepare(tp, HIDDEN // tp, LATENT, [1, 64])
+        host.TailPollKernel().prepare(tp, HIDDEN // tp, LATENT, [1, 64])
     assert compiled == [
         ("tail", 1, HIDDEN, LATENT, 1, True), ("front", LATENT, 1, HIDDEN), ("wave", HIDDEN, LATENT, 8, False, 1),
         ("tail", 2, HIDDEN // 2, LATENT, 1, True), ("front", LATENT, 2, HIDDEN // 2),
@@ -114,15 +116,15 @@ def test_poll_prepare_compiles_the_wave_up_to_max_wave_tp(monkeypatch):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_plan_covers_every_row_once_in_one_wave(tp):
     for groups in range(1, 9):
-        plan = tail.Plan(tp, HIDDEN // tp, LATENT, groups)
-        assert plan.clusters * plan.tiles * tail.TILE_ROWS >= plan.shard
-        assert (plan.clusters - 1) * plan.tiles * tail.TILE_ROWS < plan.shard
-        assert plan.clusters <= tail.ONE_WAVE_CLUSTERS and plan.warps <= tail.MAX_WARPS
-        assert (plan.xn_words + plan.ss_words + plan.ring_words) * 4 <= tail.SMEM_BYTES
-        assert plan.split * plan.warp_chunks * tail.CHUNK * plan.cluster == plan.latent
-        assert plan.rows <= 256 and plan.slot_bytes == plan.split * plan.rows * tail.CHUNK * 2  # one TMA box per part
+        plan = split.Plan(tp, HIDDEN // tp, LATENT, groups)
+        assert plan.clusters * plan.tiles * split.TILE_ROWS >= plan.shard
+        assert (plan.clusters - 1) * plan.tiles * split.TILE_ROWS < plan.shard
+        assert plan.clusters <= split.ONE_WAVE_CLUSTERS and plan.warps <= split.MAX_WARPS
+        assert (plan.xn_words + plan.ss_words + plan.ring_words) * 4 <= SMEM_BYTES
+        assert plan.split * plan.warp_chunks * CHUNK * plan.cluster == plan.latent
+        assert plan.rows <= 256 and plan.slot_bytes == plan.split * plan.rows * CHUNK * 2  # one TMA box per part
         # publish mode's polls: every round in some pass, at most LATENT_LOADS packets in flight per lane
-        assert plan.rounds_per_pass * plan.tp * plan.tokens_per_pass <= max(tail.LATENT_LOADS, 16)
+        assert plan.rounds_per_pass * plan.tp * plan.tokens_per_pass <= max(split.LATENT_LOADS, 16)
         assert plan.rounds_per_pass >= 1 and plan.rounds % plan.rounds_per_pass == 0
 
 
@@ -130,35 +132,35 @@ def test_wave_plan_covers_every_row_in_one_wave_and_fits():
     """A CTA per 64 rows over the whole K (112 at TP1: one wave, in clusters); wgmma's N in
     whole 8-row atoms per multicasting CTA; the rings and barriers within shared memory;
     each warpgroup's stash within its register budget (ptxas -v: no spills)."""
-    assert tail.wave_plan_for(HIDDEN, LATENT, tail.MIN_WAVE_GROUPS - 1) is None  # MoeTail's
-    for groups in range(tail.MIN_WAVE_GROUPS, tail.MAX_WAVE_GROUPS + 1):
-        plan = tail.wave_plan_for(HIDDEN, LATENT, groups)
-        assert plan.ctas * tail.WAVE_ROWS == HIDDEN and plan.ctas % tail.WAVE_CLUSTER == 0
-        assert plan.ctas <= tail.ONE_WAVE_CLUSTERS * tail.CLUSTER
-        assert plan.tokens >= 8 * groups and plan.tokens % (8 * tail.WAVE_CLUSTER) == 0
-        assert plan.chunks * tail.CHUNK == LATENT and plan.packets * 32 == plan.tokens
-        assert 1024 + plan.xn_depth * plan.xn_bytes + plan.depth * plan.slot_bytes <= tail.SMEM_BYTES
+    assert host.wave_plan_for(HIDDEN, LATENT, wave.MIN_WAVE_GROUPS - 1) is None  # MoeTail's
+    for groups in range(wave.MIN_WAVE_GROUPS, wave.MAX_WAVE_GROUPS + 1):
+        plan = host.wave_plan_for(HIDDEN, LATENT, groups)
+        assert plan.ctas * wave.WAVE_ROWS == HIDDEN and plan.ctas % wave.WAVE_CLUSTER == 0
+        assert plan.ctas <= split.ONE_WAVE_CLUSTERS * split.CLUSTER
+        assert plan.tokens >= 8 * groups and plan.tokens % (8 * wave.WAVE_CLUSTER) == 0
+        assert plan.chunks * CHUNK == LATENT and plan.packets * 32 == plan.tokens
+        assert 1024 + plan.xn_depth * plan.xn_bytes + plan.depth * plan.slot_bytes <= SMEM_BYTES
         assert 8 * (2 * plan.depth + 2 * plan.xn_depth + 2) <= 1024
-        assert plan.accumulators + plan.tokens // 8 + 16 * plan.stash <= tail.WAVE_REGISTERS and plan.stash >= 1
+        assert plan.accumulators + plan.tokens // 8 + 16 * plan.stash <= wave.WAVE_REGISTERS and plan.stash >= 1
         assert 2 * plan.stash + plan.depth < plan.chunks  # the ring refills
-    assert tail.PRODUCER_REGISTERS * 128 + tail.CONSUMER_REGISTERS * 256 <= 64 * 1024
-    assert [(p.sets, p.stash) for p in (tail.wave_plan_for(HIDDEN, LATENT, g) for g in (4, 8))] == [(1, 10), (2, 7)]
-    assert tail.wave_plan_for(HIDDEN, LATENT, 9) is None and tail.wave_plan_for(7168 - 64, LATENT, 4) is None
+    assert wave.PRODUCER_REGISTERS * 128 + wave.CONSUMER_REGISTERS * 256 <= 64 * 1024
+    assert [(p.sets, p.stash) for p in (host.wave_plan_for(HIDDEN, LATENT, g) for g in (4, 8))] == [(1, 10), (2, 7)]
+    assert host.wave_plan_for(HIDDEN, LATENT, 9) is None and host.wave_plan_for(7168 - 64, LATENT, 4) is None
 
 
 def test_wave_a_fragments_read_the_rows_of_their_warp():
     """WavePlan.a_piece over TMA's swizzled 64-row box: ldmatrix.x4 gives each warp the
     m16n8k16 A layout of its 16 rows (wgmma's register A), conflict-free."""
-    plan = tail.wave_plan_for(HIDDEN, LATENT, 8)
+    plan = host.wave_plan_for(HIDDEN, LATENT, 8)
     gen = torch.Generator().manual_seed(5)
     slot = plan.depth - 1
-    box = torch.randn(tail.WAVE_ROWS, tail.CHUNK, generator=gen, dtype=torch.float64)
-    ring = {tail.swizzled(slot * tail.WAVE_ROWS, row, piece): box[row, 8 * piece : 8 * piece + 8]
-            for row in range(tail.WAVE_ROWS) for piece in range(tail.CHUNK // 8)}
-    b = torch.randn(tail.CHUNK, 8, generator=gen, dtype=torch.float64)
-    for warp in range(tail.WAVE_WARPS):
+    box = torch.randn(wave.WAVE_ROWS, CHUNK, generator=gen, dtype=torch.float64)
+    ring = {swizzled(slot * wave.WAVE_ROWS, row, piece): box[row, 8 * piece : 8 * piece + 8]
+            for row in range(wave.WAVE_ROWS) for piece in range(CHUNK // 8)}
+    b = torch.randn(CHUNK, 8, generator=gen, dtype=torch.float64)
+    for warp in range(wave.WAVE_WARPS):
         acc = torch.zeros(16, 8, dtype=torch.float64)
-        for k16 in range(tail.CHUNK // 16):
+        for k16 in range(CHUNK // 16):
             a = ldmatrix_x4(ring, [plan.a_piece(slot, warp, k16, lane) for lane in range(32)])
             b_regs = [((b[16 * k16 + 2 * (l % 4), l // 4], b[16 * k16 + 2 * (l % 4) + 1, l // 4]),
                        (b[16 * k16 + 8 + 2 * (l % 4), l // 4], b[16 * k16 + 9 + 2 * (l % 4), l // 4])) for l in range(32)]
@@ -172,8 +174,8 @@ def test_wave_epilogue_hands_each_sum_to_its_half_and_stores_every_packet_once(g
     writes the other half's accumulators (WavePlan.partial_word) without overlap, reads
     back the other warpgroup's sum of the same (token, row), and its threads' packets
     (WavePlan.packet) cover exactly its half, every (token, 8 rows) once."""
-    plan = tail.wave_plan_for(HIDDEN, LATENT, groups)
-    threads, half = 32 * tail.WAVE_WARPS, plan.tokens // 16
+    plan = host.wave_plan_for(HIDDEN, LATENT, groups)
+    threads, half = 32 * wave.WAVE_WARPS, plan.tokens // 16
 
     def element(k, position):  # the m64nN C layout: (token, row) of accumulator k
         warp, g, t = position // 32, position % 32 // 4, position % 4
@@ -187,7 +189,7 @@ def test_wave_epilogue_hands_each_sum_to_its_half_and_stores_every_packet_once(g
                     word = plan.partial_word(writer, j, r, position)
                     assert word not in handed
                     handed[word] = (writer, element(4 * ((1 - writer) * half + j) + r, position))
-    assert sorted(handed) == list(range(plan.tokens * tail.WAVE_ROWS))  # the staging starts after
+    assert sorted(handed) == list(range(plan.tokens * wave.WAVE_ROWS))  # the staging starts after
     for owner in range(2):
         for position in range(threads):
             for j in range(half):
@@ -197,7 +199,7 @@ def test_wave_epilogue_hands_each_sum_to_its_half_and_stores_every_packet_once(g
                     assert (at[0] >= plan.tokens // 2) == owner
     stored = [plan.packet(q, tid) + (tid // threads,) for tid in range(2 * threads) for q in range(plan.packets)]
     assert sorted((token, row) for token, row, _ in stored) == [(token, row) for token in range(plan.tokens)
-                                                                for row in range(0, tail.WAVE_ROWS, 8)]
+                                                                for row in range(0, wave.WAVE_ROWS, 8)]
     assert all((token >= plan.tokens // 2) == owner for token, _, owner in stored)
 
 
@@ -232,31 +234,31 @@ def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
     128-byte swizzled box (Plan.ring_piece), the xn stores (MoeTail.xn_packet), the
     ldmatrix rows (Plan.a_piece, Plan.b_piece) into the PTX m16n8k16 fragment layout; the
     sums must be W · xnᵀ, and every ldmatrix conflict-free."""
-    plan = tail.Plan(tp, HIDDEN // tp, LATENT, groups)
-    kernel = tail.MoeTail(plan, publish=False)
+    plan = split.Plan(tp, HIDDEN // tp, LATENT, groups)
+    kernel = split.MoeTail(plan, publish=False)
     gen = torch.Generator().manual_seed(tp * 10 + groups)
     warp, i = plan.warps - 1, plan.warp_chunks - 1
     row_group, sub, slot = warp // plan.split, warp % plan.split, i % plan.depth
     chunk = sub * plan.warp_chunks + i  # of the CTA's K slice
-    box = torch.randn(plan.rows, tail.CHUNK, generator=gen, dtype=torch.float64)  # TMA's rows × CHUNK for part sub
+    box = torch.randn(plan.rows, CHUNK, generator=gen, dtype=torch.float64)  # TMA's rows × CHUNK for part sub
     xn = torch.randn(8 * groups, plan.cols, generator=gen, dtype=torch.float64)
     ring = {plan.ring_piece(slot, sub, row, piece): box[row, 8 * piece : 8 * piece + 8]
-            for row in range(plan.rows) for piece in range(tail.CHUNK // 8)}
+            for row in range(plan.rows) for piece in range(CHUNK // 8)}
     xn_pieces = {kernel.xn_packet(token, packet): xn[token, 8 * packet : 8 * packet + 8]
                  for token in range(8 * groups) for packet in range(plan.cols // 8)}
-    assert len(ring) == plan.rows * tail.CHUNK // 8 and len(xn_pieces) == xn.numel() // 8  # no piece overwritten
-    acc = torch.zeros(tail.TILES_PER_WARP, groups, 16, 8, dtype=torch.float64)
-    for pair in range(tail.CHUNK // 32):
+    assert len(ring) == plan.rows * CHUNK // 8 and len(xn_pieces) == xn.numel() // 8  # no piece overwritten
+    acc = torch.zeros(split.TILES_PER_WARP, groups, 16, 8, dtype=torch.float64)
+    for pair in range(CHUNK // 32):
         for n in range(groups):
             b = ldmatrix_x4(xn_pieces, [plan.b_piece(chunk, n, pair, lane) for lane in range(32)])
             for u in range(2):
-                for p in range(tail.TILES_PER_WARP):
+                for p in range(split.TILES_PER_WARP):
                     a_rows = [plan.a_piece(slot, sub, row_group, p, 2 * pair + u, lane) for lane in range(32)]
                     a = ldmatrix_x4(ring, a_rows)
                     acc[p, n] += mma_m16n8k16(a, [(regs[2 * u], regs[2 * u + 1]) for regs in b])
-    columns = slice(chunk * tail.CHUNK, (chunk + 1) * tail.CHUNK)
-    for p in range(tail.TILES_PER_WARP):
-        rows = box[(row_group * tail.TILES_PER_WARP + p) * 16 : (row_group * tail.TILES_PER_WARP + p + 1) * 16]
+    columns = slice(chunk * CHUNK, (chunk + 1) * CHUNK)
+    for p in range(split.TILES_PER_WARP):
+        rows = box[(row_group * split.TILES_PER_WARP + p) * 16 : (row_group * split.TILES_PER_WARP + p + 1) * 16]
         for n in range(groups):
             want = rows @ xn[n * 8 : n * 8 + 8, columns].T
             torch.testing.assert_close(acc[p, n], want, rtol=1e-12, atol=1e-12)
@@ -303,7 +305,7 @@ def test_tail_kernel_padded_rows_stay_out(batch):
     """The wave reads xn in boxes of its padded tokens, rows the front leaves unwritten:
     freed NaN blocks of the op's allocation sizes go to those rows (and to ``out``)."""
     args = tail_args(batch, seed=batch + 1)
-    tokens = tail.wave_plan_for(HIDDEN, LATENT, tail.groups_of(batch)).tokens
+    tokens = host.wave_plan_for(HIDDEN, LATENT, host.groups_of(batch)).tokens
     poison = [poisoned(tokens, LATENT), poisoned(batch, HIDDEN)]
     del poison  # the caching allocator hands these blocks to the op's new_empty
     out = kimi.moe_tail(*args, 1e-6)

@@ -53,10 +53,10 @@ from ..mailbox import TAKE_POLL
 from ..ops import attn_res as attn_res_op
 from ..ops import mailbox_ops
 from .common import (
-    SMEM_BYTES, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, divide, fake, fake_stream,
-    hopper, inverse_rms, load_shared, load_words, normalized, pack_bf16, poll_all, rearm, Release, store_cluster,
-    store_words, unpack_words,
+    SMEM_BYTES, Release, aligned, butterfly, butterfly_sum, clamp, compile_options, compiled, fake, fake_stream, hopper,
+    inverse_rms, normalized, poll_all, rearm, unpack_words,
 )
+from .ptx import copy_async, divide, load_shared, load_words, pack_bf16, store_cluster, store_words
 
 CLUSTERS = (1, 2, 4, 8)  # CTAs per token (portable cluster sizes)
 CTA_PACKETS = 128  # packets a CTA takes at most where H allows (H = 7168: 8 CTAs of 112)
@@ -260,8 +260,7 @@ class AttnRes(Release):
                     logit = Float32(self.total(received, self.partial_dot))
                 top = cute.arch.fmax(top, logit)  # NaN-quiet: a NaN logit's s is NaN, so every α
                 logits.append(logit)
-            for shift in cutlass.range_constexpr(5):
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << shift))
+            top = butterfly(top, 32, cute.arch.fmax)
             exps = []
             total = Float32(0.0)
             for j in cutlass.range_constexpr(lanes):

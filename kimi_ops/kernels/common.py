@@ -1,8 +1,13 @@
-"""What every kernel family shares: compile-time fakes, the on-disk compile cache, and
-small device helpers (bit casts, the seeds' ordered key)."""
+"""What every kernel family shares: compile-time fakes, the on-disk compile cache, the launch
+and PDL release, DSL values of several fields (``Values``, the ``Stamps`` phase clock), the
+numerics of packets (BF16 pairs, butterflies, RMS) and the mailbox protocol (Lamport polls
+bounded by the global timer, re-arm, peer stores). Hand-written PTX is in :mod:`.ptx`,
+the TMA ↔ MMA ring in :mod:`.ring`."""
 
+import copy
 import functools
 import hashlib
+import operator
 import os
 import pathlib
 import tempfile
@@ -10,15 +15,13 @@ import tempfile
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32, Float64, Int32, Int64, Uint32
+
+from .ptx import bits_float, divide, float_bits, load_words, nap, pack_bf16, rsqrt_like_torch, store_words
 
 EXPORT_NAME = "func"
 THREADS = 256  # every kernel's CTA (launch)
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
-CHUNK = 64  # K columns per ring slot: one 128-byte row, the width of TMA's 128-byte swizzle
 
 
 def fake(dtype, shape, align=16):
@@ -162,7 +165,7 @@ def not_hopper(device: int) -> str | None:
 def launch(kernel, grid, stream, min_blocks_per_mp: int = 0) -> None:
     """Launch a traced ``kernel(...)`` call over ``grid`` CTAs of THREADS threads, with
     programmatic dependent launch; ``min_blocks_per_mp`` 1 lets ptxas take the registers
-    to keep a thread's loads in flight (see tail.weighted_rows)."""
+    to keep a thread's loads in flight (see tail.fronts.weighted_rows)."""
     kernel.launch(grid=[*grid, *[1] * (3 - len(grid))], block=[THREADS, 1, 1], stream=stream, use_pdl=True,
                   min_blocks_per_mp=min_blocks_per_mp)
 
@@ -186,10 +189,67 @@ class Release:
             cute.arch.griddepcontrol_launch_dependents()
 
 
-@cute.jit
-def float_bits(x: Float32) -> Uint32:
-    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Uint32], read_only_args=[x])
+def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:
+    """One element of ``tensor`` viewed as ``dtype`` (``dims`` dimensions) for an argument
+    the kernel's mode never touches (no allocation: nothing outlives the call, e.g. in a
+    cudagraph-tree pool)."""
+    return tensor.view(-1).view(dtype)[:1].view([1] * dims)
 
+
+def aligned(*tensors) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+class Values:
+    """A DSL value made of the attributes named in ``DYNAMIC`` (their runtime parts travel
+    through dynamic ifs and loops); the other attributes ride along as Python values."""
+
+    DYNAMIC: tuple = ()
+
+    def __extract_mlir_values__(self):
+        return [v for name in self.DYNAMIC for v in cutlass.extract_mlir_values(getattr(self, name))]
+
+    def __new_from_mlir_values__(self, values):
+        new, at = copy.copy(self), 0
+        for name in self.DYNAMIC:
+            n = len(cutlass.extract_mlir_values(getattr(self, name)))
+            setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name), values[at:at + n]))
+            at += n
+        return new
+
+
+class Stamps(Values):
+    """A kernel's phase clock for benchmarks (compiled out unless ``on``): thread 0 of each
+    CTA stores (%globaltimer, %clock64) of phase k of ``phases`` at int64 pair [cta][k] of
+    ``buffer`` (benchmarks/profile_tail.py reads the tail's, kernels.tail.common.PHASES)."""
+
+    DYNAMIC = ("buffer", "cta", "tid")
+
+    def __init__(self, phases: tuple, on: bool, buffer: cute.Tensor, cta, tid):
+        self.phases, self.on, self.buffer, self.cta, self.tid = phases, on, buffer, cta, tid
+
+    @cute.jit
+    def at(self, phase: cutlass.Constexpr):
+        if cutlass.const_expr(self.on):
+            if self.tid == 0:
+                address = self.buffer.iterator + (self.cta * len(self.phases) + self.phases.index(phase)) * 4
+                cute.arch.inline_ptx("st.global.v2.b64 [{$r0}], { {$r1}, {$r2} };",
+                                     read_only_args=[address, cute.arch.globaltimer(), cute.arch.clock64()])
+
+    @cute.jit
+    def slot(self, i, first: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], chunks: cutlass.Constexpr[int]):
+        """Ring slots (phases "first slot", "refilled slot", "last slot"): the projection's
+        first (past the stash), the first refilled one and the last, once they landed."""
+        if cutlass.const_expr(self.on):
+            if i == first:
+                self.at("first slot")
+            if i == depth:
+                self.at("refilled slot")
+            if i == chunks - 1:
+                self.at("last slot")
+
+
+# Packets' numerics.
 
 @cute.jit
 def ordered(x: Float32) -> Uint32:
@@ -211,11 +271,61 @@ def sigmoid(x: Float32) -> Float32:
 
 
 @cute.jit
-def bits_float(x: Uint32) -> Float32:
-    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x])
+def unpack_bf16(word: Uint32):
+    """The two BF16 values of a word as FP32 (low half first)."""
+    return bits_float(word << Uint32(16)), bits_float(word & Uint32(0xFFFF0000))
 
+
+@cute.jit
+def unpack_words(words):
+    """A packet's BF16 values as FP32 (8 for a 16-byte packet)."""
+    return [value for word in words for value in unpack_bf16(word)]
+
+
+@cute.jit
+def butterfly(value, lanes: cutlass.Constexpr[int], combine=operator.add):
+    """``combine`` (associative and commutative: +, a max) of ``value`` over each aligned
+    group of ``lanes`` lanes (a power of 2), in every lane of the group: log2(lanes)
+    butterfly shuffles."""
+    total = value
+    for shift in cutlass.range_constexpr(lanes.bit_length() - 1):
+        total = combine(total, cute.arch.shuffle_sync_bfly(total, offset=1 << shift))
+    return total
+
+
+@cute.jit
+def butterfly_sum(value, lanes: cutlass.Constexpr[int]):
+    """Σ of ``value`` over each aligned group of ``lanes`` lanes (:func:`butterfly`)."""
+    return butterfly(value, lanes)
+
+
+@cute.jit
+def clamp(value: Int32, high: Int32) -> Int32:
+    result = value
+    if value > high:
+        result = high
+    return result
+
+
+@cute.jit
+def inverse_rms(total: Float64, latent: int, eps: Float32) -> Float32:
+    """inv = rsqrt.approx(ss / L + eps) from the exact FP64 ss, rounded to FP32 first, as
+    the reference's float32 ss."""
+    return rsqrt_like_torch(divide(Float32(total), Float32(latent)) + eps)
+
+
+@cute.jit
+def normalized(values, inv: Float32, scale):
+    """A packet of xn = BF16((latent · inv) · gamma) as four BF16x2 words."""
+    normed = [(values[i] * inv) * scale[i] for i in range(8)]
+    return [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)]
+
+
+# The mailbox protocol (kimi_ops.mailbox): Lamport polls of 16-byte packets against the sentinel.
 
 SENTINEL = 0x80000000  # the armed word (kimi_ops.mailbox.SENTINEL as uint32)
+
+
 def bound_ns(variable: str, default_ms: float) -> int:
     return int(float(os.environ.get(variable, default_ms)) * 1_000_000)
 
@@ -227,32 +337,6 @@ def bound_ns(variable: str, default_ms: float) -> int:
 # 2 s, since polls after a recorded fault do not wait.
 POLL_TIMEOUT_NS = bound_ns("KIMI_OPS_POLL_TIMEOUT_MS", 50)
 BARRIER_TIMEOUT_NS = bound_ns("KIMI_OPS_BARRIER_TIMEOUT_MS", 1000)
-
-
-@cute.jit
-def load_words(address, polled: cutlass.Constexpr[bool] = False):
-    """One 16-byte packet, four words, as one vector load; ``polled``: relaxed at system
-    scope (a mailbox), else a plain load."""
-    order = "relaxed.sys." if polled else ""
-    return cute.arch.inline_ptx(
-        f"ld.{order}global.v4.b32 {{ {{$w0}}, {{$w1}}, {{$w2}}, {{$w3}} }}, [{{$r0}}];",
-        write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[address],
-    )
-
-
-@cute.jit
-def store_words(address, words, mailbox: cutlass.Constexpr[bool] = False):
-    """Two or four words as one 8- or 16-byte vector store; ``mailbox``: relaxed at system
-    scope (a packet a peer polls), else a plain store. ``address``: a pointer or a raw
-    (peer) address."""
-    order = "relaxed.sys." if mailbox else ""
-    if cutlass.const_expr(len(words) == 2):
-        cute.arch.inline_ptx(f"st.{order}global.v2.b32 [{{$r0}}], {{ {{$r1}}, {{$r2}} }};", read_only_args=[address, *words])
-    else:
-        cute.arch.inline_ptx(
-            f"st.{order}global.v4.b32 [{{$r0}}], {{ {{$r1}}, {{$r2}}, {{$r3}}, {{$r4}} }};",
-            read_only_args=[address, *words],
-        )
 
 
 @cute.jit
@@ -268,26 +352,6 @@ def store_to_peers(peers: cute.Tensor, count: cutlass.Constexpr[int], offset: In
     for peer in cutlass.range_constexpr(count):
         for first in cutlass.range_constexpr(0, len(clean), 4):
             store_words(bases[peer] + offset + 4 * first, clean[first:first + 4], mailbox=True)
-
-
-@cute.jit
-def pack_bf16(low: Float32, high: Float32) -> Uint32:
-    """Two FP32 values rounded (RNE) into one BF16x2 word, ``low`` in the low half."""
-    return cute.arch.inline_ptx(
-        "cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[high, low]
-    )
-
-
-@cute.jit
-def unpack_bf16(word: Uint32):
-    """The two BF16 values of a word as FP32 (low half first)."""
-    return bits_float(word << Uint32(16)), bits_float(word & Uint32(0xFFFF0000))
-
-
-@cute.jit
-def unpack_words(words):
-    """A packet's BF16 values as FP32 (8 for a 16-byte packet)."""
-    return [value for word in words for value in unpack_bf16(word)]
 
 
 @cute.jit
@@ -317,16 +381,6 @@ def clean_half(half: Uint32) -> Uint32:
     if (half & Uint32(0x7FFF)) > Uint32(0x7F80):
         result = Uint32(0x7FC0)
     return result
-
-
-@cute.jit
-def butterfly_sum(value, lanes: cutlass.Constexpr[int]):
-    """Σ of ``value`` over each aligned group of ``lanes`` lanes (a power of 2), in every
-    lane of the group: log2(lanes) butterfly shuffles."""
-    total = value
-    for shift in cutlass.range_constexpr(lanes.bit_length() - 1):
-        total += cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
-    return total
 
 
 @cute.jit
@@ -371,216 +425,6 @@ def poll_all(addresses, error: cute.Tensor, code: cutlass.Constexpr[int]):
 
 
 @cute.jit
-def nap():
-    """A short sleep between polls (64 ns), so spinning warps leave the SM's issue slots to others."""
-    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Uint32(64)])
-
-
-@cute.jit
 def arrived(words):
     sentinel = Uint32(SENTINEL)
     return (words[0] != sentinel) & (words[1] != sentinel) & (words[2] != sentinel) & (words[3] != sentinel)
-
-
-# Rings, shared-memory layouts and wgmma (the tail's and the projection engine's).
-
-@cute.jit
-def paced(i, lag: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], full, fronted, waited=None):
-    """Before chunk ``i`` of a weight stream through ``depth`` slots: a whole ring queued at
-    once (21 MB) holds every other load 2-5 µs behind it (measured), and the front's and
-    xn's loads are the critical path. So until xn is in (``fronted``), ``lag`` slots stay
-    in flight (chunk i - lag has landed); with ``waited``, none once our predecessor is
-    done, so that xn's loads queue behind at most ``lag`` slots. Measured: the hold gains
-    WaveMoeTail 0.2-0.5 µs per call at 32-64 tokens (xn is its critical path) and costs
-    MoeTail 0.2 µs at B <= 8 (its ring and stash cover the wait)."""
-    if not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
-        landed(full, i - lag, depth)
-        if cutlass.const_expr(waited is not None):
-            if cute.arch.mbarrier_test_wait(waited, 0):
-                cute.arch.mbarrier_wait(fronted, 0)
-
-
-@cute.jit
-def landed(full, i, depth: cutlass.Constexpr[int]):
-    """Wait until chunk ``i`` of a ring of ``depth`` slots has landed (phase i // depth of
-    its slot's full barrier)."""
-    cute.arch.mbarrier_wait(full + i % depth, (i // depth) % 2)
-
-
-@cute.jit
-def released(empty, i, depth: cutlass.Constexpr[int]):
-    """Before chunk ``i`` goes into a ring of ``depth`` slots: wait until the readers of the
-    slot's previous chunk have handed it back."""
-    if i >= depth:
-        cute.arch.mbarrier_wait(empty + i % depth, (i // depth + 1) % 2)
-
-
-@cute.jit
-def expect(full, slot, size: cutlass.Constexpr[int], lane):
-    """Lane 0 arms slot ``slot``'s full barrier for ``size`` bytes of TMA copies, which the
-    warp then issues."""
-    if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, size)
-    cute.arch.sync_warp()
-
-
-@cute.jit
-def release(empty, lane):
-    """The warp is done with its part of a slot: the producer may refill it."""
-    cute.arch.sync_warp()
-    if lane == 0:
-        cute.arch.mbarrier_arrive(empty)
-
-
-def swizzled(first, row, piece):
-    """The 16-byte piece ``piece`` of 128-byte row ``first + row`` (``first`` a multiple of
-    8) in TMA's 128-byte swizzle (at piece XOR row % 8), so that the eight rows of an
-    ldmatrix 8x8 matrix fall in distinct banks."""
-    return (first + row) * 8 + (piece ^ (row % 8))
-
-
-def swizzled_stages(rows, stages):
-    """``stages`` boxes of rows × CHUNK BF16 in the 128-byte swizzle (``swizzled``), as TMA
-    stores them and wgmma's descriptors read them."""
-    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-    return cute.tile_to_shape(atom, (rows, CHUNK, stages), (0, 1, 2))
-
-
-@cute.jit
-def clamp(value: Int32, high: Int32) -> Int32:
-    result = value
-    if value > high:
-        result = high
-    return result
-
-
-@cute.jit
-def copy_async(destination, source):
-    """16 bytes from global to shared memory by cp.async (L2 only: read once per CTA)."""
-    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[destination, source])
-
-
-@cute.jit
-def store_cluster(address, value, cta):
-    """One FP32 or FP64 value, or a list of two or four FP32 values (one vector store), into
-    CTA ``cta``'s shared memory (DSMEM) at our ``address``."""
-    remote = cute.arch.map_dsmem_ptr(address, cta)
-    if cutlass.const_expr(isinstance(value, (list, tuple))):
-        names = ", ".join(f"{{$r{i + 1}}}" for i in range(len(value)))
-        cute.arch.inline_ptx(f"st.shared::cluster.v{len(value)}.f32 [{{$r0}}], {{ {names} }};",
-                             read_only_args=[remote, *value])
-    else:
-        kind = "f64" if isinstance(value, Float64) else "f32"
-        cute.arch.inline_ptx(f"st.shared::cluster.{kind} [{{$r0}}], {{$r1}};", read_only_args=[remote, value])
-
-
-@cute.jit
-def l2_evict_first() -> Int64:
-    """An L2 policy that evicts first: the weights stream through once per call and must
-    not push out what the latency-bound loads read (expert rows, latent, gamma, shared)."""
-    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_first.b64 {$w0}, 1.0;", write_only_types=[Int64])
-
-
-# wgmma's shared-memory matrix descriptor, all but the start address: the 128-byte swizzle
-# (bits 62-63), 8-row groups 1024 bytes apart (stride, bits 32-45), leading offset unused (1)
-DESCRIPTOR_FIELDS = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)
-
-
-@cute.jit
-def descriptor(address: Int32) -> Int64:
-    """wgmma's descriptor of a K-major [rows, 64] BF16 tile in the 128-byte swizzle at
-    shared ``address`` (a 1024-aligned box, + 32 bytes per k16 step within its rows)."""
-    return Int64(DESCRIPTOR_FIELDS) | Int64((address >> 4) & 0x3FFF)
-
-
-@dsl_user_op
-def wgmma_bf16(acc, a, b, accumulate: bool = True, *, loc=None, ip=None):
-    """acc + A·B by wgmma.mma_async m64nNk16 (N = 2 · len(acc)), BF16 → FP32 (``accumulate``
-    False: A·B alone, acc's registers only receive it): A a shared descriptor or, from
-    registers, four words in mma.sync's m16n8k16 A layout per warp; B a descriptor
-    (K-major). Asynchronous: the results are not to be read before wgmma.wait_group (then
-    through ``pinned``)."""
-    n = len(acc)
-    registers = isinstance(a, (list, tuple))
-    a_values = [Uint32(w).ir_value(loc=loc, ip=ip) for w in a] if registers else [Int64(a).ir_value(loc=loc, ip=ip)]
-    at = 2 * n  # after the outputs and the tied accumulators
-    a_text = "{" + ", ".join(f"${at + k}" for k in range(4)) + "}" if registers else f"${at}"
-    b_at = at + len(a_values)
-    transpose = "" if registers else ", 0"  # K-major A: register A takes no transpose flag
-    ptx = (f"{{ .reg .pred p; setp.ne.b32 p, ${b_at + 1}, 0; wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.bf16.bf16 "
-           + "{" + ", ".join(f"${k}" for k in range(n)) + f"}}, {a_text}, ${b_at}, p, 1, 1{transpose}, 0; }}")
-    constraints = ",".join(["=f"] * n + [str(k) for k in range(n)] + ["r" if registers else "l"] * len(a_values)
-                           + ["l", "r"])
-    operands = [Float32(x).ir_value(loc=loc, ip=ip) for x in acc] + a_values + [
-        Int64(b).ir_value(loc=loc, ip=ip), Int32(int(accumulate)).ir_value(loc=loc, ip=ip)]
-    return unpacked(llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * n), operands, ptx, constraints,
-                                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                    loc=loc, ip=ip), n, loc, ip)
-
-
-@dsl_user_op
-def pinned(values, *, loc=None, ip=None):
-    """``values`` through an empty volatile asm: their uses stay after what precedes it
-    (wgmma.wait_group; the compiler would otherwise move arithmetic above it)."""
-    n = len(values)
-    result = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * n),
-                             [Float32(x).ir_value(loc=loc, ip=ip) for x in values], "",
-                             ",".join(["=f"] * n + [str(k) for k in range(n)]), has_side_effects=True,
-                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return unpacked(result, n, loc, ip)
-
-
-def unpacked(struct, n, loc, ip):
-    return [Float32(llvm.extractvalue(T.f32(), struct, [k], loc=loc, ip=ip)) for k in range(n)]
-
-
-def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:
-    """One element of ``tensor`` viewed as ``dtype`` (``dims`` dimensions) for an argument
-    the kernel's mode never touches (no allocation: nothing outlives the call, e.g. in a
-    cudagraph-tree pool)."""
-    return tensor.view(-1).view(dtype)[:1].view([1] * dims)
-
-
-def aligned(*tensors) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
-
-
-@cute.jit
-def load_shared(address):
-    """Four words from shared memory, one 16-byte load."""
-    return cute.arch.inline_ptx(
-        "ld.shared.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
-        write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[address],
-    )
-
-
-@cute.jit
-def store_shared(address, words):
-    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words])
-
-
-@cute.jit
-def divide(x: Float32, y: Float32) -> Float32:
-    """IEEE x / y (div.rn), as torch divides."""
-    return cute.arch.inline_ptx("div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[x, y])
-
-
-@cute.jit
-def rsqrt_like_torch(x: Float32) -> Float32:
-    """rsqrt.approx.f32 without flush-to-zero: what torch.rsqrt runs on CUDA, so that xn is
-    bit-equal to the reference on the same device."""
-    return cute.arch.inline_ptx("rsqrt.approx.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x])
-
-
-@cute.jit
-def inverse_rms(total: Float64, latent: int, eps: Float32) -> Float32:
-    """inv = rsqrt.approx(ss / L + eps) from the exact FP64 ss, rounded to FP32 first, as
-    the reference's float32 ss."""
-    return rsqrt_like_torch(divide(Float32(total), Float32(latent)) + eps)
-
-
-@cute.jit
-def normalized(values, inv: Float32, scale):
-    """A packet of xn = BF16((latent · inv) · gamma) as four BF16x2 words."""
-    normed = [(values[i] * inv) * scale[i] for i in range(8)]
-    return [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)]

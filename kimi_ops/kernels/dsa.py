@@ -51,13 +51,18 @@ from cutlass.memory import SmemAllocator
 from .. import backend
 from ..ops import dsa as dsa_op
 from .common import (
-    CHUNK, SMEM_BYTES, aligned, bits_float, butterfly_sum, compile_options, compiled, divide, fake, fake_stream,
-    float_bits, hopper, launch, placeholder, rsqrt_like_torch,
+    SMEM_BYTES, aligned, butterfly, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch,
+    placeholder, unpack_words,
 )
 from .gemm import (
     CONSUMER_WARPS, MAX_BATCH, PRODUCERS, RESIDENT, RESIDENT_3, TILE, DecodeGemm, GemmPlan, cta_cost, token_tile,
     tokens_of,
 )
+from .ptx import (
+    abs_f32, add_rn, bits_float, divide, e4m3_pair, float_bits, load_pair, max_nan, mul_rn, reciprocal,
+    rsqrt_like_torch, store_word,
+)
+from .ring import CHUNK
 
 HEADS, DIM = dsa_op.HEADS, dsa_op.DIM
 N = HEADS * DIM  # wq_b's rows
@@ -113,41 +118,6 @@ def index_plan(k: int, tokens: int, norm: bool) -> GemmPlan:
 # Device helpers: IEEE where torch is IEEE, bit-exact where the reference works on bits.
 
 
-def f32_ptx(instruction: str, *args):
-    """One FP32 instruction ``instruction d, a[, b]`` on FP32 operands."""
-    operands = ", ".join(f"{{$r{i}}}" for i in range(len(args)))
-    return cute.arch.inline_ptx(f"{instruction} {{$w0}}, {operands};", write_only_types=[Float32],
-                                read_only_args=list(args))
-
-
-@cute.jit
-def abs_f32(x: Float32) -> Float32:
-    return f32_ptx("abs.f32", x)
-
-
-@cute.jit
-def max_nan(a: Float32, b: Float32) -> Float32:
-    """max that propagates NaN (as torch.amax and clamp_min do)."""
-    return f32_ptx("max.NaN.f32", a, b)
-
-
-@cute.jit
-def reciprocal(x: Float32) -> Float32:
-    """IEEE 1/x (rcp.rn): exact for a power of two; 1/±0 = ±∞, 1/∞ = 0, as x / scale needs."""
-    return f32_ptx("rcp.rn.f32", x)
-
-
-@cute.jit
-def mul_rn(a: Float32, b: Float32) -> Float32:
-    """a · b rounded on its own (ptxas never fuses a .rn product into an FMA)."""
-    return f32_ptx("mul.rn.f32", a, b)
-
-
-@cute.jit
-def add_rn(a: Float32, b: Float32) -> Float32:
-    return f32_ptx("add.rn.f32", a, b)
-
-
 @cute.jit
 def pow2_ceil(x: Float32) -> Float32:
     """kimi_ops.numerics.pow2_ceil on the bits: x itself when its mantissa is zero, else the
@@ -160,21 +130,9 @@ def pow2_ceil(x: Float32) -> Float32:
 
 
 @cute.jit
-def e4m3_pair(high: Float32, low: Float32) -> Uint32:
-    """Two e4m3 codes (RNE, saturated to ±448, NaN → 0x7F) in the low 16 bits, ``low`` first."""
-    return cute.arch.inline_ptx(
-        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, {$r0}, {$r1}; cvt.u32.u16 {$w0}, t; }",
-        write_only_types=[Uint32], read_only_args=[high, low],
-    )
-
-
-@cute.jit
 def warp_max(value: Float32) -> Float32:
     """max_nan over the warp, in every lane."""
-    top = value
-    for shift in cutlass.range_constexpr(5):
-        top = max_nan(top, cute.arch.shuffle_sync_bfly(top, offset=1 << shift))
-    return top
+    return butterfly(value, 32, max_nan)
 
 
 @cute.jit
@@ -184,32 +142,12 @@ def fp8_scale(amax: Float32) -> Float32:
 
 
 @cute.jit
-def load_pair(address):
-    """Two words (four BF16 values), one 8-byte load."""
-    return cute.arch.inline_ptx("ld.global.v2.b32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Uint32, Uint32],
-                                read_only_args=[address])
-
-
-@cute.jit
-def store_word(address, word: Uint32):
-    cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[address, word])
-
-
-@cute.jit
 def float64_sum(values):
     """Σ in FP64 of FP32 values: exact for a lane's four keys (BF16) or their FP32 squares."""
     total = Float64(0.0)
     for v in values:
         total += Float64(v)
     return total
-
-
-@cute.jit
-def unpack_pair(words):
-    values = []
-    for word in words:
-        values += [bits_float(word << Uint32(16)), bits_float(word & Uint32(0xFFFF0000))]
-    return values
 
 
 class IndexFront(DecodeGemm):
@@ -282,8 +220,8 @@ class KeyInsert:
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tid // 32, tid % 32
         cute.arch.griddepcontrol_launch_dependents()  # a tiny grid: dependents may start at once
-        weights = unpack_pair(load_pair(norm_w.iterator + 4 * lane))  # weights: before the wait
-        biases = unpack_pair(load_pair(norm_b.iterator + 4 * lane))
+        weights = unpack_words(load_pair(norm_w.iterator + 4 * lane))  # weights: before the wait
+        biases = unpack_words(load_pair(norm_b.iterator + 4 * lane))
         cute.arch.griddepcontrol_wait()
         token = cta * KEY_WARPS + warp
         if token < k_in.shape[0]:
@@ -293,7 +231,7 @@ class KeyInsert:
 
     @cute.jit
     def insert(self, k_in, token, slot, cache, weights, biases, eps, lane):
-        x = unpack_pair(load_pair(k_in.iterator + Int64(token) * k_in.stride[0] + 4 * lane))
+        x = unpack_words(load_pair(k_in.iterator + Int64(token) * k_in.stride[0] + 4 * lane))
         total = float64_sum(x)
         mean = divide(Float32(butterfly_sum(total, 32)), Float32(DIM))
         centered = [v - mean for v in x]

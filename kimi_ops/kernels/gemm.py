@@ -65,11 +65,14 @@ from ..ops import front as front_op
 from ..ops import mailbox_ops
 from ..ops import oproj as oproj_op
 from .common import (
-    CHUNK, SMEM_BYTES, addresses, aligned, butterfly_sum, clamp, compile_options, compiled, copy_async, descriptor,
-    divide, expect, fake, fake_stream, float_bits, hopper, l2_evict_first, landed, load_shared, load_words, paced,
-    pack_bf16, pinned, placeholder, register_addresses, release, released, rsqrt_like_torch, store_cluster,
-    store_shared, store_to_peers, store_words, swizzled, swizzled_stages, unpack_words, wgmma_bf16,
+    SMEM_BYTES, addresses, aligned, butterfly_sum, clamp, compile_options, compiled, fake, fake_stream, hopper,
+    placeholder, register_addresses, store_to_peers, unpack_words,
 )
+from .ptx import (
+    copy_async, divide, double_words, float_bits, l2_evict_first, load_shared, load_words, pack_bf16, pinned,
+    rsqrt_like_torch, store_cluster, store_shared, store_words, wgmma_bf16,
+)
+from .ring import CHUNK, descriptor, expect, landed, paced, release, released, swizzled, swizzled_stages
 
 TILE = 64  # rows per wgmma (its M)
 MAX_TILES = 3  # tiles per CTA (one TMA box of 192 rows; four, 256 rows, never ran on a GPU)
@@ -543,13 +546,6 @@ class DecodeGemm:
         for p in cutlass.range_constexpr(1, plan.split):
             values = [values[i] + receive[plan.receive_word(p, 8 * packet + i, token)] for i in range(8)]
         return values
-
-
-@cute.jit
-def double_words(value: Float64):
-    """An FP64 value as its two 32-bit words (low first), for st.async."""
-    return cute.arch.inline_ptx("mov.b64 { {$w0}, {$w1} }, {$r0};", write_only_types=[Int32, Int32],
-                                read_only_args=[value])
 
 
 # Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are

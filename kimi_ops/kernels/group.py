@@ -19,16 +19,11 @@ from .. import backend
 from ..mailbox import BARRIER_POLL
 from ..ops import mailbox_ops
 from .common import (
-    BARRIER_TIMEOUT_NS, addresses, compile_options, compiled, fake, fake_stream, hopper, launch, load_words, nap,
-    register_addresses, store_words,
+    BARRIER_TIMEOUT_NS, addresses, compile_options, compiled, fake, fake_stream, hopper, launch, register_addresses,
 )
+from .ptx import fence_system, load_words, nap, store_words
 
 SLOT_BYTES = 16  # one packet per rank in a sync box
-
-
-@cute.jit
-def fence_system():
-    cute.arch.inline_ptx("fence.sc.sys;")
 
 
 class GroupBarrier:

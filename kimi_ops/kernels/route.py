@@ -29,9 +29,10 @@ from ..ops import mailbox_ops
 from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
 from .common import (
-    THREADS, Release, bits_float, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch,
-    load_words, ordered, pack_bf16, poll, rearm, sigmoid, store_words, unpack_words,
+    THREADS, Release, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch, ordered, poll, rearm,
+    sigmoid, unpack_words,
 )
+from .ptx import bits_float, load_words, pack_bf16, store_words
 
 TOP_K = route_op.TOP_K
 LEAN_ABOVE = 8  # batches above this route with the lean ranking

@@ -1,0 +1,83 @@
+"""The TMA ↔ MMA ring of the tail and the projection engine: a producer streams CHUNK-column
+boxes into ``depth`` shared-memory slots (full and empty mbarriers per slot), the MMA warps
+read them; the slots' 128-byte swizzle and wgmma's descriptor of it."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Int32, Int64
+from cutlass.cute.nvgpu import warpgroup
+
+CHUNK = 64  # K columns per ring slot: one 128-byte row, the width of TMA's 128-byte swizzle
+
+
+@cute.jit
+def paced(i, lag: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], full, fronted, waited=None):
+    """Before chunk ``i`` of a weight stream through ``depth`` slots: a whole ring queued at
+    once (21 MB) holds every other load 2-5 µs behind it (measured), and the front's and
+    xn's loads are the critical path. So until xn is in (``fronted``), ``lag`` slots stay
+    in flight (chunk i - lag has landed); with ``waited``, none once our predecessor is
+    done, so that xn's loads queue behind at most ``lag`` slots (the hold pays where xn is
+    the critical path, the wave's: benchmarks/NOTES.md)."""
+    if not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
+        landed(full, i - lag, depth)
+        if cutlass.const_expr(waited is not None):
+            if cute.arch.mbarrier_test_wait(waited, 0):
+                cute.arch.mbarrier_wait(fronted, 0)
+
+
+@cute.jit
+def landed(full, i, depth: cutlass.Constexpr[int]):
+    """Wait until chunk ``i`` of a ring of ``depth`` slots has landed (phase i // depth of
+    its slot's full barrier)."""
+    cute.arch.mbarrier_wait(full + i % depth, (i // depth) % 2)
+
+
+@cute.jit
+def released(empty, i, depth: cutlass.Constexpr[int]):
+    """Before chunk ``i`` goes into a ring of ``depth`` slots: wait until the readers of the
+    slot's previous chunk have handed it back."""
+    if i >= depth:
+        cute.arch.mbarrier_wait(empty + i % depth, (i // depth + 1) % 2)
+
+
+@cute.jit
+def expect(full, slot, size: cutlass.Constexpr[int], lane):
+    """Lane 0 arms slot ``slot``'s full barrier for ``size`` bytes of TMA copies, which the
+    warp then issues."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, size)
+    cute.arch.sync_warp()
+
+
+@cute.jit
+def release(empty, lane):
+    """The warp is done with its part of a slot: the producer may refill it."""
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.mbarrier_arrive(empty)
+
+
+def swizzled(first, row, piece):
+    """The 16-byte piece ``piece`` of 128-byte row ``first + row`` (``first`` a multiple of
+    8) in TMA's 128-byte swizzle (at piece XOR row % 8), so that the eight rows of an
+    ldmatrix 8x8 matrix fall in distinct banks."""
+    return (first + row) * 8 + (piece ^ (row % 8))
+
+
+def swizzled_stages(rows, stages):
+    """``stages`` boxes of rows × CHUNK BF16 in the 128-byte swizzle (``swizzled``), as TMA
+    stores them and wgmma's descriptors read them."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    return cute.tile_to_shape(atom, (rows, CHUNK, stages), (0, 1, 2))
+
+
+# wgmma's shared-memory matrix descriptor, all but the start address: the 128-byte swizzle
+# (bits 62-63), 8-row groups 1024 bytes apart (stride, bits 32-45), leading offset unused (1)
+DESCRIPTOR_FIELDS = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)
+
+
+@cute.jit
+def descriptor(address: Int32) -> Int64:
+    """wgmma's descriptor of a K-major [rows, 64] BF16 tile in the 128-byte swizzle at
+    shared ``address`` (a 1024-aligned box, + 32 bytes per k16 step within its rows)."""
+    return Int64(DESCRIPTOR_FIELDS) | Int64((address >> 4) & 0x3FFF)

@@ -1,0 +1,92 @@
+"""What the tail's kernels share (kernels/common.py: what every family shares): the device
+side of its mailbox boxes — the TP sources summed in rank order, the reduce-scatter
+sources polled, the previous layer's boxes re-armed, output packets into every rank's box,
+the publish arguments (:class:`Outbox`) — the rounding points its kernels share, and the
+phases of the tails' clock."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Float64, Int64
+
+from ...ops import tail as tail_op
+from ..common import Values, poll_all, rearm, store_to_peers, unpack_words
+from ..ptx import pack_bf16
+
+TOP_K = tail_op.TOP_K
+LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
+# The functional tails' phases (kernels.common.Stamps, for benchmarks/profile_tail.py),
+# stamped into the buffer that comes in as the error word (MoeTail) or stamps (WaveMoeTail:
+# "latent" is its first xn chunk in, the slots its warpgroup 0's).
+PHASES = ("start", "waited", "latent", "clustered", "normed", "first slot", "refilled slot", "last slot",
+          "projected", "ring free", "scattered", "end")
+
+
+class Outbox(Values):
+    """Both tails' publish side: the output boxes' base addresses, the poll error word, the
+    mailbox parity and our rank (placeholders in functional mode)."""
+
+    DYNAMIC = ("peers", "error", "parity", "rank")
+
+    def __init__(self, peers, error, parity, rank):
+        self.peers, self.error, self.parity, self.rank = peers, error, parity, rank
+
+
+@cute.jit
+def rearm_previous(latent_box, shared_box, tp: cutlass.Constexpr[int], rearm_parity, rearm_batch, first, threads):
+    """Sentinels over rows [0, rearm_batch) of every source at ``rearm_parity`` of both
+    boxes [3, TP, CAP, width], packet ``first`` on in steps of ``threads`` (the previous MoE
+    layer's boxes: consumed before we were launched)."""
+    for box in (latent_box, shared_box):
+        per_row = box.shape[3] // 8
+        for item in cutlass.range(first, tp * rearm_batch * per_row, threads, unroll=1):
+            source, rest = item // (rearm_batch * per_row), item % (rearm_batch * per_row)
+            token, packet = rest // per_row, rest % per_row
+            row = (rearm_parity * tp + source) * box.shape[2] + token
+            rearm(box.iterator + row * box.shape[3] + packet * 8)
+
+
+@cute.jit
+def reduced_shared(shared_box, tp: cutlass.Constexpr[int], parity, items, error):
+    """BF16(Σ of the TP sources' shared reduce-scatter packets, rank order) at each (token,
+    row) of ``items``, all polled at once (bounded, into the error word): 8 values each."""
+    first = parity * tp * shared_box.shape[2]
+    return rank_sums(poll_all([shared_box.iterator + (first + source * shared_box.shape[2] + token)
+                               * shared_box.shape[3] + row for token, row in items for source in range(tp)],
+                              error, SHARED_POLL), tp)
+
+
+@cute.jit
+def rank_sums(polled, tp: cutlass.Constexpr[int]):
+    """Per packet of a mailbox row, its TP sources' words (``polled``, source-minor) summed
+    in rank order in FP32 and rounded to BF16: 8 values each (DESIGN §3, moe_tail's
+    rounding points 2 and 6)."""
+    sums = []
+    for u in cutlass.range_constexpr(len(polled) // tp):
+        total = [Float32(0.0)] * 8
+        for source in cutlass.range_constexpr(tp):
+            values = unpack_words(polled[u * tp + source])
+            total = [total[i] + values[i] for i in range(8)]
+        sums.append([Float32(BFloat16(v)) for v in total])
+    return sums
+
+
+@cute.jit
+def publish_out(peers, tp: cutlass.Constexpr[int], shard: cutlass.Constexpr[int], rank, token, row, words):
+    """An output packet (``row`` of our shard) to columns [rank · shard, …) of ``token``'s
+    row in every rank's output box [1, CAP, H]."""
+    store_to_peers(peers, tp, (Int64(token) * shard * tp + rank * shard + row) * 2, words)
+
+
+@cute.jit
+def sum_of_squares(values):
+    """Σ BF16(v²) in FP64: exact for BF16 squares, so any order gives the same sum."""
+    total = Float64(0.0)
+    for v in values:
+        total += Float64(Float32(BFloat16(v * v)))
+    return total
+
+
+@cute.jit
+def output_packet(up, extra):
+    """A packet of out = BF16(up + shared) (8 FP32 values each) as four BF16x2 words."""
+    return [pack_bf16(up[i] + extra[i], up[i + 1] + extra[i + 1]) for i in range(0, 8, 2)]

@@ -1,0 +1,221 @@
+"""The tail's fronts (the seeds' front half) and the shared expert's push. Each front
+releases its dependent at entry and then waits for its own predecessor, so the tail's
+weight loads start at once.
+
+``NormFront`` (functional, TP1; one CTA per token, a thread per 16-byte packet): latent =
+BF16(Σ_r row_r · w_r) as an FP32 FMA chain in rank order, ss = Σ BF16(latent²) in FP64 —
+exact for these BF16 squares, so every order gives the reference's float64 sum — over
+the CTA, inv = rsqrt.approx(ss / L + eps) (the instruction torch.rsqrt runs on CUDA) and
+xn = BF16((latent · inv) · gamma), bit-equal to the reference on the same device, into
+a [B, L] tensor. The tail's clusters then only copy their K slice: redoing the front,
+the sum and the normalization in every cluster (28 at TP1) cost 2.3 µs per call at
+B = 8 (benchmarks/NOTES.md). A thread's 16 row loads are all in flight (one HBM round
+trip; ptxas kept two at a time until the launch let it take the registers). Where all
+its CTAs fit two per SM on the SMs the tail leaves free (B ≤ 40 on 132 SMs) it launches
+for two per SM (72 registers, about half the loads in flight), so that the next call's
+tail CTAs never wait for a front CTA's SM.
+
+``PollNormFront`` (publish mode, before the wave): NormFront's rows from the polled latent
+boxes, with the re-arm of the previous MoE layer's boxes.
+
+``TailFront`` (publish mode; grid B × L/2048 CTAs of 256 threads): the partial latent
+BF16(Σ_r row_r · w_r) of one packet per thread, stored (−0 → +0, NaN canonical) as
+source ``rank`` of every rank's latent box, one relaxed system-scope store per peer.
+
+``ShardPush``: the shared expert's rows into the reduce-scatter boxes (it waits for its
+predecessor, then releases).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Float64, Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from ..common import (
+    THREADS, butterfly_sum, clamp, inverse_rms, launch, no_neg_zero, normalized, poll_all, store_to_peers, unpack_words,
+)
+from ..ptx import load_words, pack_bf16, store_words
+from .common import LATENT_POLL, TOP_K, rank_sums, rearm_previous, sum_of_squares
+
+FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
+
+
+class TailFront:
+    """The publish half: partial = BF16(Σ_r row_r · w_r) per (token, packet), stored as
+    source ``rank`` of every rank's latent box (the tail sums the sources, then normalizes)."""
+
+    def __init__(self, latent: int, tp: int):
+        self.latent, self.tp = latent, tp
+        self.packets = latent // 8
+
+    @cute.jit
+    def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, peers: cute.Tensor, row0: Int32, stream):
+        grid = [expanded.shape[0], -(-self.packets // FRONT_PACKETS)]
+        launch(self.kernel(expanded, weights, peers, row0), grid, stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, peers: cute.Tensor, row0: Int32):
+        """``peers``: the latent boxes' base addresses, written at row ``row0 + token`` of
+        rows of L."""
+        tid, _, _ = cute.arch.thread_idx()
+        token, part, _ = cute.arch.block_idx()
+        packet = part * FRONT_PACKETS + tid
+        # Release at once: our dependent (MoeTail) only prefetches weights before it waits
+        # for us, and we wait for our predecessor before anything else.
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+        if packet < self.packets:
+            acc = weighted_rows(expanded, weights, token, packet * 8)
+            words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
+            store_to_peers(peers, self.tp, (Int64(row0 + token) * self.latent + packet * 8) * 2, words)
+
+
+class NormFront:
+    """The functional front, normalized: xn = BF16((latent · inv) · gamma) of one token per
+    CTA, latent = BF16(Σ_r row_r · w_r) (the FP32 FMA chain in rank order) and inv from
+    the row's Σ BF16(latent²) (FP64, exact), which stays in the CTA: MoeTail then only
+    copies its K slice instead of every cluster redoing the front, the sum and the
+    normalization for all B tokens (28 times over at TP1). ``per_sm``: the CTAs an SM fits,
+    ptxas's register target (``front_per_sm`` picks it per batch)."""
+
+    def __init__(self, latent: int, per_sm: int):
+        self.latent, self.packets, self.per_sm = latent, latent // 8, per_sm
+        self.threads = min(1024, -(-self.packets // 32) * 32)
+        self.rounds = -(-self.packets // self.threads)  # packets per thread
+
+    @cute.jit
+    def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
+                 eps: Float32, stream):
+        self.launch_rows(self.kernel(expanded, weights, gamma, rows, eps), rows, stream)
+
+    def launch_rows(self, kernel, rows, stream):
+        """One CTA per row of ``rows``."""
+        # min_blocks_per_mp sets ptxas's register target: 1 keeps a thread's 16 row loads in
+        # flight (107 registers; unset, 40 kept ~2), 2 about 9 (72). The carveout attribute
+        # lets a multi-CTA target compile without a device.
+        kernel.launch(
+            grid=[rows.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
+            min_blocks_per_mp=self.per_sm, preferred_smem_carveout=-1,
+        )
+
+    @cute.kernel
+    def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
+               eps: Float32):
+        token, _, _ = cute.arch.block_idx()
+        columns, scale = self.gamma_packets(gamma)
+        # Release at once: our dependent (MoeTail) only prefetches weights before it waits.
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+        latents = [[Float32(BFloat16(a)) for a in weighted_rows(expanded, weights, token, columns[q])]
+                   for q in range(self.rounds)]
+        self.store_normed(latents, scale, rows, token, eps)
+
+    def packets_of(self, tid):
+        return [tid + q * self.threads for q in range(self.rounds)]
+
+    @cute.jit
+    def gamma_packets(self, gamma):
+        """(each round's first column, clamped; its gamma packet): a weight, loaded before
+        the wait."""
+        tid, _, _ = cute.arch.thread_idx()
+        columns = [clamp(packet, self.packets - 1) * 8 for packet in self.packets_of(tid)]
+        return columns, [unpack_words(load_words(gamma.iterator + column)) for column in columns]
+
+    @cute.jit
+    def store_normed(self, latents, scale, rows, token, eps):
+        """``token``'s row of xn from its rounded latent packets (one list of 8 per round):
+        Σ BF16(latent²) over the CTA in FP64, inv, then the normalized packets."""
+        tid, _, _ = cute.arch.thread_idx()
+        warp, lane = tid // 32, tid % 32
+        sums = SmemAllocator().allocate_tensor(Float64, cute.make_layout(32), 16)
+        packets = self.packets_of(tid)
+        squares = Float64(0.0)
+        for q in cutlass.range_constexpr(self.rounds):
+            if packets[q] < self.packets:
+                squares += sum_of_squares(latents[q])
+        squares = butterfly_sum(squares, 32)
+        if lane == 0:
+            sums[warp] = squares
+        cute.arch.sync_threads()
+        total = Float64(0.0)  # the warps' sums, one per lane; any order is exact
+        if lane < self.threads // 32:
+            total = sums[lane]
+        inv = inverse_rms(butterfly_sum(total, 32), self.latent, eps)
+        for q in cutlass.range_constexpr(self.rounds):
+            if packets[q] < self.packets:
+                store_words(rows.iterator + token * rows.stride[0] + packets[q] * 8,
+                            normalized(latents[q], inv, scale[q]))
+
+
+class PollNormFront(NormFront):
+    """Publish mode's front for WaveMoeTail: NormFront's xn rows from the latent boxes,
+    latent = BF16(Σ of the TP sources in rank order) polled per packet (bounded, into the
+    error word), and the previous MoE layer's parity re-armed over the grid. Its loads
+    are TP packets per thread, in flight at any register target: two CTAs per SM."""
+
+    def __init__(self, latent: int, tp: int):
+        super().__init__(latent, per_sm=2)
+        self.tp = tp
+
+    @cute.jit
+    def __call__(self, latent_box: cute.Tensor, shared_box: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
+                 error: cute.Tensor, eps: Float32, parity: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
+        self.launch_rows(self.kernel(latent_box, shared_box, gamma, rows, error, eps, parity, rearm_parity,
+                                     rearm_batch), rows, stream)
+
+    @cute.kernel
+    def kernel(self, latent_box: cute.Tensor, shared_box: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
+               error: cute.Tensor, eps: Float32, parity: Int32, rearm_parity: Int32, rearm_batch: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        columns, scale = self.gamma_packets(gamma)
+        # Release at once: the wave only streams weights before it waits for us.
+        cute.arch.griddepcontrol_launch_dependents()
+        rearm_previous(latent_box, shared_box, self.tp, rearm_parity, rearm_batch,
+                       token * self.threads + tid, rows.shape[0] * self.threads)
+        first_row = (parity * self.tp) * latent_box.shape[2] + token
+        polled = poll_all([latent_box.iterator + (first_row + source * latent_box.shape[2]) * self.latent + column
+                           for column in columns for source in range(self.tp)], error, LATENT_POLL)
+        self.store_normed(rank_sums(polled, self.tp), scale, rows, token, eps)
+
+
+class ShardPush:
+    """The shared expert's reduce-scatter stores (the seeds' ``WaveMoeTail.push``): packet
+    p of token b goes to rank p·8 // N's box, row ``row0 + b`` of rows of N."""
+
+    def __init__(self, hidden: int, tp: int):
+        self.hidden, self.tp, self.shard = hidden, tp, hidden // tp
+
+    @cute.jit
+    def __call__(self, shared: cute.Tensor, peers: cute.Tensor, row0: Int32, stream):
+        launch(self.kernel(shared, peers, row0), [shared.shape[0], -(-self.hidden // 8 // THREADS)], stream)
+
+    @cute.kernel
+    def kernel(self, shared: cute.Tensor, peers: cute.Tensor, row0: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        token, part, _ = cute.arch.block_idx()
+        column = (part * THREADS + tid) * 8
+        cute.arch.griddepcontrol_wait()
+        if column < self.hidden:
+            words = load_words(shared.iterator + token * shared.stride[0] + column)
+            destination, own = column // self.shard, column % self.shard
+            offset = (Int64(row0 + token) * self.shard + own) * 2
+            store_words(Int64(peers[destination]) + offset, [no_neg_zero(w) for w in words], mailbox=True)
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
+def weighted_rows(expanded, weights, token, column):
+    """Σ_r row_r · w_r over the 8 columns from ``column`` of ``token``'s TOP_K expert rows
+    (``expanded`` [B, TOP_K, L], ``weights`` [B, TOP_K]): the front's FP32 FMA chain in
+    rank order, unrounded (the caller rounds once to BF16)."""
+    # Every row's load first, all TOP_K in flight at once where the registers allow
+    # (NormFront: 8 round trips became one, 107 registers).
+    rows = [load_words(expanded.iterator + token * expanded.stride[0] + r * expanded.stride[1] + column)
+            for r in range(TOP_K)]
+    scales = [Float32(weights[token, r]) for r in range(TOP_K)]
+    acc = [Float32(0.0)] * 8
+    for r in cutlass.range_constexpr(TOP_K):
+        values = unpack_words(rows[r])
+        acc = [acc[i] + values[i] * scales[r] for i in range(8)]
+    return acc

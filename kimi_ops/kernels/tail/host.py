@@ -1,0 +1,338 @@
+"""The tail's host side (the seeds' ``moe/tail_runtime.py``): the compiles, the plan and
+variant choices, and the ``kimi`` ops' adapters."""
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ... import backend
+from ...ops import mailbox_ops
+from ...ops import tail as tail_op
+from ..common import (
+    addresses, aligned, compile_options, compiled, fake, fake_stream, hopper, placeholder, register_addresses,
+)
+from ..ring import CHUNK
+from .common import TOP_K
+from .fronts import NormFront, PollNormFront, ShardPush, TailFront
+from .split import CLUSTER, TILE_ROWS, MoeTail, Plan
+from .wave import MIN_WAVE_GROUPS, WaveMoeTail, WavePlan
+
+MAX_WAVE_TP = 2  # publish mode's wave (poll_wave_plan)
+
+
+def groups_of(batch: int) -> int:
+    """8-token MMA groups (the N of m16n8k16) a batch needs: the compile key."""
+    return -(-batch // 8)
+
+
+@compiled
+def compile_front(latent: int, tp: int):
+    batch = cute.sym_int()
+    return cute.compile(
+        TailFront(latent, tp), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
+        fake(Int64, (tp,), align=8), Int32(0), fake_stream(), options=compile_options(),
+    )
+
+
+@compiled
+def compile_norm_front(latent: int, per_sm: int):
+    batch = cute.sym_int()
+    return cute.compile(
+        NormFront(latent, per_sm), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
+        fake(BFloat16, (latent,)), fake(BFloat16, (batch, latent)), Float32(1e-6), fake_stream(),
+        options=compile_options(),
+    )
+
+
+@compiled
+def compile_push(hidden: int, tp: int):
+    return cute.compile(
+        ShardPush(hidden, tp), fake(BFloat16, (cute.sym_int(), hidden)), fake(Int64, (tp,), align=8), Int32(0),
+        fake_stream(), options=compile_options(),
+    )
+
+
+@functools.cache
+def plan_for(tp: int, shard: int, latent: int, groups: int) -> Plan:
+    """MoeTail's Plan of a shape (planned once: the dispatch asks on every call);
+    ValueError (why) where it does not take the shape."""
+    if latent % (CLUSTER * CHUNK) or shard % (TILE_ROWS * 2) or tp > 16:
+        raise ValueError(f"the tail kernel needs L % {CLUSTER * CHUNK} == 0, N % {TILE_ROWS * 2} == 0 and "
+                         f"TP <= 16 (L={latent}, N={shard}, TP={tp})")
+    return Plan(tp, shard, latent, groups)
+
+
+@compiled
+def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, stamps: bool = False):
+    plan = plan_for(tp, shard, latent, groups)
+    batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    if publish:
+        latent_in, shared_in = fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard))
+    else:
+        latent_in, shared_in = fake(BFloat16, (batch, latent)), fake(BFloat16, (batch, shard))
+    return cute.compile(
+        MoeTail(plan, publish, stamps), latent_in, shared_in,
+        fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
+        fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4), Int32(0), Int32(0),
+        Float32(1e-6), Int32(1), Int32(1), Int32(1), fake_stream(), options=compile_options(),
+    )
+
+
+@functools.cache
+def wave_plan_for(shard: int, latent: int, groups: int) -> WavePlan | None:
+    """WaveMoeTail's plan of a shape, or None where MoeTail runs (fewer than MIN_WAVE_GROUPS
+    token groups, or a shape the wave does not take)."""
+    try:
+        return WavePlan(shard, latent, groups) if groups >= MIN_WAVE_GROUPS else None
+    except ValueError:
+        return None
+
+
+def poll_wave_plan(tp: int, shard: int, latent: int, groups: int) -> WavePlan | None:
+    """WaveMoeTail's plan for publish mode, or None where MoeTail polls instead: a CTA per
+    64 rows leaves TP4's shard 28 CTAs, too few SMs to stream it at the HBM's rate."""
+    return wave_plan_for(shard, latent, groups) if tp <= MAX_WAVE_TP else None
+
+
+@compiled
+def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False, tp: int = 0):
+    batch = cute.sym_int()
+    if tp:
+        shared_in, out_in = fake(BFloat16, (3, tp, cute.sym_int(), shard)), fake(BFloat16, (cute.sym_int(), shard))
+    else:
+        shared_in, out_in = fake(BFloat16, (batch, shard)), fake(BFloat16, (batch, shard))
+    return cute.compile(
+        WaveMoeTail(wave_plan_for(shard, latent, groups), stamps, tp), fake(BFloat16, (cute.sym_int(), latent)),
+        shared_in, fake(BFloat16, (shard, latent)), out_in, fake(Int64, (max(tp, 1),), align=8),
+        fake(Int32, (1,), align=4), Int32(0), Int32(0), fake(Int32, (1,), align=4), Int32(1), fake_stream(),
+        options=compile_options(),
+    )
+
+
+@compiled
+def compile_poll_front(latent: int, tp: int, shard: int):
+    capacity = cute.sym_int()
+    return cute.compile(
+        PollNormFront(latent, tp), fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard)),
+        fake(BFloat16, (latent,)), fake(BFloat16, (cute.sym_int(), latent)), fake(Int32, (1,), align=4),
+        Float32(1e-6), Int32(0), Int32(1), Int32(1), fake_stream(), options=compile_options(),
+    )
+
+
+@functools.cache
+def multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def front_per_sm(shard: int, latent: int, batch: int, device: int) -> int:
+    """NormFront's CTAs per SM for a batch: two (72 registers, ~9 of a thread's 16 row loads
+    in flight) where all its CTAs then fit on the SMs the tail's grid leaves free, so the
+    next call's tail CTAs never wait for them; else one (all 16 in flight, one round trip):
+    at B = 64 a round trip added to the front costs more than the late tail CTAs it spares
+    (the sweep: benchmarks/NOTES.md)."""
+    free = multiprocessors(device) - functional_ctas(shard, latent, batch)
+    return 2 if batch <= 2 * free else 1
+
+
+def functional_ctas(shard: int, latent: int, batch: int) -> int:
+    """The CTAs of the functional tail's launch (benchmarks/profile_tail.py's stamps)."""
+    return functional_variant(shard, latent, groups_of(batch)).plan.ctas
+
+
+class Variant(NamedTuple):
+    """A call shape's kernels, chosen once (``prepare``, ``unsupported`` and the call ask
+    :func:`functional_variant` or :func:`poll_variant`): the tail's plan, ``kernels()`` the
+    compiled kernels in launch order (compiled or loaded on first use) and
+    ``arguments(...)`` each one's arguments from the call's. Both tails take the publish
+    side as Outbox's fields (peers, error word, parity, rank) after ``out``."""
+
+    plan: Plan | WavePlan
+    kernels: Callable[[], tuple]
+    arguments: Callable[..., tuple]
+
+    def launches(self, *call) -> list:
+        """The kernels as calls on ``call``'s arguments."""
+        return [functools.partial(kernel, *args) for kernel, args in zip(self.kernels(), self.arguments(*call))]
+
+
+@functools.cache
+def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = False) -> Variant:
+    """``kimi::moe_tail``'s tail after NormFront: WaveMoeTail from MIN_WAVE_GROUPS token
+    groups on, else MoeTail; ``arguments(normed, shared, gamma, w_up, out, stamped, eps,
+    batch)``, ``stamped`` the Stamps buffer or a placeholder. ValueError (why) where
+    neither takes the shape."""
+    wave = wave_plan_for(hidden, latent, groups)
+    if wave:
+        def arguments(normed, shared, gamma, w_up, out, stamped, eps, batch):
+            unpublished = placeholder(out, torch.int64), placeholder(out, torch.int32), 0, 0
+            return ((normed, shared, w_up, out, *unpublished, stamped, batch),)
+
+        return Variant(wave, lambda: (compile_wave_tail(hidden, latent, groups, stamps),), arguments)
+
+    def arguments(normed, shared, gamma, w_up, out, stamped, eps, batch):
+        unpublished = placeholder(out, torch.int64), stamped, 0, 0  # MoeTail stamps through the error word
+        return ((normed, shared, gamma, w_up, out, *unpublished, eps, batch, 0, 1),)
+
+    return Variant(plan_for(1, hidden, latent, groups),
+                   lambda: (compile_tail(1, hidden, latent, groups, False, stamps),), arguments)
+
+
+@functools.cache
+def poll_variant(tp: int, shard: int, latent: int, groups: int) -> Variant:
+    """``kimi::moe_tail_poll``: PollNormFront and WaveMoeTail from MIN_WAVE_GROUPS token
+    groups on at TP <= MAX_WAVE_TP, else MoeTail; ``arguments`` takes the op's. ValueError
+    (why) where neither takes the shape."""
+    wave = poll_wave_plan(tp, shard, latent, groups)
+    if wave:
+        def arguments(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
+                      rank, batch):
+            normed = latent_box.new_empty((wave.xn_rows(batch), latent))
+            out = rs_box[parity, rank]  # placeholder: publish mode writes through the peers
+            return ((latent_box, rs_box, gamma, normed[:batch], error, eps, parity, rearm_parity, rearm_batch),
+                    (normed, rs_box, w_up, out, addresses(out_boxes), error, parity, rank,
+                     placeholder(error, torch.int32), batch))
+
+        def kernels():
+            return compile_poll_front(latent, tp, shard), compile_wave_tail(shard, latent, groups, False, tp)
+
+        return Variant(wave, kernels, arguments)
+
+    def arguments(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank,
+                  batch):
+        return ((latent_box, rs_box, gamma, w_up, rs_box[parity, rank], addresses(out_boxes), error, parity, rank, eps,
+                 batch, rearm_parity, rearm_batch),)
+
+    return Variant(plan_for(tp, shard, latent, groups), lambda: (compile_tail(tp, shard, latent, groups, True),),
+                   arguments)
+
+
+class TailKernel:
+    """``kimi::moe_tail`` on CUDA (TP1): NormFront, then :func:`functional_variant`'s tail on
+    the normalized rows. ``stamps`` (benchmarks only): an int64 buffer of Stamps pairs per
+    CTA, to run the stamping variant."""
+
+    check = staticmethod(tail_op.check_moe_tail)
+
+    def __init__(self, stamps: torch.Tensor | None = None):
+        self.stamps = stamps
+
+    def prepare(self, latent: int, hidden: int, batches) -> None:
+        """Compile what the op will run for ``batches``."""
+        for per_sm in (1, 2):  # front_per_sm's choices
+            compile_norm_front(latent, per_sm)
+        for groups in sorted({groups_of(b) for b in batches}):
+            try:
+                variant = functional_variant(hidden, latent, groups, self.stamps is not None)
+            except ValueError:
+                continue  # the reference runs it: nothing to compile
+            variant.kernels()
+
+    def unsupported(self, expanded, weights, shared, gamma, w_up, eps):
+        if not aligned(expanded, shared, gamma, w_up):
+            return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
+        try:
+            functional_variant(w_up.shape[0], expanded.shape[2], groups_of(expanded.shape[0]))
+        except ValueError as why:
+            return str(why)
+        return hopper(expanded)
+
+    def __call__(self, expanded, weights, shared, gamma, w_up, eps):
+        out = shared.new_empty((expanded.shape[0], w_up.shape[0]))
+        if out.shape[0]:
+            front, tail = self.launches(expanded, weights, shared, gamma, w_up, eps, out)
+            front()
+            tail()
+        return out
+
+    def launches(self, expanded, weights, shared, gamma, w_up, eps, out):
+        """The op's two kernels as calls (benchmarks/tail_parts.py times them apart):
+        NormFront into a new xn buffer, then the tail from it into ``out``."""
+        batch, hidden, latent = expanded.shape[0], w_up.shape[0], expanded.shape[2]
+        variant = functional_variant(hidden, latent, groups_of(batch), self.stamps is not None)
+        normed = expanded.new_empty((variant.plan.xn_rows(batch), latent))
+        front = compile_norm_front(latent, front_per_sm(hidden, latent, batch, expanded.device.index))
+        stamped = placeholder(out if self.stamps is None else self.stamps, torch.int32)
+        (tail,) = variant.launches(normed, shared, gamma, w_up, out, stamped, eps, batch)
+        return lambda: front(expanded, weights, gamma, normed[:batch], eps), tail
+
+
+class TailPublishKernel:
+    """``kimi::moe_tail_publish`` on CUDA."""
+
+    check = staticmethod(mailbox_ops.check_moe_tail_publish)
+
+    def prepare(self, latent: int, tp: int, peer_lists=()) -> None:
+        compile_front(latent, tp)
+        register_addresses(peer_lists)
+
+    def unsupported(self, expanded, weights, latent_boxes, parity, rank):
+        if expanded.shape[2] % 8 or not aligned(expanded, *latent_boxes):
+            return "the publish kernel stores 16-byte packets: L % 8 == 0 and 16-byte aligned tensors"
+        return hopper(expanded)
+
+    def __call__(self, expanded, weights, latent_boxes, parity, rank):
+        latent = expanded.shape[2]
+        tp, capacity = len(latent_boxes), latent_boxes[0].shape[2]
+        compile_front(latent, tp)(expanded, weights, addresses(latent_boxes), (parity * tp + rank) * capacity)
+
+
+class TailPushKernel:
+    """``kimi::moe_tail_push`` on CUDA."""
+
+    check = staticmethod(mailbox_ops.check_moe_tail_push)
+
+    def prepare(self, hidden: int, tp: int, peer_lists=()) -> None:
+        compile_push(hidden, tp)
+        register_addresses(peer_lists)
+
+    def unsupported(self, shared, rs_boxes, parity, rank):
+        if rs_boxes[0].shape[3] % 8 or not aligned(shared, *rs_boxes):
+            return "the push kernel stores 16-byte packets: H/TP % 8 == 0 and 16-byte aligned tensors"
+        return hopper(shared)
+
+    def __call__(self, shared, rs_boxes, parity, rank):
+        tp, capacity = len(rs_boxes), rs_boxes[0].shape[2]
+        compile_push(shared.shape[1], tp)(shared, addresses(rs_boxes), (parity * tp + rank) * capacity)
+
+
+class TailPollKernel:
+    """``kimi::moe_tail_poll`` on CUDA: :func:`poll_variant`'s kernels."""
+
+    check = staticmethod(mailbox_ops.check_moe_tail_poll)
+
+    def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=()) -> None:
+        for groups in sorted({groups_of(b) for b in batches}):
+            try:
+                variant = poll_variant(tp, shard, latent, groups)
+            except ValueError:
+                continue  # the reference runs it: nothing to compile
+            variant.kernels()
+        register_addresses(peer_lists)
+
+    def unsupported(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
+                    rearm_batch, rank, batch):
+        if not aligned(latent_box, rs_box, gamma, w_up, *out_boxes):
+            return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
+        try:
+            poll_variant(latent_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch))
+        except ValueError as why:
+            return str(why)
+        return hopper(latent_box)
+
+    def __call__(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
+                 rank, batch):
+        variant = poll_variant(latent_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch))
+        for launch in variant.launches(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
+                                       rearm_batch, rank, batch):
+            launch()
+
+
+def register() -> None:
+    backend.KERNELS["moe_tail"] = TailKernel()
+    backend.KERNELS["moe_tail_publish"] = TailPublishKernel()
+    backend.KERNELS["moe_tail_push"] = TailPushKernel()
+    backend.KERNELS["moe_tail_poll"] = TailPollKernel()
