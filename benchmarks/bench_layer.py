@@ -9,9 +9,11 @@ the tail parities collide, so LAYERS = 2):
 - eager graph: the same composite captured in one CUDA graph and replayed;
 - compiled: ``torch.compile(mode="reduce-overhead")`` of the composite (Inductor's CUDA
   graphs; the cudagraph skips it counted are reported, 0 expected), back-to-back calls;
-- ours: ``KimiDecoder`` (TP1 mailboxes) replayed from one CUDA graph. There is no PDL-off
-  switch today: the kernels launch with PDL as they are built, so this is the issue's
-  'with PDL' row and 'without PDL' is not measured;
+- ours PDL: ``KimiDecoder`` (TP1 mailboxes) replayed from one CUDA graph, its kernels
+  chained by programmatic dependent launch; ours no PDL: the same in a child process with
+  ``KIMI_OPS_PDL=0`` (every kernel starts when its predecessor ended);
+- = eager: of ``--replays`` (1000) replays of the captured step on fresh hidden states,
+  how many equal an eager step of the decoder bit for bit;
 - floor: the weight bytes a layer reads (every weight but the routed experts', plus the
   experts the batch routed to) at 4.3 TB/s.
 
@@ -229,13 +231,60 @@ def compiled_us(composite, hidden, slots, want, row) -> float:
     return us
 
 
-def measure(decoder, composite, batch, smoke) -> dict:
+def inputs(config, batch, device):
+    gen = torch.Generator().manual_seed(batch)
+    return torch.randn(batch, config.hidden, generator=gen).bfloat16().to(device), torch.arange(batch, device=device)
+
+
+def ours_us(decoder, hidden, slots) -> float:
+    with torch.no_grad():
+        return graph_us(lambda: decoder(hidden, slots), calls=10, replays=20) / decoder.num_layers
+
+
+def replays_equal(decoder, hidden, slots, replays: int) -> int:
+    """Of ``replays`` replays of one captured step, each on fresh hidden states, how many
+    equal an eager step of the same decoder bit for bit (the steps alternate: a step leaves
+    the boxes as the next one needs them, whoever runs it)."""
+    static = hidden.clone()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            decoder(static, slots)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = decoder(static, slots)
+        gen = torch.Generator(device=hidden.device).manual_seed(7)
+        same = 0
+        for _ in range(replays):
+            static.copy_(torch.randn(hidden.shape, generator=gen, device=hidden.device).bfloat16())
+            graph.replay()
+            same += int(torch.equal(out, decoder(static.clone(), slots)))
+    decoder.check()
+    return same
+
+
+def without_pdl(args) -> dict:
+    """{B: ours µs per layer} from a child process whose kernels launch without PDL (the
+    setting is compiled in: a process of its own, a cache key of its own)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ours.json")
+        command = [sys.executable, os.path.abspath(__file__), "--ours-only", "--json", path,
+                   "--expert-intermediate", str(args.expert_intermediate), "--batches", *map(str, args.batches)]
+        subprocess.run(command + ["--tp8-rank"] * args.tp8_rank, check=True, env={**os.environ, "KIMI_OPS_PDL": "0"})
+        with open(path) as f:
+            return {int(b): us for b, us in json.load(f).items()}
+
+
+def measure(decoder, composite, batch, smoke, replays) -> dict:
     """One batch: the layer row and the breakdown (timings None in smoke mode)."""
     config, layers = decoder.config, decoder.num_layers
     device = decoder.boxes.error(0).device
-    gen = torch.Generator().manual_seed(batch)
-    hidden = torch.randn(batch, config.hidden, generator=gen).bfloat16().to(device)
-    slots = torch.arange(batch, device=device)
+    hidden, slots = inputs(config, batch, device)
     trace = {}
     with torch.no_grad():
         got, _ = composite(hidden, slots, trace)
@@ -244,12 +293,13 @@ def measure(decoder, composite, batch, smoke) -> dict:
     floors = layer_weight_bytes(composite, trace["ids"])
     floor = sum(floors) / layers / HBM_BYTES_PER_US
     row = {"B": batch, "eager_us": None, "eager_graph_us": None, "compiled_us": None, "ours_us": None,
-           "floor_us": floor, "cudagraph_skips": None,
+           "ours_no_pdl_us": None, "floor_us": floor, "cudagraph_skips": None, "replays": 0, "replays_equal": None,
            "rel_l2_max": float(err.max()), "rel_l2_mean": float(err.mean()), "compiled_rel_l2_max": None}
     cuda = hidden.is_cuda
     if cuda and not smoke:
+        row["ours_us"] = ours_us(decoder, hidden, slots)
+        row["replays"], row["replays_equal"] = replays, replays_equal(decoder, hidden, slots, replays)
         with torch.no_grad():
-            row["ours_us"] = graph_us(lambda: decoder(hidden, slots), calls=10, replays=20) / layers
             attempt(row, "eager_us", lambda: stream_us(lambda: composite(hidden, slots)) / layers)
             attempt(row, "eager_graph_us",
                     lambda: graph_us(lambda: composite(hidden, slots), calls=10, replays=20) / layers)
@@ -275,12 +325,13 @@ def measure(decoder, composite, batch, smoke) -> dict:
 
 NOTES = [
     "µs per layer: a forward of LAYERS layers / LAYERS (the embedding AttnRes shared among them)",
-    "ours: KimiDecoder CUDA-graph replayed, kernels with PDL as built; no PDL-off switch exists, "
-    "so 'without PDL' is not measured",
+    "ours PDL / no PDL: KimiDecoder CUDA-graph replayed, kernels chained by PDL / launched without it "
+    "(KIMI_OPS_PDL=0, a child process)",
     "compiled: torch.compile(mode='reduce-overhead') of the composite; cudagraph_skips should be 0",
     "err eager / err comp.: the largest per-token relative L2 error of the composite's h (eager / compiled) "
     "against ours",
     "floor: weight bytes (routed experts: the distinct experts routed to) at 4.3 TB/s; activations not counted",
+    "= eager: graph replays on fresh inputs equal to eager steps, bit for bit",
     "breakdown: each op of layer 0 graph-replayed alone on its real arguments, weights rotated past L2; "
     "a poll runs with its producer ('+' rows)",
 ]
@@ -293,6 +344,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--expert-intermediate", type=int, default=16, help="the routed experts' width (a stand-in)")
     parser.add_argument("--json", help="write the rows and breakdowns here")
     parser.add_argument("--smoke", action="store_true", help="KimiConfig.tiny(), every path once, no timing")
+    parser.add_argument("--replays", type=int, default=1000, help="graph replays checked against eager steps")
+    parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # without_pdl's child
     args = parser.parse_args(argv)
     config = config_for(args)
     torch._dynamo.config.cache_size_limit = 64  # a compiled graph per batch: more than the default 8
@@ -301,22 +354,30 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_layer times CUDA graphs: it needs a GPU (--smoke runs anywhere)")
     name = "tiny" if args.smoke else "kimi_k3 TP8 rank" if args.tp8_rank else "kimi_k3"
     decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device=device)
+    if args.ours_only:
+        times = {b: ours_us(decoder, *inputs(config, b, device)) for b in args.batches}
+        with open(args.json, "w") as f:
+            json.dump(times, f)
+        return times
     composite = CompositeDecoder(decoder)
-    results = {b: measure(decoder, composite, b, args.smoke) for b in args.batches}
+    results = {b: measure(decoder, composite, b, args.smoke, args.replays) for b in args.batches}
+    if not args.smoke:
+        for b, us in without_pdl(args).items():
+            results[b]["row"]["ours_no_pdl_us"] = us
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{where}, {name} TP1, {LAYERS}-layer KimiDecoder, median µs per layer"
           + (" (smoke: no timing)" if args.smoke else ""))
-    columns = ("B", "eager", "eager graph", "compiled", "ours PDL", "floor", "ours/floor", "comp./ours", "skips",
-               "err eager", "err comp.")
+    columns = ("B", "eager", "eager graph", "compiled", "ours no PDL", "ours PDL", "floor", "ours/floor",
+               "comp./ours", "skips", "= eager", "err eager", "err comp.")
     rows = []
     for b, result in results.items():
         r = result["row"]
         ratio = r["ours_us"] / r["floor_us"] if r["ours_us"] else None
         speedup = r["compiled_us"] / r["ours_us"] if r["ours_us"] and r["compiled_us"] else None
         rows.append(tuple("-" if v is None else v for v in (
-            b, r["eager_us"], r["eager_graph_us"], r["compiled_us"], r["ours_us"], r["floor_us"], ratio, speedup,
-            r["cudagraph_skips"], f"{r['rel_l2_max']:.2e}",
-            None if r["compiled_rel_l2_max"] is None else f"{r['compiled_rel_l2_max']:.2e}")))
+            b, r["eager_us"], r["eager_graph_us"], r["compiled_us"], r["ours_no_pdl_us"], r["ours_us"], r["floor_us"],
+            ratio, speedup, r["cudagraph_skips"], f"{r['replays_equal']}/{r['replays']}" if r["replays"] else None,
+            f"{r['rel_l2_max']:.2e}", None if r["compiled_rel_l2_max"] is None else f"{r['compiled_rel_l2_max']:.2e}")))
     print_table(rows, columns)
     for b, result in results.items():
         ops = result["breakdown"]

@@ -53,10 +53,11 @@ from ..mailbox import TAKE_POLL
 from ..ops import attn_res as attn_res_op
 from ..ops import mailbox_ops
 from .common import (
-    SMEM_BYTES, Release, aligned, butterfly, butterfly_sum, clamp, compile_options, compiled, fake, fake_stream, hopper,
-    inverse_rms, normalized, poll_all, rearm, unpack_words,
+    PDL, SMEM_BYTES, Release, aligned, butterfly, butterfly_sum, clamp, cluster_barrier, cluster_total,
+    compile_options, compiled, fake, fake_stream, hopper, inverse_rms, normalized, poll_all, rearm, send_to_cluster,
+    unpack_words,
 )
-from .ptx import copy_async, divide, load_shared, load_words, pack_bf16, store_cluster, store_words
+from .ptx import copy_async, divide, load_shared, load_words, pack_bf16, store_words
 
 CLUSTERS = (1, 2, 4, 8)  # CTAs per token (portable cluster sizes)
 CTA_PACKETS = 128  # packets a CTA takes at most where H allows (H = 7168: 8 CTAs of 112)
@@ -111,7 +112,7 @@ class AttnRes(Release):
     def launch(self, kernel, partial, stream):
         """A cluster per token (partial's rows), with programmatic dependent launch."""
         kernel.launch(grid=[partial.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1],
-                      cluster=[self.cluster, 1, 1], stream=stream, use_pdl=True)
+                      cluster=[self.cluster, 1, 1], stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
@@ -292,24 +293,12 @@ class AttnRes(Release):
             total = Float64(0.0)
             for w in cutlass.range_constexpr(self.warps):
                 total += partials[first + n, w]
-            if cutlass.const_expr(self.cluster == 1):
-                received[first + n, 0] = total
-            else:
-                for c in cutlass.range_constexpr(self.cluster):
-                    store_cluster(received.iterator + (first + n) * self.cluster + part, total, c)
-        if cutlass.const_expr(self.cluster == 1):
-            cute.arch.sync_threads()
-        else:
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+            send_to_cluster(received, first + n, total, part, self.cluster)
+        cluster_barrier(self.cluster)
 
     @cute.jit
     def total(self, received, slot) -> Float64:
-        """Slot ``slot``'s sum over the cluster's CTAs, in rank order."""
-        total = Float64(0.0)
-        for c in cutlass.range_constexpr(self.cluster):
-            total += received[slot, c]
-        return total
+        return cluster_total(received, slot, self.cluster)
 
     @cute.jit
     def allocate(self):

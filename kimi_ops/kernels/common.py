@@ -17,7 +17,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Float64, Int32, Int64, Uint32
 
-from .ptx import bits_float, divide, float_bits, load_words, nap, pack_bf16, rsqrt_like_torch, store_words
+from .ptx import (
+    bits_float, divide, float_bits, load_words, nap, pack_bf16, rsqrt_like_torch, store_cluster, store_words,
+)
 
 EXPORT_NAME = "func"
 THREADS = 256  # every kernel's CTA (launch)
@@ -53,7 +55,8 @@ def device_arch(device: int) -> str:
 def source_fingerprint() -> str:
     """The kernels' sources, subpackages' included, and the toolchain: a changed kernel
     never loads a stale .o."""
-    digest = hashlib.sha256(f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS}".encode())
+    digest = hashlib.sha256(
+        f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS} pdl={PDL}".encode())
     root = pathlib.Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
@@ -166,7 +169,7 @@ def launch(kernel, grid, stream, min_blocks_per_mp: int = 0) -> None:
     """Launch a traced ``kernel(...)`` call over ``grid`` CTAs of THREADS threads, with
     programmatic dependent launch; ``min_blocks_per_mp`` 1 lets ptxas take the registers
     to keep a thread's loads in flight (see tail.fronts.weighted_rows)."""
-    kernel.launch(grid=[*grid, *[1] * (3 - len(grid))], block=[THREADS, 1, 1], stream=stream, use_pdl=True,
+    kernel.launch(grid=[*grid, *[1] * (3 - len(grid))], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL,
                   min_blocks_per_mp=min_blocks_per_mp)
 
 
@@ -299,6 +302,38 @@ def butterfly_sum(value, lanes: cutlass.Constexpr[int]):
     return butterfly(value, lanes)
 
 
+# A cluster's exchange of per-CTA sums: ``received`` [rows, cluster] FP64 in every CTA, one
+# column a CTA; each CTA stores its value of a row into column ``part`` of every CTA's
+# (DSMEM; at a cluster of one, its own), a barrier, then every thread adds the columns in
+# rank order: the same bits in every CTA and every run.
+@cute.jit
+def send_to_cluster(received, row, value: Float64, part, cluster: cutlass.Constexpr[int]):
+    if cutlass.const_expr(cluster == 1):
+        received[row, 0] = value
+    else:
+        for c in cutlass.range_constexpr(cluster):
+            store_cluster(received.iterator + row * cluster + part, value, c)
+
+
+@cute.jit
+def cluster_barrier(cluster: cutlass.Constexpr[int]):
+    """Every CTA's sends landed (release / acquire); a CTA barrier at a cluster of one."""
+    if cutlass.const_expr(cluster == 1):
+        cute.arch.sync_threads()
+    else:
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+
+@cute.jit
+def cluster_total(received, row, cluster: cutlass.Constexpr[int]) -> Float64:
+    """Row ``row``'s sum over the cluster's CTAs, in rank order."""
+    total = Float64(0.0)
+    for c in cutlass.range_constexpr(cluster):
+        total += received[row, c]
+    return total
+
+
 @cute.jit
 def clamp(value: Int32, high: Int32) -> Int32:
     result = value
@@ -337,6 +372,9 @@ def bound_ns(variable: str, default_ms: float) -> int:
 # 2 s, since polls after a recorded fault do not wait.
 POLL_TIMEOUT_NS = bound_ns("KIMI_OPS_POLL_TIMEOUT_MS", 50)
 BARRIER_TIMEOUT_NS = bound_ns("KIMI_OPS_BARRIER_TIMEOUT_MS", 1000)
+# KIMI_OPS_PDL=0: every kernel launched without programmatic dependent launch (each starts
+# when its predecessor has ended): bench_layer's "without PDL" row. Part of the cache key.
+PDL = os.environ.get("KIMI_OPS_PDL", "1") != "0"
 
 
 @cute.jit

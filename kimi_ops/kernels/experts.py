@@ -33,8 +33,11 @@ from cutlass.memory import SmemAllocator
 from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
-from .common import Release, aligned, clamp, compile_options, compiled, fake, fake_stream, hopper, sigmoid, unpack_words
-from .ptx import load_words, pack_bf16, store_cluster, store_words
+from .common import (
+    PDL, Release, aligned, clamp, cluster_barrier, cluster_total, compile_options, compiled, fake, fake_stream, hopper,
+    send_to_cluster, sigmoid, unpack_words,
+)
+from .ptx import load_words, pack_bf16, store_words
 
 CLUSTERS = (8, 4, 2, 1)  # the most CTAs per expert the slice allows: more SMs' bandwidth
 GROUPS = 4  # phase 1's row groups of P threads (a thread takes 2I / GROUPS gate/up rows)
@@ -74,7 +77,7 @@ class RoutedExperts(Release):
         ``clusters`` ≤ B·16 clusters take the pairs round robin."""
         self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, clusters).launch(
             grid=[clusters * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
-            stream=stream, use_pdl=True)
+            stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
@@ -165,13 +168,13 @@ class RoutedExperts(Release):
     @cute.jit
     def allocate(self):
         """(partials [2I, P] FP64 (rows padded: conflict-free column reads), received
-        [2, 2I, cluster] FP64, acts [2, I] FP32, masks [MAX_BATCH], the first-pair flag)."""
+        [2 · 2I, cluster] FP64 (two buffers), acts [2, I] FP32, masks [MAX_BATCH], the first-pair flag)."""
         smem = SmemAllocator()
         double = 2 * self.intermediate
         partials = smem.allocate_tensor(Float64, cute.make_layout((double, self.packets), stride=(self.packets + 1, 1)),
                                         16)
-        received = smem.allocate_tensor(
-            Float64, cute.make_layout((2, double, self.cluster), stride=(double * self.cluster, self.cluster, 1)), 16)
+        received = smem.allocate_tensor(Float64, cute.make_layout((2 * double, self.cluster), stride=(self.cluster, 1)),
+                                        16)
         acts = smem.allocate_tensor(Float32, cute.make_layout((2, self.intermediate), stride=(self.intermediate, 1)),
                                     16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
@@ -180,31 +183,19 @@ class RoutedExperts(Release):
 
     @cute.jit
     def share(self, partials, received, buffer, part, tid):
-        """The CTA's 2I sums (its packets in order) into slot [buffer, ·, part] of every CTA
-        of the cluster; on return every thread may read them all."""
+        """The CTA's 2I sums (its packets in order) into rows [buffer·2I, (buffer + 1)·2I)
+        of the cluster's exchange (:func:`~kimi_ops.kernels.common.send_to_cluster`); on
+        return every thread may read them all."""
         if tid < 2 * self.intermediate:
             total = Float64(0.0)
             for q in cutlass.range_constexpr(self.packets):
                 total += partials[tid, q]
-            if cutlass.const_expr(self.cluster == 1):
-                received[buffer, tid, 0] = total
-            else:
-                for c in cutlass.range_constexpr(self.cluster):
-                    store_cluster(received.iterator + (buffer * 2 * self.intermediate + tid) * self.cluster + part,
-                                  total, c)
-        if cutlass.const_expr(self.cluster == 1):
-            cute.arch.sync_threads()
-        else:
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+            send_to_cluster(received, buffer * 2 * self.intermediate + tid, total, part, self.cluster)
+        cluster_barrier(self.cluster)
 
     @cute.jit
     def total(self, received, buffer, row) -> Float64:
-        """Row ``row``'s sum over the cluster's CTAs, in rank order."""
-        total = Float64(0.0)
-        for c in cutlass.range_constexpr(self.cluster):
-            total += received[buffer, row, c]
-        return total
+        return cluster_total(received, buffer * 2 * self.intermediate + row, self.cluster)
 
 
 @cute.jit

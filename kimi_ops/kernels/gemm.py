@@ -65,7 +65,7 @@ from ..ops import front as front_op
 from ..ops import mailbox_ops
 from ..ops import oproj as oproj_op
 from .common import (
-    SMEM_BYTES, addresses, aligned, butterfly_sum, clamp, compile_options, compiled, fake, fake_stream, hopper,
+    PDL, SMEM_BYTES, addresses, aligned, butterfly_sum, clamp, compile_options, compiled, fake, fake_stream, hopper,
     placeholder, register_addresses, store_to_peers, unpack_words,
 )
 from .ptx import (
@@ -258,7 +258,7 @@ class DecodeGemm:
     def launch(self, kernel, stream):
         plan = self.plan
         kernel.launch(grid=[plan.ctas, 1, 1], block=[THREADS, 1, 1], cluster=[plan.split, 1, 1], stream=stream,
-                      use_pdl=True, min_blocks_per_mp=1)
+                      use_pdl=PDL, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x: cute.Tensor, first: cute.Tensor,

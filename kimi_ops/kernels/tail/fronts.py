@@ -32,7 +32,8 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (
-    THREADS, butterfly_sum, clamp, inverse_rms, launch, no_neg_zero, normalized, poll_all, store_to_peers, unpack_words,
+    PDL, THREADS, butterfly_sum, clamp, inverse_rms, launch, no_neg_zero, normalized, poll_all, store_to_peers,
+    unpack_words,
 )
 from ..ptx import load_words, pack_bf16, store_words
 from .common import LATENT_POLL, TOP_K, rank_sums, rearm_previous, sum_of_squares
@@ -94,7 +95,7 @@ class NormFront:
         # flight (107 registers; unset, 40 kept ~2), 2 about 9 (72). The carveout attribute
         # lets a multi-CTA target compile without a device.
         kernel.launch(
-            grid=[rows.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
+            grid=[rows.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=PDL,
             min_blocks_per_mp=self.per_sm, preferred_smem_carveout=-1,
         )
 

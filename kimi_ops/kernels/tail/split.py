@@ -47,7 +47,7 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import SMEM_BYTES, Stamps, butterfly_sum, clamp, inverse_rms, normalized, poll_all, unpack_words
+from ..common import PDL, SMEM_BYTES, Stamps, butterfly_sum, clamp, inverse_rms, normalized, poll_all, unpack_words
 from ..ptx import (
     bits_float, copy_async, l2_evict_first, load_matrices, load_shared, load_words, mma_bf16, pack_bf16, store_cluster,
     store_shared, store_words,
@@ -190,7 +190,7 @@ class MoeTail:
         self.kernel(latent, shared, gamma, weight_copy, weight_boxes, out, peers, error, eps, batch, parity,
                     rank, rearm_parity, rearm_batch).launch(
             grid=[plan.ctas, 1, 1], block=[plan.threads + 32, 1, 1], cluster=[plan.cluster, 1, 1],
-            stream=stream, use_pdl=True,
+            stream=stream, use_pdl=PDL,
         )
 
     def ring_layout(self, stages):

@@ -12,7 +12,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from ..common import SMEM_BYTES, Stamps, Values, clamp, unpack_words
+from ..common import PDL, SMEM_BYTES, Stamps, Values, clamp, unpack_words
 from ..ptx import l2_evict_first, load_matrices, load_shared, load_words, pack_bf16, pinned, store_words, wgmma_bf16
 from ..ring import CHUNK, descriptor, expect, landed, paced, release, released, swizzled, swizzled_stages
 from .common import PHASES, Outbox, output_packet, publish_out, reduced_shared
@@ -149,7 +149,7 @@ class WaveMoeTail:
         self.kernel(weight_copy, weight_boxes, xn_copy, xn_boxes, shared, out, peers, error, stamps, batch, parity,
                     rank).launch(
             grid=[plan.ctas, 1, 1], block=[WAVE_THREADS, 1, 1], cluster=[WAVE_CLUSTER, 1, 1], stream=stream,
-            use_pdl=True, min_blocks_per_mp=1,  # ptxas: the registers at entry, for setmaxnreg
+            use_pdl=PDL, min_blocks_per_mp=1,  # ptxas: the registers at entry, for setmaxnreg
         )
 
     @cute.kernel
