@@ -171,14 +171,13 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     unit("moe_tail_publish", lambda: kimi.moe_tail_publish(expanded, weights, latent_boxes, tail.parity, 0),
          in_layer=False)
 
-    def tail_chain(w, partial=partial):
+    def tail_chain(w, partial=partial):  # the decoder's serving path (TP1)
         kimi.moe_tail_push(shared, rs_boxes, tail.parity, 0)
-        kimi.moe_tail_publish(expanded, weights, latent_boxes, tail.parity, 0)
-        kimi.moe_tail_poll(boxes.own("latent", 0), boxes.own("rs", 0), tail.gamma, w, eps, boxes.peers("out", 0),
-                           error, tail.parity, tail.rearm, c.capacity if tail.wrap else batch, 0, batch)
+        kimi.moe_tail_serve(expanded, weights, latent_boxes, boxes.own("rs", 0), tail.gamma, w, eps,
+                            boxes.peers("out", 0), error, tail.parity, tail.rearm, c.capacity if tail.wrap else batch, 0)
         return decoder.residual_take(moe_res, boxes.own("out", 0), empty, partial, batch, error)
 
-    unit("tail: push + publish + moe_tail_poll + attn_res_take", tail_chain, tail.w_up,
+    unit("tail: push + moe_tail_serve + attn_res_take", tail_chain, tail.w_up,
          extra_bytes=tail.gamma.nbytes + res_bytes)
     return units
 

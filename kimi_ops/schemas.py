@@ -67,5 +67,10 @@ SCHEMAS: dict[str, str] = {
         " float eps, Tensor(c!)[] out_boxes, Tensor(d!) error, int parity, int rearm_parity,"
         " int rearm_batch, int rank, int batch) -> ()"
     ),
+    "moe_tail_serve": (
+        "moe_tail_serve(Tensor expanded, Tensor weights, Tensor(a!)[] latent_boxes, Tensor(b!) rs_box, Tensor gamma,"
+        " Tensor w_up, float eps, Tensor(c!)[] out_boxes, Tensor(d!) error, int parity, int rearm_parity,"
+        " int rearm_batch, int rank) -> ()"
+    ),
     "group_barrier": "group_barrier(Tensor(a!)[] boxes, Tensor(b!) ticket, Tensor(c!) error, int rank) -> ()",
 }

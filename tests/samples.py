@@ -73,6 +73,11 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
             rand(gen, 3, TP, CAP, 48), rand(gen, 3, TP, CAP, 32), rand(gen, 48) + 1,
             rand(gen, 32, 48, scale=0.1), 1e-6, boxes(1, 1, CAP, 64), error, 0, 2, CAP, 1, batch,
         )
+    if name == "moe_tail_serve":
+        return (
+            rand(gen, batch, 16, 48), rand(gen, batch, 16, scale=0.2), boxes(3, TP, CAP, 48), rand(gen, 3, TP, CAP, 32),
+            rand(gen, 48) + 1, rand(gen, 32, 48, scale=0.1), 1e-6, boxes(1, 1, CAP, 64), error, 0, 2, CAP, 1,
+        )
     if name == "group_barrier":
         return boxes(1, TP, 1, 8), torch.tensor([3]), error, 1
     raise KeyError(name)

@@ -30,6 +30,17 @@ def test_tail_compiles(tp, batch, publish, clean_ptxas):
     clean_ptxas()
 
 
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_serving_tail_compiles(tp, clean_ptxas):  # moe_tail_serve's one launch: the publish inside
+    assert host.compile_tail.build(tp, HIDDEN // tp, LATENT, 1, True, False, True) is not None
+    clean_ptxas()
+
+
+def test_serve_is_one_launch_up_to_8_tokens():
+    assert host.serve_variant(1, HIDDEN, LATENT, 1) is not None
+    assert host.serve_variant(1, HIDDEN, LATENT, 2) is None  # 9 tokens on: publish, then the poll's kernels
+
+
 def test_stamping_tail_compiles(clean_ptxas):  # benchmarks/profile_tail.py's variant
     assert host.compile_tail.build(1, HIDDEN, LATENT, 1, False, True) is not None
     clean_ptxas()
@@ -354,6 +365,61 @@ def test_tail_mailbox_ops_match_the_reference(batch):
     assert torch.equal(ours.rs, theirs.rs)
     assert armed(ours.latent[2]) and armed(ours.rs[2]) and armed(ours.out)
     assert int(ours.error) == 0
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+def test_tail_serve_equals_the_three_launches(batch):
+    """moe_tail_serve (one launch up to 8 tokens, the publish and the poll's kernels beyond)
+    against the reference of the three-launch path: the output rows, the published
+    partial bit for bit, the previous parity re-armed, no error."""
+    expanded, weights, shared, gamma, w_up = tail_args(batch, seed=700 + batch)
+    ours, theirs = tail_boxes(), tail_boxes()
+    for boxes in (ours, theirs):
+        boxes.latent[2, :, :batch].normal_()
+        boxes.rs[2, :, :batch].normal_()
+    ours.tail(expanded, weights, shared, gamma, w_up, 1e-6, 0, 2, batch, serve=True)
+    got = kimi.mailbox_take(ours.out, 0, batch, ours.error)[0]
+    want = reference(layer, theirs, expanded, weights, shared, gamma, w_up, 0, 2, batch)
+    assert_tail_close(got, want, shared)
+    assert torch.equal(ours.latent[0], theirs.latent[0]) and torch.equal(ours.rs[0], theirs.rs[0])
+    assert armed(ours.latent[2]) and armed(ours.rs[2]) and armed(ours.out)
+    assert int(ours.error) == 0
+
+
+@on_hopper
+def test_tail_serve_of_tp2_polls_the_peer_and_times_out_without_it():
+    """Rank 0 of TP2 serves after rank 1 published its partial and pushed its shard (one
+    device, the peer first): equal to the reference; without the peer's rows the polls
+    time out into the error word (no hang)."""
+    tp, shard, batch = 2, HIDDEN // 2, 4
+    gen = torch.Generator().manual_seed(42)
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
+    gamma, w_up = rand(LATENT, scale=0.1) + 1, rand(shard, LATENT, scale=LATENT**-0.5)
+    expanded = [rand(batch, 16, LATENT, scale=0.3) for _ in range(tp)]
+    weights = [rand(batch, 16, scale=0.2) for _ in range(tp)]
+    shards = rand(tp, batch, shard)
+
+    def run(peer=True):
+        latent_boxes = [armed_box(3, tp, CAPACITY, LATENT) for _ in range(tp)]
+        rs_box, out = armed_box(3, tp, CAPACITY, shard), [armed_box(1, 1, CAPACITY, HIDDEN) for _ in range(tp)]
+        rs_box[0, 0, :batch] = shards[0]
+        if peer:
+            rs_box[0, 1, :batch] = shards[1]
+            kimi.moe_tail_publish(expanded[1], weights[1], latent_boxes, 0, 1)
+        error = torch.zeros(1, dtype=torch.int32, device="cuda")
+        kimi.moe_tail_serve(expanded[0], weights[0], latent_boxes, rs_box, gamma, w_up, 1e-6, out, error, 0, 2,
+                            batch, 0)
+        return out, error
+
+    (out, error), (want, _) = run(), reference(run)
+    shared = shards.float().sum(0).bfloat16()
+    for got, expect in zip(out, want):
+        assert_tail_close(got[0, 0, :batch, :shard], expect[0, 0, :batch, :shard], shared)
+    assert int(error) == 0
+    _, error = run(peer=False)
+    torch.cuda.synchronize()
+    assert int(error) != 0
 
 
 @on_hopper

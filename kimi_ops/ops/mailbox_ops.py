@@ -243,8 +243,7 @@ def moe_tail_push(shared, rs_boxes, parity: int, rank: int) -> None:
         box[parity, rank, : shared.shape[0]].copy_(columns)
 
 
-def check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank) -> None:
-    op = "moe_tail_publish"
+def check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank, op="moe_tail_publish") -> None:
     check_tensor(op, "expanded", expanded, torch.bfloat16, (None, route.TOP_K, None))
     check_tensor(op, "weights", weights, torch.bfloat16, (expanded.shape[0], route.TOP_K))
     check_boxes(op, "latent_boxes", latent_boxes, rank, parity, expanded.shape[0], len(latent_boxes),
@@ -264,9 +263,9 @@ def moe_tail_publish(expanded, weights, latent_boxes, parity: int, rank: int) ->
 
 
 def check_moe_tail_poll(
-    latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank, batch
+    latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank, batch,
+    op="moe_tail_poll",
 ) -> None:
-    op = "moe_tail_poll"
     check_box(op, "latent_box", latent_box, parity, batch)
     check_box(op, "rs_box", rs_box, parity, batch)
     check_boxes(op, "out_boxes", out_boxes, rank, 0, batch, 1)
@@ -317,6 +316,36 @@ def moe_tail_poll(
         box[0, 0, :batch, columns].copy_(no_neg_zero(out))
     arm_(latent_box[rearm_parity, :, :rearm_batch])
     arm_(rs_box[rearm_parity, :, :rearm_batch])
+
+
+def check_moe_tail_serve(
+    expanded, weights, latent_boxes, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
+    rank,
+) -> None:
+    """moe_tail_publish's and moe_tail_poll's checks (the own latent box: latent_boxes[rank]),
+    named for this op, and no written buffer shared with another argument."""
+    op = "moe_tail_serve"
+    check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank, op)
+    check_moe_tail_poll(latent_boxes[rank], rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
+                        rearm_batch, rank, expanded.shape[0], op)
+    check_placement(op, dict(latent_boxes=latent_boxes, rs_box=rs_box, out_boxes=out_boxes, error=error),
+                    dict(expanded=expanded, weights=weights, gamma=gamma, w_up=w_up))
+
+
+def moe_tail_serve(
+    expanded, weights, latent_boxes, rs_box, gamma, w_up, eps: float, out_boxes, error,
+    parity: int, rearm_parity: int, rearm_batch: int, rank: int,
+) -> None:
+    """The tail's serving path on one rank in one op: :func:`moe_tail_publish` (this rank's
+    partial latent into every rank's latent box), then :func:`moe_tail_poll` on the own
+    box ``latent_boxes[rank]`` for the batch ``expanded.shape[0]``. Its peers publish
+    concurrently (one process a rank): a simulated group, whose ranks run in turn, keeps
+    the two ops apart."""
+    check_moe_tail_serve(expanded, weights, latent_boxes, rs_box, gamma, w_up, eps, out_boxes, error, parity,
+                         rearm_parity, rearm_batch, rank)
+    moe_tail_publish(expanded, weights, latent_boxes, parity, rank)
+    moe_tail_poll(latent_boxes[rank], rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
+                  rank, expanded.shape[0])
 
 
 def check_group_barrier(boxes, ticket, error, rank) -> None:
@@ -371,5 +400,6 @@ OPS = {
     "moe_tail_push": (moe_tail_push, fake_of(check_moe_tail_push)),
     "moe_tail_publish": (moe_tail_publish, fake_of(check_moe_tail_publish)),
     "moe_tail_poll": (moe_tail_poll, fake_of(check_moe_tail_poll)),
+    "moe_tail_serve": (moe_tail_serve, fake_of(check_moe_tail_serve)),
     "group_barrier": (group_barrier, fake_of(check_group_barrier)),
 }

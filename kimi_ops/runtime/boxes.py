@@ -99,9 +99,15 @@ class TailBoxes:
         for mailbox in (self.latent, self.rs, self.out):
             torch.ops.kimi.mailbox_arm(mailbox)
 
-    def tail(self, expanded, weights, shared, gamma, w_up, eps, parity, rearm_parity, rearm_batch) -> None:
+    def tail(self, expanded, weights, shared, gamma, w_up, eps, parity, rearm_parity, rearm_batch,
+             serve: bool = False) -> None:
+        """``serve``: the push, then moe_tail_serve (publish and poll in one op)."""
         kimi, batch = torch.ops.kimi, expanded.shape[0]
         kimi.moe_tail_push(shared, [self.rs], parity, 0)
+        if serve:
+            kimi.moe_tail_serve(expanded, weights, [self.latent], self.rs, gamma, w_up, eps, [self.out], self.error,
+                                parity, rearm_parity, rearm_batch, 0)
+            return
         kimi.moe_tail_publish(expanded, weights, [self.latent], parity, 0)
         kimi.moe_tail_poll(self.latent, self.rs, gamma, w_up, eps, [self.out], self.error, parity, rearm_parity,
                            rearm_batch, 0, batch)

@@ -92,9 +92,14 @@ class RankLayer(nn.Module):
     def front_publish(self, x, boxes: DecodeBoxes):
         self.front.publish(x, boxes)
 
-    def experts(self, x, boxes: DecodeBoxes):
-        """Routing, the shared expert's push, the routed experts and the tail's publish."""
-        self.tail.publish(*self.front.run(x, boxes), boxes)
+    def experts(self, x, boxes: DecodeBoxes, serving: bool):
+        """Routing, the shared expert's push, the routed experts, and the tail's publish
+        unless ``serving`` (the tail phase publishes then: returns the rows and weights)."""
+        expanded, weights = self.front.run(x, boxes)
+        if serving:
+            return expanded, weights
+        self.tail.publish(expanded, weights, boxes)
+        return None
 
 
 class KimiDecoder(nn.Module):
@@ -153,6 +158,9 @@ class KimiDecoder(nn.Module):
             self.attn_res.append(res)
         self.to(device)
         self.boxes = DecodeBoxes(group, config, device)  # after .to(): static addresses
+        # The tail publishes and polls in one op where the ranks run concurrently; a
+        # simulated group runs them in turn, so its publishes all precede the polls.
+        self.serving = len(group.ranks) == 1
         if device.type == "cuda":  # compile kernels now, not in a capture
             tp, hidden = group.tp, config.hidden
             backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
@@ -175,6 +183,9 @@ class KimiDecoder(nn.Module):
             backend.prepare("moe_tail_publish", config.latent, tp, peers["latent"])
             backend.prepare("moe_tail_push", hidden, tp, peers["rs"])
             backend.prepare("moe_tail_poll", tp, hidden // tp, config.latent, batches, peers["out"])
+            if self.serving:
+                backend.prepare("moe_tail_serve", tp, hidden // tp, config.latent, batches, peers["latent"],
+                                peers["out"])
             counts = range((num_layers - 1) // config.attn_res_block + 1)  # the completed blocks a residual sees
             backend.prepare("attn_res", hidden, (1,), counts)  # the embedding's
             backend.prepare("attn_res_take", hidden, (tp, 1), counts)  # o-proj rows (TP sources), tail rows
@@ -244,11 +255,13 @@ class KimiDecoder(nn.Module):
                                                             batch, boxes.error(r))
                 part.front_publish(x[r], boxes)
             self.barrier()
-            for r, part in zip(ranks, layer):
-                part.experts(x[r], boxes)
+            rows = {r: part.experts(x[r], boxes, self.serving) for r, part in zip(ranks, layer)}
             self.barrier()
-            for part in layer:
-                part.tail.run(batch, boxes)
+            for r, part in zip(ranks, layer):
+                if self.serving:
+                    part.tail.serve(*rows[r], boxes)
+                else:
+                    part.tail.run(batch, boxes)
             self.barrier()
             for r in ranks:
                 partial[r], h[r], x[r] = self.residual_take(moe_res, boxes.own("out", r), blocks[r], partial[r],

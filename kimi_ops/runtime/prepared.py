@@ -115,3 +115,13 @@ class PreparedTail(Prepared):
             boxes.peers("out", rank), boxes.error(rank), self.parity, self.rearm,
             config.capacity if self.wrap else batch, rank, batch,
         )
+
+    def serve(self, expanded, weights, boxes: DecodeBoxes):
+        """publish and run in one op (one launch up to 8 tokens): for groups whose ranks
+        run concurrently (TP1, one process a rank)."""
+        rank, config, batch = self.rank, self.config, expanded.shape[0]
+        kimi.moe_tail_serve(
+            expanded, weights, boxes.peers("latent", rank), boxes.own("rs", rank), self.gamma, self.w_up, config.eps,
+            boxes.peers("out", rank), boxes.error(rank), self.parity, self.rearm,
+            config.capacity if self.wrap else batch, rank,
+        )

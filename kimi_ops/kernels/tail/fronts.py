@@ -66,9 +66,7 @@ class TailFront:
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
         if packet < self.packets:
-            acc = weighted_rows(expanded, weights, token, packet * 8)
-            words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
-            store_to_peers(peers, self.tp, (Int64(row0 + token) * self.latent + packet * 8) * 2, words)
+            publish_partial(expanded, weights, peers, self.tp, self.latent, row0, token, packet)
 
 
 class NormFront:
@@ -203,6 +201,16 @@ class ShardPush:
             offset = (Int64(row0 + token) * self.shard + own) * 2
             store_words(Int64(peers[destination]) + offset, [no_neg_zero(w) for w in words], mailbox=True)
         cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
+def publish_partial(expanded, weights, peers, tp: cutlass.Constexpr[int], latent: cutlass.Constexpr[int], row0,
+                    token, packet):
+    """The partial latent BF16(Σ_r row_r · w_r) of ``token``'s ``packet`` as source ``rank``
+    (row ``row0 + token`` of rows of L) of every rank's latent box (``peers``: their bases)."""
+    acc = weighted_rows(expanded, weights, token, packet * 8)
+    words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
+    store_to_peers(peers, tp, (Int64(row0 + token) * latent + packet * 8) * 2, words)
 
 
 @cute.jit

@@ -56,6 +56,7 @@ from ..ring import CHUNK, expect, landed, paced, release, released, swizzled, sw
 from .common import (
     LATENT_POLL, PHASES, Outbox, output_packet, publish_out, rank_sums, rearm_previous, reduced_shared, sum_of_squares,
 )
+from .fronts import publish_partial
 
 CLUSTER = 4  # CTAs per cluster, each owning 1/CLUSTER of K
 # Co-resident clusters of 4 on an H200 at one CTA per SM (cuOccupancyMaxActiveClusters:
@@ -168,8 +169,8 @@ class Plan:
 class MoeTail:
     """latent → RMSNorm → up projection + shared, one rank's N rows (see the module doc)."""
 
-    def __init__(self, plan: Plan, publish: bool, stamps: bool = False):
-        self.plan, self.publish, self.stamps = plan, publish, stamps
+    def __init__(self, plan: Plan, publish: bool, stamps: bool = False, front: bool = False):
+        self.plan, self.publish, self.stamps, self.front = plan, publish, stamps, front
         # chunks held in registers (MoeTail.stash): functional mode only, publish mode's polls
         # already take the registers (162-168 per lane at TP1-2)
         self.stashed = 0 if publish else plan.stash
@@ -177,18 +178,22 @@ class MoeTail:
     @cute.jit
     def __call__(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, w_up: cute.Tensor,
                  out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, parity: Int32, rank: Int32, eps: Float32,
-                 batch: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
+                 batch: Int32, rearm_parity: Int32, rearm_batch: Int32, expanded: cute.Tensor, weights: cute.Tensor,
+                 latent_peers: cute.Tensor, row0: Int32, stream):
         """Functional: ``latent`` NormFront's normalized rows [B, L], ``shared`` and ``out``
         [B, N], ``error`` the stamps (Stamps). Publish mode: ``latent`` and ``shared`` are
         the boxes [3, TP, CAP, L or N]; (``peers``, ``error``, ``parity``, ``rank``) the
-        publish side (Outbox)."""
+        publish side (Outbox). ``front`` (publish mode): the grid first publishes this
+        rank's partial latent from ``expanded`` [B, 16, L] and ``weights`` [B, 16] into
+        every rank's latent box (``latent_peers``, at row ``row0 + token``), as TailFront
+        would; unused otherwise."""
         plan = self.plan
         # w_up's TMA descriptor (a kernel parameter): boxes of a cluster's rows × CHUNK columns
         weight_copy, weight_boxes = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), w_up, self.ring_layout(1), (plan.rows, CHUNK)
         )
         self.kernel(latent, shared, gamma, weight_copy, weight_boxes, out, peers, error, eps, batch, parity,
-                    rank, rearm_parity, rearm_batch).launch(
+                    rank, rearm_parity, rearm_batch, expanded, weights, latent_peers, row0).launch(
             grid=[plan.ctas, 1, 1], block=[plan.threads + 32, 1, 1], cluster=[plan.cluster, 1, 1],
             stream=stream, use_pdl=PDL,
         )
@@ -200,7 +205,8 @@ class MoeTail:
     @cute.kernel
     def kernel(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, weight_copy: cute.CopyAtom,
                weight_boxes: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32,
-               batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32):
+               batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32,
+               expanded: cute.Tensor, weights: cute.Tensor, latent_peers: cute.Tensor, row0: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -258,6 +264,13 @@ class MoeTail:
             if cutlass.const_expr(self.publish):
                 rearm_previous(latent, shared, plan.tp, rearm_parity, rearm_batch, cta * plan.threads + tid,
                                plan.ctas * plan.threads)
+                if cutlass.const_expr(self.front):
+                    cute.arch.griddepcontrol_wait()  # the expert rows: our predecessor's
+                    packets = plan.latent // 8
+                    for item in cutlass.range(cta * plan.threads + tid, batch * packets, plan.ctas * plan.threads,
+                                              unroll=1):
+                        publish_partial(expanded, weights, latent_peers, plan.tp, plan.latent, row0, item // packets,
+                                        item % packets)
             else:
                 cute.arch.griddepcontrol_wait()
             stamp.at("waited")
