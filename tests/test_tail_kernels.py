@@ -371,15 +371,16 @@ def test_tail_mailbox_ops_match_the_reference(batch):
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_tail_serve_equals_the_three_launches(batch):
     """moe_tail_serve (one launch up to 8 tokens, the publish and the poll's kernels beyond)
-    against the reference of the three-launch path: the output rows, the published
-    partial bit for bit, the previous parity re-armed, no error."""
+    bit-equal to the three launches on CUDA, and against their reference: the output rows,
+    the published partial bit for bit, the previous parity re-armed, no error."""
     expanded, weights, shared, gamma, w_up = tail_args(batch, seed=700 + batch)
-    ours, theirs = tail_boxes(), tail_boxes()
-    for boxes in (ours, theirs):
+    ours, split, theirs = tail_boxes(), tail_boxes(), tail_boxes()
+    for boxes in (ours, split, theirs):
         boxes.latent[2, :, :batch].normal_()
         boxes.rs[2, :, :batch].normal_()
     ours.tail(expanded, weights, shared, gamma, w_up, 1e-6, 0, 2, batch, serve=True)
     got = kimi.mailbox_take(ours.out, 0, batch, ours.error)[0]
+    assert torch.equal(got, layer(split, expanded, weights, shared, gamma, w_up, 0, 2, batch))  # the same kernels' bits
     want = reference(layer, theirs, expanded, weights, shared, gamma, w_up, 0, 2, batch)
     assert_tail_close(got, want, shared)
     assert torch.equal(ours.latent[0], theirs.latent[0]) and torch.equal(ours.rs[0], theirs.rs[0])
@@ -388,38 +389,49 @@ def test_tail_serve_equals_the_three_launches(batch):
 
 
 @on_hopper
-def test_tail_serve_of_tp2_polls_the_peer_and_times_out_without_it():
-    """Rank 0 of TP2 serves after rank 1 published its partial and pushed its shard (one
-    device, the peer first): equal to the reference; without the peer's rows the polls
-    time out into the error word (no hang)."""
-    tp, shard, batch = 2, HIDDEN // 2, 4
-    gen = torch.Generator().manual_seed(42)
+@pytest.mark.parametrize("tp", [2, 8])
+def test_tail_serve_of_the_last_rank_polls_its_peers_and_times_out_without_them(tp):
+    """The last rank of TP2 / TP8 serves at parity 1 after its peers published their
+    partials and pushed their shards (one device, the peers first): bit-equal to its
+    publish and poll as two ops on CUDA (the peers' latent boxes too: its partial landed in
+    each), the previous parity (0, junk before) re-armed; without the peers' rows the
+    polls time out into the error word."""
+    shard, batch, rank, parity = HIDDEN // tp, 4, tp - 1, 1
+    gen = torch.Generator().manual_seed(40 + tp)
     rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
     gamma, w_up = rand(LATENT, scale=0.1) + 1, rand(shard, LATENT, scale=LATENT**-0.5)
     expanded = [rand(batch, 16, LATENT, scale=0.3) for _ in range(tp)]
     weights = [rand(batch, 16, scale=0.2) for _ in range(tp)]
     shards = rand(tp, batch, shard)
+    junk = rand(tp, batch, LATENT), rand(tp, batch, shard)
 
-    def run(peer=True):
+    def run(serve, peers=True):
         latent_boxes = [armed_box(3, tp, CAPACITY, LATENT) for _ in range(tp)]
         rs_box, out = armed_box(3, tp, CAPACITY, shard), [armed_box(1, 1, CAPACITY, HIDDEN) for _ in range(tp)]
-        rs_box[0, 0, :batch] = shards[0]
-        if peer:
-            rs_box[0, 1, :batch] = shards[1]
-            kimi.moe_tail_publish(expanded[1], weights[1], latent_boxes, 0, 1)
+        latent_boxes[rank][0, :, :batch], rs_box[0, :, :batch] = junk
+        rs_box[parity, rank, :batch] = shards[rank]
+        for peer in range(tp - 1) if peers else ():
+            rs_box[parity, peer, :batch] = shards[peer]
+            kimi.moe_tail_publish(expanded[peer], weights[peer], latent_boxes, parity, peer)
         error = torch.zeros(1, dtype=torch.int32, device="cuda")
-        kimi.moe_tail_serve(expanded[0], weights[0], latent_boxes, rs_box, gamma, w_up, 1e-6, out, error, 0, 2,
-                            batch, 0)
-        return out, error
+        call = (gamma, w_up, 1e-6, out, error, parity, 0, batch, rank)
+        if serve:
+            kimi.moe_tail_serve(expanded[rank], weights[rank], latent_boxes, rs_box, *call)
+        else:
+            kimi.moe_tail_publish(expanded[rank], weights[rank], latent_boxes, parity, rank)
+            kimi.moe_tail_poll(latent_boxes[rank], rs_box, *call, batch)
+        return latent_boxes, rs_box, out, error
 
-    (out, error), (want, _) = run(), reference(run)
-    shared = shards.float().sum(0).bfloat16()
-    for got, expect in zip(out, want):
-        assert_tail_close(got[0, 0, :batch, :shard], expect[0, 0, :batch, :shard], shared)
-    assert int(error) == 0
-    _, error = run(peer=False)
-    torch.cuda.synchronize()
-    assert int(error) != 0
+    got, want = run(True), run(False)
+    for ours, theirs in zip(got[0] + [got[1]] + got[2], want[0] + [want[1]] + want[2]):
+        assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+    assert armed(got[0][rank][0]) and armed(got[1][0]) and int(got[3]) == 0 == int(want[3])
+    columns = slice(rank * shard, (rank + 1) * shard)
+    reference_out = reference(lambda: run(False))[2][0][0, 0, :batch, columns]
+    assert_tail_close(got[2][0][0, 0, :batch, columns], reference_out, shards.float().sum(0).bfloat16())
+    *_, error = run(True, peers=False)
+    torch.cuda.synchronize()  # returns: the polls are bounded
+    assert int(error) == 2 | 4
 
 
 @on_hopper

@@ -338,9 +338,8 @@ def moe_tail_serve(
 ) -> None:
     """The tail's serving path on one rank in one op: :func:`moe_tail_publish` (this rank's
     partial latent into every rank's latent box), then :func:`moe_tail_poll` on the own
-    box ``latent_boxes[rank]`` for the batch ``expanded.shape[0]``. Its peers publish
-    concurrently (one process a rank): a simulated group, whose ranks run in turn, keeps
-    the two ops apart."""
+    box ``latent_boxes[rank]`` for the batch ``expanded.shape[0]``. The reference's polls
+    do not wait: the peers' rows must be in already (the kernel's polls wait, bounded)."""
     check_moe_tail_serve(expanded, weights, latent_boxes, rs_box, gamma, w_up, eps, out_boxes, error, parity,
                          rearm_parity, rearm_batch, rank)
     moe_tail_publish(expanded, weights, latent_boxes, parity, rank)

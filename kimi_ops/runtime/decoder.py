@@ -158,9 +158,11 @@ class KimiDecoder(nn.Module):
             self.attn_res.append(res)
         self.to(device)
         self.boxes = DecodeBoxes(group, config, device)  # after .to(): static addresses
-        # The tail publishes and polls in one op where the ranks run concurrently; a
-        # simulated group runs them in turn, so its publishes all precede the polls.
-        self.serving = len(group.ranks) == 1
+        # The tail publishes and polls in one op at TP1. A simulated group runs its ranks in
+        # turn (every publish must precede the polls); ranks sharing a GPU would poll peers
+        # whose grids cannot be resident beside theirs; and where the reference serves (an
+        # unsupported shape) its polls would not wait for peers publishing concurrently.
+        self.serving = group.tp == 1
         if device.type == "cuda":  # compile kernels now, not in a capture
             tp, hidden = group.tp, config.hidden
             backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)

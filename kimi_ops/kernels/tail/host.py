@@ -76,8 +76,12 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, s
         latent_in, shared_in = fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard))
     else:
         latent_in, shared_in = fake(BFloat16, (batch, latent)), fake(BFloat16, (batch, shard))
-    expert_rows = (fake(BFloat16, (cute.sym_int(), TOP_K, latent)), fake(BFloat16, (cute.sym_int(), TOP_K), align=2),
-                   fake(Int64, (cute.sym_int(),), align=8), Int32(0))
+    if front:
+        rows = cute.sym_int()
+        expert_rows = (fake(BFloat16, (rows, TOP_K, latent)), fake(BFloat16, (rows, TOP_K), align=2),
+                       fake(Int64, (cute.sym_int(),), align=8), Int32(0))
+    else:  # no_expert_rows' placeholders: the launcher checks fixed sizes
+        expert_rows = fake(BFloat16, (1, 1, 1)), fake(BFloat16, (1, 1), align=2), fake(Int64, (1,), align=8), Int32(0)
     return cute.compile(
         MoeTail(plan, publish, stamps, front), latent_in, shared_in,
         fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
@@ -87,7 +91,8 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, s
 
 
 def no_expert_rows(tensor: torch.Tensor) -> tuple:
-    """MoeTail's front arguments where it publishes nothing (placeholders)."""
+    """MoeTail's front arguments where it publishes nothing (placeholders of the shapes
+    compile_tail compiles for them)."""
     return (placeholder(tensor, torch.bfloat16, 3), placeholder(tensor, torch.bfloat16, 2),
             placeholder(tensor, torch.int64), 0)
 
@@ -228,9 +233,9 @@ def serve_variant(tp: int, shard: int, latent: int, groups: int) -> Variant | No
     """``kimi::moe_tail_serve`` in one launch (MoeTail publishing its partial latent first),
     or None where it runs as moe_tail_publish's and moe_tail_poll's kernels; ValueError
     (why) where MoeTail does not take the shape."""
-    plan = plan_for(tp, shard, latent, groups)
     if groups > SERVE_GROUPS:
         return None
+    plan = plan_for(tp, shard, latent, groups)
 
     def arguments(expanded, weights, latent_boxes, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                   rearm_batch, rank):
