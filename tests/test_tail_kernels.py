@@ -36,6 +36,28 @@ def test_serving_tail_compiles(tp, clean_ptxas):  # moe_tail_serve's one launch:
     clean_ptxas()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stand-in tensors: on a CPU-only machine")
+@pytest.mark.parametrize("publish, front", [(False, False), (True, False), (True, True)])
+def test_moe_tail_launcher_takes_its_adapters_arguments(publish, front):
+    """MoeTail's launcher checks fixed sizes: the expert-row arguments of a mode that
+    publishes nothing are no_expert_rows' one-element placeholders (a mismatch raised
+    ValueError before any GPU run of moe_tail_serve); with DLPack stand-ins the call gets
+    past every argument check and fails only for want of a driver."""
+    from standins import cuda_standin as cuda
+
+    tp, batch, latent, shard = 1, 4, LATENT, HIDDEN
+    if publish:
+        boxes = cuda((3, tp, CAPACITY, latent)), cuda((3, tp, CAPACITY, shard))
+    else:
+        boxes = cuda((batch, latent)), cuda((batch, shard))
+    rows = ((cuda((batch, 16, latent)), cuda((batch, 16)), cuda((tp,), "i64"), 0) if front
+            else (cuda((1, 1, 1)), cuda((1, 1)), cuda((1,), "i64"), 0))
+    launch = host.compile_tail.build(tp, shard, latent, 1, publish, False, front)
+    with pytest.raises(RuntimeError, match="(?i)cuda"):
+        launch(*boxes, cuda((latent,)), cuda((shard, latent)), cuda((batch, shard)), cuda((tp,), "i64"),
+               cuda((1,), "i32"), 0, 0, 1e-6, batch, 2, batch, *rows)
+
+
 def test_serve_is_one_launch_up_to_8_tokens():
     assert host.serve_variant(1, HIDDEN, LATENT, 1) is not None
     assert host.serve_variant(1, HIDDEN, LATENT, 2) is None  # 9 tokens on: publish, then the poll's kernels
