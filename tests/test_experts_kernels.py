@@ -44,6 +44,19 @@ def test_a_cluster_slices_the_latent_into_packets_of_its_threads():
     assert "tokens" in experts.unsupported_shape(3584, 16, experts.MAX_BATCH + 1)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stand-in tensors: on a CPU-only machine")
+def test_launcher_takes_the_adapters_arguments():
+    """The compiled launcher's argument checks pass on the shapes RoutedExpertsKernel
+    builds (the call then fails only for want of a driver)."""
+    from standins import cuda_standin as cuda
+
+    (latent, intermediate, count), batch = K3, 4
+    launch = experts.compile_routed_experts.build(latent, intermediate, experts.cluster_for(latent, intermediate))
+    with pytest.raises(RuntimeError, match="(?i)cuda"):
+        launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
+               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count, 16)
+
+
 def args_of(batch, shape, seed, device="cuda"):
     """Latent rows ~ N(0, 1), weights scaled like trained ones, ids as routing gives them
     (16 distinct experts a token), drawn from a third of E so that tokens share experts."""
