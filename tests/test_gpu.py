@@ -39,6 +39,18 @@ def test_decoder_cuda_graph_replays_equal_eager(tp):
     graphed.check()
 
 
+def test_decoder_serving_tail_equals_the_split_tail():
+    """TP1 serves the tail with moe_tail_serve (one launch up to 8 tokens); the same decoder
+    with publish and poll apart gives the same bits, at 1, 5 and 8 tokens and past 8."""
+    serving = KimiDecoder(CONFIG, 6, tp=1, seed=16, device="cuda")
+    split = KimiDecoder(CONFIG, 6, tp=1, seed=16, device="cuda")
+    assert serving.serving
+    split.serving = False
+    for batch in (1, 5, 8, 13):
+        for x in inputs(2, batch, seed=batch):
+            assert torch.equal(serving(x), split(x))
+
+
 def test_decoder_reduce_overhead_graphs_without_skips():
     torch._dynamo.reset()
     counters.clear()
