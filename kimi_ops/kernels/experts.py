@@ -3,7 +3,8 @@
 Clusters of ``cluster`` CTAs (as many as fit the SMs, one CTA an SM) take the (token,
 expert) pairs round robin; CTA c of a cluster owns the latent slice of packets (8 columns)
 [c·P, (c+1)·P). For pair (b, k), expert e = ids[b, k]: if e is this rank's and (b, k) is
-its first pair (token-major; the CTA's threads scan ids[:pair]), the cluster serves e for
+its first pair (token-major; the CTA's threads scan ids[:pair], which every CTA copies into
+shared memory once), the cluster serves e for
 every token routed to it; a later pair of e is skipped, so each routed expert's weights are
 read once a step, with no gather and no sort. A pair of another rank's expert (or an id
 outside [0, E)) gets a zero row.
@@ -37,7 +38,7 @@ from .common import (
     PDL, Release, aligned, clamp, cluster_barrier, cluster_total, compile_options, compiled, fake, fake_stream, hopper,
     send_to_cluster, sigmoid, unpack_words,
 )
-from .ptx import load_words, pack_bf16, store_words
+from .ptx import load_words, pack_bf16, store_shared, store_words
 
 CLUSTERS = (8, 4, 2, 1)  # the most CTAs per expert the slice allows: more SMs' bandwidth
 GROUPS = 4  # phase 1's row groups of P threads (a thread takes 2I / GROUPS gate/up rows)
@@ -46,7 +47,7 @@ ROWS_OUT = 4  # phase 2's output rows a thread writes
 # hoists their unpacked FP32 values out of the token loop); I = 32 spills (even with the
 # down rows reloaded a token), so it runs the reference.
 MAX_INTERMEDIATE = 16
-MAX_BATCH = 1024  # the tokens' match masks in shared memory
+MAX_BATCH = 256  # the ids (16 KB) and the tokens' match masks in shared memory
 MAX_THREADS = 256  # 194 registers a thread at I = 16: more threads spill (L = 7168: 448, 140 B)
 
 
@@ -92,10 +93,14 @@ class RoutedExperts(Release):
             cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
             cute.arch.cluster_wait()
         cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
+        routed = space[5]  # the ids in shared memory: every pair's scans read them there
+        for i in cutlass.range(tid, batch * (TOP_K // 4), self.threads, unroll=1):
+            store_shared(routed.iterator + 4 * i, load_words(ids.iterator + 4 * i))
+        cute.arch.sync_threads()
         turn = cute.make_rmem_tensor(1, Int32)  # tokens served so far: the exchange slots' buffer
         turn[0] = Int32(0)
         for pair in cutlass.range(cta // self.cluster, batch * TOP_K, clusters, unroll=1):
-            expert = ids[pair]
+            expert = routed[pair]
             served = Int32(0)
             if expert >= 0:
                 if expert < experts:
@@ -104,8 +109,8 @@ class RoutedExperts(Release):
             if served == 0:
                 if tid < self.writers:
                     store_words(out.iterator + pair * self.latent + column, [Uint32(0), Uint32(0)])
-            elif self.first_pair(ids, expert, pair, space, tid) != 0:
-                self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, cta % self.cluster, tid,
+            elif self.first_pair(routed, expert, pair, space, tid) != 0:
+                self.serve(latent, routed, gate_up, down, out, batch, expert, pair // TOP_K, cta % self.cluster, tid,
                            column, space, turn)
         self.release_late()
 
@@ -127,7 +132,7 @@ class RoutedExperts(Release):
     def serve(self, latent, ids, gate_up, down, out, batch, expert, token, part, tid, column, space, turn):
         """Every token from ``token`` on routed to ``expert``: steps 1-3 (its masks: which of
         the token's 16 slots hold it)."""
-        partials, received, acts, masks, _ = space
+        partials, received, acts, masks = space[:4]
         for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
             mask = Int32(0)
             for k in cutlass.range_constexpr(TOP_K):
@@ -168,7 +173,8 @@ class RoutedExperts(Release):
     @cute.jit
     def allocate(self):
         """(partials [2I, P] FP64 (rows padded: conflict-free column reads), received
-        [2 · 2I, cluster] FP64 (two buffers), acts [2, I] FP32, masks [MAX_BATCH], the first-pair flag)."""
+        [2 · 2I, cluster] FP64 (two buffers), acts [2, I] FP32, masks [MAX_BATCH], the first-pair
+        flag, the ids [MAX_BATCH · 16])."""
         smem = SmemAllocator()
         double = 2 * self.intermediate
         partials = smem.allocate_tensor(Float64, cute.make_layout((double, self.packets), stride=(self.packets + 1, 1)),
@@ -179,7 +185,8 @@ class RoutedExperts(Release):
                                     16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
-        return partials, received, acts, masks, flag
+        routed = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH * TOP_K), 16)
+        return partials, received, acts, masks, flag, routed
 
     @cute.jit
     def share(self, partials, received, buffer, part, tid):
