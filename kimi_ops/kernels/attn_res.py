@@ -54,8 +54,8 @@ from ..ops import attn_res as attn_res_op
 from ..ops import mailbox_ops
 from .common import (
     PDL, SMEM_BYTES, Release, aligned, butterfly, butterfly_sum, clamp, cluster_barrier, cluster_total,
-    compile_options, compiled, fake, fake_stream, hopper, inverse_rms, normalized, poll_all, rearm, send_to_cluster,
-    unpack_words,
+    compile_options, compiled, exact_dot, fake, fake_stream, hopper, inverse_rms, normalized, poll_all, rearm,
+    send_to_cluster, unpack_words,
 )
 from .ptx import copy_async, divide, load_shared, load_words, pack_bf16, store_words
 
@@ -208,7 +208,8 @@ class AttnRes(Release):
         squares = Float64(0.0)
         if valid:
             store_words(out.iterator + token * self.hidden + column, words)
-            squares = exact_squares(unpack_words(words))
+            values = unpack_words(words)
+            squares = exact_dot(values, values)
         return squares
 
     @cute.jit
@@ -229,7 +230,8 @@ class AttnRes(Release):
             squares = Float64(0.0)
             for q in cutlass.range_constexpr(self.rounds):
                 if valid[q]:
-                    squares += exact_squares(unpack_words(load_shared(stash + self.stash_word(n, q, tid))))
+                    block = unpack_words(load_shared(stash + self.stash_word(n, q, tid)))
+                    squares += exact_dot(block, block)
             self.warp_sum(partials, self.block_ss + n, squares, tid)
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
@@ -385,20 +387,11 @@ class AttnResTake(AttnRes):
 
 
 @cute.jit
-def exact_squares(values) -> Float64:
-    """Σ x² of a packet's FP32 values (BF16 values: exact squares) in FP64."""
-    total = Float64(0.0)
-    for v in values:
-        total += Float64(v * v)
-    return total
-
-
-@cute.jit
 def key_dot(values, inv: Float32, key_w, query_v) -> Float64:
     """Σ K · q over a packet, K = BF16((x · inv) · key_norm_w): FP32 products of BF16
     values (exact) added in FP64."""
     total = Float64(0.0)
-    for i in cutlass.range_constexpr(8):
+    for i in cutlass.range_constexpr(8):  # each key's product at once: the kernel's verified schedule
         key = Float32(BFloat16((values[i] * inv) * key_w[i]))
         total += Float64(key * query_v[i])
     return total

@@ -302,6 +302,15 @@ def butterfly_sum(value, lanes: cutlass.Constexpr[int]):
     return butterfly(value, lanes)
 
 
+@cute.jit
+def exact_dot(a, b) -> Float64:
+    """Σ a · b of BF16 values (as FP32): FP32 products, exact, added in FP64 in order."""
+    total = Float64(0.0)
+    for x, y in zip(a, b):
+        total += Float64(x * y)
+    return total
+
+
 # A cluster's exchange of per-CTA sums: ``received`` [rows, cluster] FP64 in every CTA, one
 # column a CTA; each CTA stores its value of a row into column ``part`` of every CTA's
 # (DSMEM; at a cluster of one, its own), a barrier, then every thread adds the columns in

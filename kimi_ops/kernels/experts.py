@@ -35,8 +35,8 @@ from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .common import (
-    PDL, Release, aligned, clamp, cluster_barrier, cluster_total, compile_options, compiled, fake, fake_stream, hopper,
-    send_to_cluster, sigmoid, unpack_words,
+    PDL, Release, aligned, clamp, cluster_barrier, cluster_total, compile_options, compiled, exact_dot, fake,
+    fake_stream, hopper, send_to_cluster, sigmoid, unpack_words,
 )
 from .ptx import load_words, pack_bf16, store_shared, store_words
 
@@ -203,15 +203,6 @@ class RoutedExperts(Release):
     @cute.jit
     def total(self, received, buffer, row) -> Float64:
         return cluster_total(received, buffer * 2 * self.intermediate + row, self.cluster)
-
-
-@cute.jit
-def exact_dot(weights, values) -> Float64:
-    """Σ w · v of BF16 values (as FP32): exact FP32 products added in FP64."""
-    total = Float64(0.0)
-    for w, v in zip(weights, values):
-        total += Float64(w * v)
-    return total
 
 
 @compiled
