@@ -48,7 +48,7 @@ from kimi_ops import KimiConfig, KimiDecoder
 
 sys.path.insert(0, os.path.dirname(__file__))
 from composite import CompositeDecoder  # noqa: E402
-from timing import graph_us, print_table  # noqa: E402
+from timing import capture, graph_us, print_table  # noqa: E402
 
 BATCHES = (1, 8, 64)
 LAYERS = 2
@@ -246,14 +246,7 @@ def replays_equal(decoder, hidden, slots, replays: int) -> int:
     the boxes as the next one needs them, whoever runs it)."""
     static = hidden.clone()
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            decoder(static, slots)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = decoder(static, slots)
+        graph, out = capture(lambda: decoder(static, slots), warmups=1)
         gen = torch.Generator(device=hidden.device).manual_seed(7)
         same = 0
         for _ in range(replays):

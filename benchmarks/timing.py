@@ -5,19 +5,26 @@ import torch
 HBM_READ_BYTES_PER_US = 4.26e6  # 4.26 TB/s, measured on the H200
 
 
-def graph_us(fn, calls: int = 20, replays: int = 30) -> float:
-    """Median µs per call of ``fn`` replayed from a CUDA graph of ``calls`` back-to-back
-    calls (launch gaps included, host cost excluded)."""
+def capture(fn, calls: int = 1, warmups: int = 3):
+    """``fn`` warmed up on a side stream (first-call work stays out of the graph), then
+    ``calls`` back-to-back calls captured: (the graph, the last call's result)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            out = fn()
+    return graph, out
+
+
+def graph_us(fn, calls: int = 20, replays: int = 30) -> float:
+    """Median µs per call of ``fn`` replayed from a CUDA graph of ``calls`` back-to-back
+    calls (launch gaps included, host cost excluded)."""
+    graph, _ = capture(fn, calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
