@@ -3,8 +3,13 @@
     python -m kimi_ops.launch --tp 2 examples/decode_layer.py --config tiny --layers 6
 
 Each process gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (a free
-port), and TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 where ranks outnumber the GPUs
-(rank r runs on GPU r % count). The script takes its group from :func:`group_from_env`
+port), and where ranks outnumber the GPUs (rank r runs on GPU r % count)
+TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
+100 / ranks per GPU (unless set). Ranks sharing a GPU need MPS running
+(``nvidia-cuda-mps-control -d``) with that share each: a rank's polling grid then holds
+only its own SMs, as on a GPU of its own. Without a share, pollers of some ranks filled
+the SMs a peer's producer needed (TP4 at B = 64 deadlocked until the poll bound); without
+MPS the ranks time-slice (TP4: 162 ms a step; TP8: a peer's slice outlasts the bound). The script takes its group from :func:`group_from_env`
 (a gloo process group, which serves several ranks on one GPU where NCCL does not, and a
 :class:`~kimi_ops.runtime.groups.SymmMemGroup` over it) and ends with :func:`finish`.
 
@@ -35,7 +40,16 @@ def rank_env(rank: int, tp: int, port: int, devices: int) -> dict[str, str]:
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     if tp > max(devices, 1):
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        sharing = -(-tp // max(devices, 1))
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                                                                  str(100 // sharing))
     return env
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon serves this environment's clients."""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipes, "control"))
 
 
 def device_count() -> int:

@@ -49,34 +49,41 @@ def equal(group, out: pathlib.Path) -> dict:
     decoder = KimiDecoder(CONFIG, LAYERS, tp=group, seed=SEED)
     result = {}
     for batch in BATCHES:
-        xs = [x.to(group.device) for x in inputs(batch)]
-        want = [w.to(group.device) for w in expected[batch]]
-        eager = all(torch.equal(decoder(x), w) for x, w in zip(xs, want))
-        static_x = xs[0].clone()
-        # A first step on a new stream pays one-time host costs (allocator pools, library
-        # workspaces) that exceeded the barrier's 1 s bound at TP8 on one GPU: meet first.
-        group.host_barrier()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            decoder(static_x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = decoder(static_x)
-        same, times = 0, []
-        for i in range(REPLAYS):
-            static_x.copy_(xs[i % INPUTS])
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            graph.replay()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            same += int(torch.equal(static_out, want[i % INPUTS]))
-        decoder.check()
-        result[batch] = {"eager": eager, "replays_equal": same, "ms": sorted(times)[len(times) // 2] * 1e3,
-                         "armed": armed(decoder, batch)}
+        try:
+            result[batch] = equal_at(decoder, group, batch, [w.to(group.device) for w in expected[batch]])
+        except Exception as error:
+            error.add_note(f"rank {group.rank}, batch {batch}")
+            raise
     return result
+
+
+def equal_at(decoder, group, batch: int, want: list[torch.Tensor]) -> dict:
+    xs = [x.to(group.device) for x in inputs(batch)]
+    eager = all(torch.equal(decoder(x), w) for x, w in zip(xs, want))
+    static_x = xs[0].clone()
+    # A first step on a new stream pays one-time host costs (allocator pools, library
+    # workspaces) that exceeded the barrier's 1 s bound at TP8 on one GPU: meet first.
+    group.host_barrier()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decoder(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = decoder(static_x)
+    same, times = 0, []
+    for i in range(REPLAYS):
+        static_x.copy_(xs[i % INPUTS])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        same += int(torch.equal(static_out, want[i % INPUTS]))
+    decoder.check()
+    return {"eager": eager, "replays_equal": same, "ms": sorted(times)[len(times) // 2] * 1e3,
+            "armed": armed(decoder, batch)}
 
 
 def faulted_step(decoder, x) -> dict:
