@@ -337,6 +337,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the rows and breakdowns here")
     parser.add_argument("--smoke", action="store_true", help="KimiConfig.tiny(), every path once, no timing")
     parser.add_argument("--replays", type=int, default=1000, help="graph replays checked against eager steps")
+    parser.add_argument("--skip-no-pdl", action="store_true", help="no 'ours no PDL' column (its child recompiles all)")
     parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # without_pdl's child
     args = parser.parse_args(argv)
     config = config_for(args)
@@ -353,7 +354,7 @@ def main(argv=None) -> dict:
         return times
     composite = CompositeDecoder(decoder)
     results = {b: measure(decoder, composite, b, args.smoke, args.replays) for b in args.batches}
-    if not args.smoke:
+    if not (args.smoke or args.skip_no_pdl):
         for b, us in without_pdl(args).items():
             results[b]["row"]["ours_no_pdl_us"] = us
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"

@@ -12,6 +12,7 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 
 from kimi_ops import backend  # noqa: E402
 from kimi_ops.kernels import experts  # noqa: E402
+from kimi_ops.kernels.common import SMEM_BYTES  # noqa: E402
 
 from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
 
@@ -23,24 +24,21 @@ K3, TINY = (3584, 16, 896), (128, 16, 64)  # (L, I, E): kimi_k3's stand-in, Kimi
 
 @pytest.mark.parametrize("latent, intermediate", [(3584, 16), (3584, 8), (128, 16), (256, 16), (64, 8)])
 def test_routed_experts_compiles(latent, intermediate, clean_ptxas):
-    cluster = experts.cluster_for(latent, intermediate)
-    assert experts.compile_routed_experts.build(latent, intermediate, cluster) is not None
+    assert experts.compile_routed_experts.build(latent, intermediate) is not None
     clean_ptxas()
 
 
-def test_a_cluster_slices_the_latent_into_packets_of_its_threads():
-    assert experts.cluster_for(3584, 16) == 8 and experts.cluster_for(128, 16) == 2 and experts.cluster_for(64, 8) == 1
+def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in (64, 128, 256, 1024, 3584, 4096):
-        for intermediate in (8, 16, 32):
-            cluster = experts.cluster_for(latent, intermediate)
-            kernel = experts.RoutedExperts(latent, intermediate, cluster)
-            assert kernel.packets * cluster * 8 == latent and kernel.threads <= experts.MAX_THREADS
-            assert kernel.gate_rows * experts.GROUPS == 2 * intermediate  # every gate/up row once
-            assert kernel.writers * experts.ROWS_OUT == kernel.packets * 8 and kernel.writers <= kernel.threads
+        for intermediate in (8, 16):
+            kernel = experts.RoutedExperts(latent, intermediate)
+            assert kernel.threads * 8 == latent and kernel.stride * experts.GROUPS == kernel.threads
+            assert kernel.rows * experts.GROUPS == 2 * intermediate  # every gate/up row once
+            assert experts.GROUPS % experts.STEP == 0 and kernel.smem_bytes() <= SMEM_BYTES
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
     assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference
     assert "multiple of 64" in experts.unsupported_shape(100, 16, 1)
-    assert "up to 4096" in experts.unsupported_shape(7168, 16, 1)  # 448 threads would spill
+    assert "up to 4096" in experts.unsupported_shape(7168, 16, 1)  # 896 threads a CTA
     assert "tokens" in experts.unsupported_shape(3584, 16, experts.MAX_BATCH + 1)
 
 
@@ -51,10 +49,10 @@ def test_launcher_takes_the_adapters_arguments():
     from standins import cuda_standin as cuda
 
     (latent, intermediate, count), batch = K3, 4
-    launch = experts.compile_routed_experts.build(latent, intermediate, experts.cluster_for(latent, intermediate))
+    launch = experts.compile_routed_experts.build(latent, intermediate)
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
-               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count, 16)
+               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count)
 
 
 def args_of(batch, shape, seed, device="cuda"):
@@ -103,7 +101,7 @@ def test_routed_experts_kernel(batch, rank, tp):
 
 @on_hopper
 def test_routed_experts_kernel_tiny_and_odd_ids():
-    """KimiConfig.tiny's L and E (a cluster of two); a token with a repeated id (both rows written), ids −1 and
+    """KimiConfig.tiny's L and E (16 threads a CTA); a token with a repeated id (both rows written), ids −1 and
     E (zero rows), −0 and NaN latent rows (NaN rows only where the NaN token's experts are)."""
     latent, ids, gate_up, down = args_of(6, TINY, seed=7)
     ids[0, 3] = ids[0, 4]
@@ -122,7 +120,7 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
 @on_hopper
 @pytest.mark.parametrize("batch", [33, experts.MAX_BATCH])
 def test_routed_experts_kernel_one_cta_per_expert_and_wide_batches(batch):
-    """L = 64, I = 8 (a cluster of one) at batches past the mask loop's stride and at the
+    """L = 64, I = 8 (8 threads a CTA) at batches past the mask loop's stride and at the
     kernel's largest."""
     args = args_of(batch, (64, 8, 48), seed=batch)
     served_by_the_kernel(*args, 2, 3)
