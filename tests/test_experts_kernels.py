@@ -32,9 +32,13 @@ def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in (64, 128, 256, 1024, 3584, 4096):
         for intermediate in (8, 16):
             kernel = experts.RoutedExperts(latent, intermediate)
-            assert kernel.threads * 8 == latent and kernel.stride * experts.GROUPS == kernel.threads
-            assert kernel.rows * experts.GROUPS == 2 * intermediate  # every gate/up row once
-            assert experts.GROUPS % experts.STEP == 0 and kernel.smem_bytes() <= SMEM_BYTES
+            assert kernel.packets * 8 == latent and kernel.row_threads * experts.GATE_ROWS == kernel.packets
+            assert kernel.gate_chunks * experts.GATE_ROWS == 2 * intermediate  # every gate/up row once
+            down_chunks = kernel.chunks - kernel.gate_chunks  # of 4L values: the expert's L·I down values
+            assert down_chunks * 4 * latent == latent * intermediate
+            assert kernel.down_rows * intermediate == 32  # a thread's 4 packets: whole down rows
+            assert kernel.packets * kernel.down_rows * down_chunks == latent  # every output row once
+            assert kernel.smem_bytes() <= SMEM_BYTES
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
     assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference
     assert "multiple of 64" in experts.unsupported_shape(100, 16, 1)

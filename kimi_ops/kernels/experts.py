@@ -3,49 +3,47 @@
 One CTA a (token, expert) pair: the grid is B·16 CTAs, which the hardware hands to SMs as
 others end (a balanced schedule, no persistent loop). For pair (b, k), expert e =
 ids[b, k]: if e is this rank's and (b, k) is its first pair (token-major; the CTA's
-threads scan the ids, which it copies into shared memory), the CTA serves e for every
-token routed to it; a later pair of e ends at once, so each routed expert's weights are
-read once a step, with no gather and no sort. A pair of another rank's expert (or an id
-outside [0, E)) gets a zero row. A CTA reads its whole expert (2I·L gate/up and L·I down
-values), one SM streaming an expert while the others stream theirs: the first version
-split L over a cluster of 8, each CTA's share too small to cover its latency, and its 16
-clusters served the experts in turn (66 µs at B = 8 and 509 at B = 64 against 9.4 and
-47.5 µs of weight bytes: benchmarks/NOTES.md).
+threads scan the ids before it), the CTA serves e for every token routed to it; a later
+pair of e ends at once, so each routed expert's weights are read once a step, with no
+gather and no sort. A pair of another rank's expert (or an id outside [0, E)) gets a zero
+row. A CTA streams its whole expert (2I·L gate/up and L·I down values) by bulk copies
+(TMA, no tensor map) through a ring of DEPTH chunks of 8·L bytes, so that a chunk's bytes
+are in flight whatever the registers (the version before, with plain loads, kept few in
+flight: benchmarks/NOTES.md).
 
 For each token of e, the reference's rounding points:
 
 1. hidden_r = FP32(Σ_l gate_up[e, r, l] · latent[b, l]) for the 2I rows: FP32 products of
-   BF16 values (exact) summed in FP64 — a thread's 8 packets in order, then the row's
-   threads in order (shared memory) — rounded once.
+   BF16 values (exact) summed in FP64 — a thread's 4 packets in order, the 8 lanes of the
+   row in a warp (butterfly), then the warps in order (shared memory) — rounded once.
 2. act_j = situ(hidden_j, hidden_{I+j}): gate and up rounded to BF16, FP32 math, BF16.
 3. row_l = BF16(FP32(Σ_j act_j · down[e, l, j])), the sum in FP64.
 
-P = L/8 threads. Step 1: thread t takes 2I/8 rows of group t // Q and the packets
-t % Q + Q·j (j < 8, Q = P/8: neighbours read neighbouring packets), STEP packets of each
-row a round. Step 3: thread t the 8 rows 8t … 8t+7 (one 16-byte store a pair), e's down
-rows copied into shared memory by cp.async as the serve starts, so they land while step 1
-streams (each thread's rows padded by a packet: no bank conflicts).
+P = L/8 threads (at least a warp). A gate/up chunk is 4 rows of L: thread t takes row
+t % 4 and packets t // 4 + (P/4)·j (j < 4), rows padded by a packet in the slot. A down
+chunk is 4L/I rows of L's: thread t takes the 32/I rows t·32/I … (4 packets). Up to
+TOKENS matched tokens a pass over the weights; more take another pass.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float64, Int32, Uint32
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
 from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .common import (
-    PDL, Release, aligned, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid,
-    unpack_words,
+    PDL, Release, aligned, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid, unpack_words,
 )
-from .ptx import copy_async, load_shared, load_words, pack_bf16, store_shared, store_words
+from .ptx import bulk_copy, l2_evict_first, load_shared, load_words, pack_bf16, store_word, store_words
 
-GROUPS = 8  # step 1's row groups, and the packets of a row a thread takes
-STEP = 4  # the packets of its rows a thread loads a round: 2I/8 · STEP weight packets in flight
-MAX_INTERMEDIATE = 16  # a thread's 8 down rows (16 packets at I = 16) in one padded stash block
+GATE_ROWS = 4  # gate/up rows a chunk (8·L bytes; a down chunk is as many bytes)
+DEPTH = 4  # ring slots: 4 chunks in flight (115 KB at L = 3584)
+TOKENS = 8  # matched tokens a pass over the expert's weights (their partials in shared memory)
+MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # P = L/8 ≤ 512 threads
-MAX_BATCH = 256  # the ids (16 KB) and the tokens' match masks in shared memory
+MAX_BATCH = 256  # the tokens' match masks in shared memory
 
 
 class RoutedExperts(Release):
@@ -54,16 +52,19 @@ class RoutedExperts(Release):
     def __init__(self, latent: int, intermediate: int, early: bool = False):
         super().__init__(early)
         self.latent, self.intermediate = latent, intermediate
-        self.threads = latent // 8  # P: a packet of L each
-        self.stride = self.threads // GROUPS  # Q
-        self.rows = 2 * intermediate // GROUPS  # the gate/up rows a thread takes
-        self.row_packets = intermediate // 8  # a down row's packets
-        self.block = 8 * self.row_packets + 1  # a thread's 8 down rows in the stash, padded (packets)
+        self.packets = latent // 8  # P: a row of L's packets
+        self.threads = max(self.packets, 32)
+        self.warps = self.threads // 32
+        self.row_threads = self.packets // GATE_ROWS  # a gate/up row's threads in a chunk
+        self.gate_chunks = 2 * intermediate // GATE_ROWS
+        self.chunks = self.gate_chunks + intermediate // GATE_ROWS  # then L·I/(4L) down chunks
+        self.slot_words = GATE_ROWS * (self.packets + 1) * 4  # 4 rows, each padded by a packet
+        self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
 
     def smem_bytes(self) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned)."""
-        pieces = (8 * 2 * self.intermediate * (self.stride + 1), 4 * 2 * self.intermediate, 4 * self.intermediate,
-                  4 * MAX_BATCH, 4, 4 * MAX_BATCH * TOP_K, 16 * self.threads * self.block)
+        pieces = (4 * DEPTH * self.slot_words, 8 * DEPTH, 8 * TOKENS * 2 * self.intermediate * self.warps,
+                  4 * TOKENS * 2 * self.intermediate, 4 * TOKENS * self.intermediate, 4 * MAX_BATCH, 4)
         return sum(-(-piece // 16) * 16 for piece in pieces)
 
     @cute.jit
@@ -80,27 +81,29 @@ class RoutedExperts(Release):
         pair, _, _ = cute.arch.block_idx()
         self.release_early()
         space = self.allocate()
-        routed = space[5]
+        full = space[1]
+        if tid == 0:
+            for slot in cutlass.range_constexpr(DEPTH):
+                cute.arch.mbarrier_init(full + slot, 1)
+            cute.arch.mbarrier_init_fence()
         cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
-        for i in cutlass.range(tid, batch * (TOP_K // 4), self.threads, unroll=1):
-            store_shared(routed.iterator + 4 * i, load_words(ids.iterator + 4 * i))
-        cute.arch.sync_threads()
-        expert = routed[pair]
+        expert = ids[pair]
         served = Int32(0)
         if expert >= 0:
             if expert < experts:
                 if expert // per_rank == rank:
                     served = Int32(1)
         if served == 0:
-            store_words(out.iterator + pair * self.latent + 8 * tid, [Uint32(0)] * 4)
-        elif self.first_pair(routed, expert, pair, space, tid) != 0:
-            self.serve(latent, routed, gate_up, down, out, batch, expert, pair // TOP_K, tid, space)
+            if tid < self.packets:
+                store_words(out.iterator + pair * self.latent + 8 * tid, [Uint32(0)] * 4)
+        elif self.first_pair(ids, expert, pair, space[6], tid) != 0:
+            self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, tid, space)
         self.release_late()
 
     @cute.jit
-    def first_pair(self, ids, expert, pair, space, tid) -> Int32:
-        """1 if no earlier pair (token-major) has ``expert``: the CTA's threads scan ids[:pair]."""
-        flag = space[4]
+    def first_pair(self, ids, expert, pair, flag, tid) -> Int32:
+        """1 if no earlier pair (token-major) has ``expert``: the CTA's threads scan ids[:pair]
+        (the barrier first also publishes the ring's initialized barriers)."""
         if tid == 0:
             flag[0] = Int32(0)
         cute.arch.sync_threads()
@@ -112,15 +115,9 @@ class RoutedExperts(Release):
 
     @cute.jit
     def serve(self, latent, ids, gate_up, down, out, batch, expert, token, tid, space):
-        """Every token from ``token`` on routed to ``expert``: steps 1-3 (its masks: which of
-        the token's 16 slots hold it)."""
-        parts, hidden, acts, masks, _, _, stash = space
-        rows = self.row_packets * 8  # a thread's down packets
-        for m in cutlass.range_constexpr(rows):  # packet q = tid + P·m of e's down rows, coalesced
-            q = tid + self.threads * m
-            copy_async(stash + (q // rows * self.block + q % rows) * 4,
-                       down.iterator + (expert * self.latent * self.intermediate + q * 8))
-        cute.arch.cp_async_commit_group()
+        """Every token from ``token`` on routed to ``expert`` (its masks: which of the
+        token's 16 slots hold it), TOKENS a pass: the chunks' stream, steps 1-3."""
+        ring, full, parts, hidden, acts, masks, _ = space
         for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
             mask = Int32(0)
             for k in cutlass.range_constexpr(TOP_K):
@@ -128,69 +125,132 @@ class RoutedExperts(Release):
                     mask = mask | Int32(1 << k)
             masks[b] = mask
         cute.arch.sync_threads()  # the masks
-        group, lane = tid // self.stride, tid % self.stride
-        first_row = expert * 2 * self.intermediate + group * self.rows
-        double = 2 * self.intermediate
+        matched = cute.make_rmem_tensor(1, Int32)
+        matched[0] = Int32(0)
         for b in cutlass.range(token, batch, unroll=1):
-            mask = masks[b]
-            if mask != 0:
-                acc = cute.make_rmem_tensor(self.rows, Float64)
-                for i in cutlass.range_constexpr(self.rows):
-                    acc[i] = Float64(0.0)
-                for s in cutlass.range(GROUPS // STEP, unroll=1):
-                    columns = [(lane + self.stride * (s * STEP + j)) * 8 for j in range(STEP)]
-                    x = [unpack_words(load_words(latent.iterator + b * self.latent + c)) for c in columns]
-                    w = [[load_words(gate_up.iterator + (first_row + i) * self.latent + c) for c in columns]
-                         for i in range(self.rows)]
-                    for i in cutlass.range_constexpr(self.rows):
-                        total = acc[i]
-                        for j in cutlass.range_constexpr(STEP):
-                            total += exact_dot(unpack_words(w[i][j]), x[j])
-                        acc[i] = total
-                for i in cutlass.range_constexpr(self.rows):
-                    parts[group * self.rows + i, lane] = acc[i]
-                cute.arch.sync_threads()
-                for r in cutlass.range(tid, double, self.threads, unroll=1):
-                    total = Float64(0.0)
-                    for q in cutlass.range_constexpr(self.stride):
-                        total += parts[r, q]
-                    hidden[r] = Float32(total)
-                cute.arch.sync_threads()
-                for j in cutlass.range(tid, self.intermediate, self.threads, unroll=1):
-                    gate = Float32(BFloat16(hidden[j]))
-                    up = Float32(BFloat16(hidden[j + self.intermediate]))
-                    acts[j] = Float32(BFloat16(gate * sigmoid(gate * Float32(1.0)) * (up + Float32(0.0))))
-                cute.arch.cp_async_wait_group(0)  # the thread's own copies; the barrier: everyone's
-                cute.arch.sync_threads()
-                act = [acts[j] for j in range(self.intermediate)]
-                own = stash + tid * self.block * 4
-                values = []
-                for i in cutlass.range_constexpr(8):
-                    row = [v for h in range(self.row_packets)
-                           for v in unpack_words(load_shared(own + (i * self.row_packets + h) * 4))]
-                    values.append(Float32(exact_dot(row, act)))
-                words = [pack_bf16(values[i], values[i + 1]) for i in range(0, 8, 2)]
-                for k in cutlass.range_constexpr(TOP_K):
-                    if ((mask >> k) & Int32(1)) != 0:
-                        store_words(out.iterator + (b * TOP_K + k) * self.latent + 8 * tid, words)
-                cute.arch.sync_threads()  # parts, hidden and acts free for the next token
+            if masks[b] != 0:
+                matched[0] = matched[0] + Int32(1)
+        streamed = (matched[0] + TOKENS - 1) // TOKENS * self.chunks  # the passes' chunks
+        policy = l2_evict_first()
+        if tid == 0:
+            for i in cutlass.range_constexpr(DEPTH):
+                if i < streamed:
+                    self.issue(gate_up, down, expert, i % self.chunks, ring + i * self.slot_words, full + i, policy)
+        for i in cutlass.range(streamed, unroll=1):
+            slot, chunk, first = i % DEPTH, i % self.chunks, i // self.chunks * TOKENS
+            cute.arch.mbarrier_wait(full + slot, (i // DEPTH) % 2)
+            words = ring + slot * self.slot_words
+            if chunk < self.gate_chunks:
+                self.gate_chunk(latent, words, parts, masks, token, batch, first, chunk, tid)
+            else:
+                self.down_chunk(out, words, acts, masks, token, batch, first, chunk - self.gate_chunks, tid)
+            cute.arch.sync_threads()  # the slot is read (and the chunk's partials are in)
+            if tid == 0:
+                if i + DEPTH < streamed:
+                    self.issue(gate_up, down, expert, (i + DEPTH) % self.chunks, words, full + slot, policy)
+            if chunk == self.gate_chunks - 1:
+                self.activate(parts, hidden, acts, tid)
+
+    @cute.jit
+    def issue(self, gate_up, down, expert, chunk, words, barrier, policy: Int64):
+        """Chunk ``chunk`` of ``expert``'s stream into the slot at ``words`` (thread 0)."""
+        cute.arch.mbarrier_arrive_and_expect_tx(barrier, 8 * self.latent)
+        if chunk < self.gate_chunks:
+            for r in cutlass.range_constexpr(GATE_ROWS):
+                row = expert * 2 * self.intermediate + chunk * GATE_ROWS + r
+                bulk_copy(words + r * (self.packets + 1) * 4, gate_up.iterator + row * self.latent,
+                          Int32(2 * self.latent), barrier, policy)
+        else:
+            bulk_copy(words, down.iterator + (expert * self.intermediate + (chunk - self.gate_chunks) * 4) * self.latent,
+                      Int32(8 * self.latent), barrier, policy)
+
+    @cute.jit
+    def gate_chunk(self, latent, words, parts, masks, token, batch, first, chunk, tid):
+        """Step 1's share of gate/up chunk ``chunk`` for the pass's tokens: each token's 4
+        row sums of the warp into ``parts``."""
+        r, group = tid % GATE_ROWS, tid // GATE_ROWS
+        columns = [group + self.row_threads * j for j in range(4)]
+        weights = [[Float32(0.0)] * 8 for _ in range(4)]
+        if tid < self.packets:
+            weights = [unpack_words(load_shared(words + (r * (self.packets + 1) + c) * 4)) for c in columns]
+        ordinal = cute.make_rmem_tensor(1, Int32)  # the pass's matched tokens so far
+        ordinal[0] = Int32(0)
+        for b in cutlass.range(token, batch, unroll=1):
+            if masks[b] != 0:
+                n = ordinal[0] - first
+                ordinal[0] = ordinal[0] + Int32(1)
+                if n >= 0:
+                    if n < TOKENS:
+                        total = Float64(0.0)
+                        if tid < self.packets:
+                            for j in cutlass.range_constexpr(4):
+                                x = unpack_words(load_words(latent.iterator + b * self.latent + columns[j] * 8))
+                                total += exact_dot(weights[j], x)
+                        for shift in cutlass.range_constexpr(2, 5):  # the lanes of row r: 4, 8, 16 apart
+                            total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+                        if tid % 32 < GATE_ROWS:
+                            parts[n, chunk * GATE_ROWS + r, tid // 32] = total
+
+    @cute.jit
+    def activate(self, parts, hidden, acts, tid):
+        """Steps 1-2's ends for the pass's token slots (unused slots: values never stored)."""
+        double = 2 * self.intermediate
+        for item in cutlass.range(tid, TOKENS * double, self.threads, unroll=1):
+            total = Float64(0.0)
+            for w in cutlass.range_constexpr(self.warps):
+                total += parts[item // double, item % double, w]
+            hidden[item // double, item % double] = Float32(total)
+        cute.arch.sync_threads()
+        for item in cutlass.range(tid, TOKENS * self.intermediate, self.threads, unroll=1):
+            n, j = item // self.intermediate, item % self.intermediate
+            gate = Float32(BFloat16(hidden[n, j]))
+            up = Float32(BFloat16(hidden[n, j + self.intermediate]))
+            acts[n, j] = Float32(BFloat16(gate * sigmoid(gate * Float32(1.0)) * (up + Float32(0.0))))
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def down_chunk(self, out, words, acts, masks, token, batch, first, part, tid):
+        """Step 3 on down chunk ``part`` (rows part·4L/I …) for the pass's tokens."""
+        if tid < self.packets:
+            values = [v for m in range(4) for v in unpack_words(load_shared(words + (4 * tid + m) * 4))]
+            column = part * (4 * self.latent // self.intermediate) + tid * self.down_rows
+            ordinal = cute.make_rmem_tensor(1, Int32)  # the pass's matched tokens so far
+            ordinal[0] = Int32(0)
+            for b in cutlass.range(token, batch, unroll=1):
+                mask = masks[b]
+                if mask != 0:
+                    n = ordinal[0] - first
+                    ordinal[0] = ordinal[0] + Int32(1)
+                    if n >= 0:
+                        if n < TOKENS:
+                            act = [acts[n, j] for j in range(self.intermediate)]
+                            rows = [Float32(exact_dot(values[i * self.intermediate:(i + 1) * self.intermediate], act))
+                                    for i in range(self.down_rows)]
+                            packed = [pack_bf16(rows[i], rows[i + 1]) for i in range(0, self.down_rows, 2)]
+                            for k in cutlass.range_constexpr(TOP_K):
+                                if ((mask >> k) & Int32(1)) != 0:
+                                    address = out.iterator + (b * TOP_K + k) * self.latent + column
+                                    if cutlass.const_expr(len(packed) == 1):
+                                        store_word(address, packed[0])
+                                    else:
+                                        store_words(address, packed)
 
     @cute.jit
     def allocate(self):
-        """(parts [2I, Q] FP64 (rows padded: conflict-free column reads), hidden [2I] FP32,
-        acts [I] FP32, masks [MAX_BATCH], the first-pair flag, the ids [MAX_BATCH · 16], the
-        down stash (words))."""
+        """(the ring (words), its full barriers, parts [TOKENS, 2I, warps] FP64, hidden
+        [TOKENS, 2I] FP32, acts [TOKENS, I] FP32, masks [MAX_BATCH], the first-pair flag)."""
         smem = SmemAllocator()
         double = 2 * self.intermediate
-        parts = smem.allocate_tensor(Float64, cute.make_layout((double, self.stride), stride=(self.stride + 1, 1)),
-                                     16)
-        hidden = smem.allocate_tensor(Float32, cute.make_layout(double), 16)
-        acts = smem.allocate_tensor(Float32, cute.make_layout(self.intermediate), 16)
+        ring = smem.allocate_tensor(Uint32, cute.make_layout(DEPTH * self.slot_words), 16).iterator
+        full = smem.allocate_tensor(Int64, cute.make_layout(DEPTH), 16).iterator
+        parts = smem.allocate_tensor(
+            Float64, cute.make_layout((TOKENS, double, self.warps), stride=(double * self.warps, self.warps, 1)), 16)
+        hidden = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, double), stride=(double, 1)), 16)
+        acts = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, self.intermediate), stride=(self.intermediate, 1)),
+                                    16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
-        routed = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH * TOP_K), 16)
-        stash = smem.allocate_tensor(Uint32, cute.make_layout(self.threads * self.block * 4), 16).iterator
-        return parts, hidden, acts, masks, flag, routed, stash
+        return ring, full, parts, hidden, acts, masks, flag
 
 
 @compiled

@@ -155,6 +155,17 @@ def copy_async(destination, source):
 
 
 @cute.jit
+def bulk_copy(destination, source, size: Int32, barrier, policy: Int64):
+    """``size`` bytes (a multiple of 16) from global to shared memory as one bulk copy (TMA,
+    no tensor map), completing on ``barrier``'s transaction count; L2 ``policy``."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [{$r0}], [{$r1}], {$r2}, [{$r3}], {$r4};",
+        read_only_args=[destination, source, size, barrier, policy],
+    )
+
+
+@cute.jit
 def store_cluster(address, value, cta):
     """One FP32 or FP64 value, or a list of two or four FP32 values (one vector store), into
     CTA ``cta``'s shared memory (DSMEM) at our ``address``."""
