@@ -22,16 +22,17 @@ kimi = torch.ops.kimi
 K3, TINY = (3584, 16, 896), (128, 16, 64)  # (L, I, E): kimi_k3's stand-in, KimiConfig.tiny's L and E
 
 
-@pytest.mark.parametrize("latent, intermediate", [(3584, 16), (3584, 8), (128, 16), (256, 16), (64, 8)])
+@pytest.mark.parametrize("latent, intermediate", [(3584, 16), (3584, 8), (128, 16), (256, 16), (320, 16), (64, 8)])
 def test_routed_experts_compiles(latent, intermediate, clean_ptxas):
     assert experts.compile_routed_experts.build(latent, intermediate) is not None
     clean_ptxas()
 
 
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
-    for latent in (64, 128, 256, 1024, 3584, 4096):
+    for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
             kernel = experts.RoutedExperts(latent, intermediate)
+            assert kernel.threads % 32 == 0 and kernel.packets <= kernel.threads < kernel.packets + 32
             assert kernel.packets * 8 == latent and kernel.row_threads * experts.GATE_ROWS == kernel.packets
             assert kernel.gate_chunks * experts.GATE_ROWS == 2 * intermediate  # every gate/up row once
             down_chunks = kernel.chunks - kernel.gate_chunks  # of 4L values: the expert's L·I down values
@@ -124,12 +125,22 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
 @on_hopper
 @pytest.mark.parametrize("batch", [33, experts.MAX_BATCH])
 def test_routed_experts_kernel_one_cta_per_expert_and_wide_batches(batch):
-    """L = 64, I = 8 (8 threads a CTA) at batches past the mask loop's stride and at the
-    kernel's largest."""
+    """L = 64, I = 8 (a warp a CTA, 8 threads with packets) at batches past the mask loop's
+    stride and at the kernel's largest: every token on the same 16 experts (many passes)."""
     args = args_of(batch, (64, 8, 48), seed=batch)
     served_by_the_kernel(*args, 2, 3)
     poison(batch, 64)
     assert_matches(kimi.routed_experts(*args, 2, 3), reference(kimi.routed_experts, *args, 2, 3))
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", [3, 40])
+def test_routed_experts_kernel_with_a_partial_warp(batch):
+    """L = 320: 40 packets in 64 threads (a warp and a part of one whose lanes hold none)."""
+    args = args_of(batch, (320, 16, 30), seed=300 + batch)
+    served_by_the_kernel(*args, 0, 1)
+    poison(batch, 320)
+    assert_matches(kimi.routed_experts(*args, 0, 1), reference(kimi.routed_experts, *args, 0, 1))
 
 
 @on_hopper

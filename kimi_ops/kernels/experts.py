@@ -19,10 +19,12 @@ For each token of e, the reference's rounding points:
 2. act_j = situ(hidden_j, hidden_{I+j}): gate and up rounded to BF16, FP32 math, BF16.
 3. row_l = BF16(FP32(Σ_j act_j · down[e, l, j])), the sum in FP64.
 
-P = L/8 threads (at least a warp). A gate/up chunk is 4 rows of L: thread t takes row
-t % 4 and packets t // 4 + (P/4)·j (j < 4), rows padded by a packet in the slot. A down
-chunk is 4L/I rows of L's: thread t takes the 32/I rows t·32/I … (4 packets). Up to
-TOKENS matched tokens a pass over the weights; more take another pass.
+P = L/8 threads (rounded up to whole warps: the butterflies need every lane). A gate/up
+chunk is 4 rows of L: thread t < P takes row t % 4 and packets t // 4 + (P/4)·j (j < 4),
+rows padded by 2 packets in the slot (conflict-free reads). A down chunk is 4L/I rows of
+L's: thread t takes the 32/I rows t·32/I … (4 packets). The serve first issues the
+ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
+tokens in order); up to TOKENS a pass over the weights, more take another pass.
 """
 
 import cutlass
@@ -34,7 +36,7 @@ from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .common import (
-    PDL, Release, aligned, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid, unpack_words,
+    PDL, Release, aligned, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid, unpack_words,
 )
 from .ptx import bulk_copy, l2_evict_first, load_shared, load_words, pack_bf16, store_word, store_words
 
@@ -53,18 +55,21 @@ class RoutedExperts(Release):
         super().__init__(early)
         self.latent, self.intermediate = latent, intermediate
         self.packets = latent // 8  # P: a row of L's packets
-        self.threads = max(self.packets, 32)
+        self.threads = -(-self.packets // 32) * 32  # whole warps: the butterflies need every lane
         self.warps = self.threads // 32
         self.row_threads = self.packets // GATE_ROWS  # a gate/up row's threads in a chunk
         self.gate_chunks = 2 * intermediate // GATE_ROWS
         self.chunks = self.gate_chunks + intermediate // GATE_ROWS  # then L·I/(4L) down chunks
-        self.slot_words = GATE_ROWS * (self.packets + 1) * 4  # 4 rows, each padded by a packet
+        self.row_words = (self.packets + 2) * 4  # a gate/up row in a slot, padded: conflict-free reads
+        self.slot_words = GATE_ROWS * self.row_words
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
+        assert self.chunks > DEPTH  # serve issues a pass's first DEPTH chunks before it counts its tokens
 
     def smem_bytes(self) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned)."""
         pieces = (4 * DEPTH * self.slot_words, 8 * DEPTH, 8 * TOKENS * 2 * self.intermediate * self.warps,
-                  4 * TOKENS * 2 * self.intermediate, 4 * TOKENS * self.intermediate, 4 * MAX_BATCH, 4)
+                  4 * TOKENS * 2 * self.intermediate, 4 * TOKENS * self.intermediate, 4 * MAX_BATCH,
+                  4 * (1 + MAX_BATCH), 4)
         return sum(-(-piece // 16) * 16 for piece in pieces)
 
     @cute.jit
@@ -96,7 +101,7 @@ class RoutedExperts(Release):
         if served == 0:
             if tid < self.packets:
                 store_words(out.iterator + pair * self.latent + 8 * tid, [Uint32(0)] * 4)
-        elif self.first_pair(ids, expert, pair, space[6], tid) != 0:
+        elif self.first_pair(ids, expert, pair, space[7], tid) != 0:
             self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, tid, space)
         self.release_late()
 
@@ -107,9 +112,12 @@ class RoutedExperts(Release):
         if tid == 0:
             flag[0] = Int32(0)
         cute.arch.sync_threads()
-        for j in cutlass.range(tid, pair, self.threads, unroll=1):
-            if ids[j] == expert:
-                flag[0] = Int32(1)
+        for q in cutlass.range(tid, (pair + 3) // 4, self.threads, unroll=1):  # 4 ids a load
+            words = load_words(ids.iterator + 4 * q)
+            for u in cutlass.range_constexpr(4):
+                if 4 * q + u < pair:
+                    if Int32(words[u]) == expert:
+                        flag[0] = Int32(1)
         cute.arch.sync_threads()
         return Int32(1) - flag[0]
 
@@ -117,7 +125,11 @@ class RoutedExperts(Release):
     def serve(self, latent, ids, gate_up, down, out, batch, expert, token, tid, space):
         """Every token from ``token`` on routed to ``expert`` (its masks: which of the
         token's 16 slots hold it), TOKENS a pass: the chunks' stream, steps 1-3."""
-        ring, full, parts, hidden, acts, masks, _ = space
+        ring, full, parts, hidden, acts, masks, matched, _ = space
+        policy = l2_evict_first()
+        if tid == 0:  # a pass is more chunks than the ring holds: its first DEPTH at once
+            for i in cutlass.range_constexpr(DEPTH):
+                self.issue(gate_up, down, expert, i, ring + i * self.slot_words, full + i, policy)
         for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
             mask = Int32(0)
             for k in cutlass.range_constexpr(TOP_K):
@@ -125,25 +137,30 @@ class RoutedExperts(Release):
                     mask = mask | Int32(1 << k)
             masks[b] = mask
         cute.arch.sync_threads()  # the masks
-        matched = cute.make_rmem_tensor(1, Int32)
-        matched[0] = Int32(0)
-        for b in cutlass.range(token, batch, unroll=1):
-            if masks[b] != 0:
-                matched[0] = matched[0] + Int32(1)
+        if tid < 32:  # the matched tokens in order: matched[0] their count, matched[1 + n] the n-th
+            count = Int32(0)
+            for start in cutlass.range(token, batch, 32, unroll=1):
+                b = start + tid
+                hit = Int32(0)
+                if b < batch:
+                    if masks[b] != 0:
+                        hit = Int32(1)
+                ballot = cute.arch.vote_ballot_sync(hit != 0)
+                if hit != 0:
+                    matched[1 + count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1)))] = b
+                count = count + cute.arch.popc(ballot)
+            if tid == 0:
+                matched[0] = count
+        cute.arch.sync_threads()
         streamed = (matched[0] + TOKENS - 1) // TOKENS * self.chunks  # the passes' chunks
-        policy = l2_evict_first()
-        if tid == 0:
-            for i in cutlass.range_constexpr(DEPTH):
-                if i < streamed:
-                    self.issue(gate_up, down, expert, i % self.chunks, ring + i * self.slot_words, full + i, policy)
         for i in cutlass.range(streamed, unroll=1):
             slot, chunk, first = i % DEPTH, i % self.chunks, i // self.chunks * TOKENS
             cute.arch.mbarrier_wait(full + slot, (i // DEPTH) % 2)
             words = ring + slot * self.slot_words
             if chunk < self.gate_chunks:
-                self.gate_chunk(latent, words, parts, masks, token, batch, first, chunk, tid)
+                self.gate_chunk(latent, words, parts, matched, first, chunk, tid)
             else:
-                self.down_chunk(out, words, acts, masks, token, batch, first, chunk - self.gate_chunks, tid)
+                self.down_chunk(out, words, acts, masks, matched, first, chunk - self.gate_chunks, tid)
             cute.arch.sync_threads()  # the slot is read (and the chunk's partials are in)
             if tid == 0:
                 if i + DEPTH < streamed:
@@ -158,38 +175,32 @@ class RoutedExperts(Release):
         if chunk < self.gate_chunks:
             for r in cutlass.range_constexpr(GATE_ROWS):
                 row = expert * 2 * self.intermediate + chunk * GATE_ROWS + r
-                bulk_copy(words + r * (self.packets + 1) * 4, gate_up.iterator + row * self.latent,
+                bulk_copy(words + r * self.row_words, gate_up.iterator + row * self.latent,
                           Int32(2 * self.latent), barrier, policy)
         else:
             bulk_copy(words, down.iterator + (expert * self.intermediate + (chunk - self.gate_chunks) * 4) * self.latent,
                       Int32(8 * self.latent), barrier, policy)
 
     @cute.jit
-    def gate_chunk(self, latent, words, parts, masks, token, batch, first, chunk, tid):
+    def gate_chunk(self, latent, words, parts, matched, first, chunk, tid):
         """Step 1's share of gate/up chunk ``chunk`` for the pass's tokens: each token's 4
         row sums of the warp into ``parts``."""
         r, group = tid % GATE_ROWS, tid // GATE_ROWS
         columns = [group + self.row_threads * j for j in range(4)]
         weights = [[Float32(0.0)] * 8 for _ in range(4)]
         if tid < self.packets:
-            weights = [unpack_words(load_shared(words + (r * (self.packets + 1) + c) * 4)) for c in columns]
-        ordinal = cute.make_rmem_tensor(1, Int32)  # the pass's matched tokens so far
-        ordinal[0] = Int32(0)
-        for b in cutlass.range(token, batch, unroll=1):
-            if masks[b] != 0:
-                n = ordinal[0] - first
-                ordinal[0] = ordinal[0] + Int32(1)
-                if n >= 0:
-                    if n < TOKENS:
-                        total = Float64(0.0)
-                        if tid < self.packets:
-                            for j in cutlass.range_constexpr(4):
-                                x = unpack_words(load_words(latent.iterator + b * self.latent + columns[j] * 8))
-                                total += exact_dot(weights[j], x)
-                        for shift in cutlass.range_constexpr(2, 5):  # the lanes of row r: 4, 8, 16 apart
-                            total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
-                        if tid % 32 < GATE_ROWS:
-                            parts[n, chunk * GATE_ROWS + r, tid // 32] = total
+            weights = [unpack_words(load_shared(words + r * self.row_words + c * 4)) for c in columns]
+        for n in cutlass.range(clamp(matched[0] - first, Int32(TOKENS)), unroll=1):
+            b = matched[1 + first + n]
+            total = Float64(0.0)
+            if tid < self.packets:
+                for j in cutlass.range_constexpr(4):
+                    x = unpack_words(load_words(latent.iterator + b * self.latent + columns[j] * 8))
+                    total += exact_dot(weights[j], x)
+            for shift in cutlass.range_constexpr(2, 5):  # the lanes of row r: 4, 8, 16 apart
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+            if tid % 32 < GATE_ROWS:
+                parts[n, chunk * GATE_ROWS + r, tid // 32] = total
 
     @cute.jit
     def activate(self, parts, hidden, acts, tid):
@@ -209,36 +220,31 @@ class RoutedExperts(Release):
         cute.arch.sync_threads()
 
     @cute.jit
-    def down_chunk(self, out, words, acts, masks, token, batch, first, part, tid):
+    def down_chunk(self, out, words, acts, masks, matched, first, part, tid):
         """Step 3 on down chunk ``part`` (rows part·4L/I …) for the pass's tokens."""
         if tid < self.packets:
             values = [v for m in range(4) for v in unpack_words(load_shared(words + (4 * tid + m) * 4))]
             column = part * (4 * self.latent // self.intermediate) + tid * self.down_rows
-            ordinal = cute.make_rmem_tensor(1, Int32)  # the pass's matched tokens so far
-            ordinal[0] = Int32(0)
-            for b in cutlass.range(token, batch, unroll=1):
+            for n in cutlass.range(clamp(matched[0] - first, Int32(TOKENS)), unroll=1):
+                b = matched[1 + first + n]
                 mask = masks[b]
-                if mask != 0:
-                    n = ordinal[0] - first
-                    ordinal[0] = ordinal[0] + Int32(1)
-                    if n >= 0:
-                        if n < TOKENS:
-                            act = [acts[n, j] for j in range(self.intermediate)]
-                            rows = [Float32(exact_dot(values[i * self.intermediate:(i + 1) * self.intermediate], act))
-                                    for i in range(self.down_rows)]
-                            packed = [pack_bf16(rows[i], rows[i + 1]) for i in range(0, self.down_rows, 2)]
-                            for k in cutlass.range_constexpr(TOP_K):
-                                if ((mask >> k) & Int32(1)) != 0:
-                                    address = out.iterator + (b * TOP_K + k) * self.latent + column
-                                    if cutlass.const_expr(len(packed) == 1):
-                                        store_word(address, packed[0])
-                                    else:
-                                        store_words(address, packed)
+                act = [acts[n, j] for j in range(self.intermediate)]
+                rows = [Float32(exact_dot(values[i * self.intermediate:(i + 1) * self.intermediate], act))
+                        for i in range(self.down_rows)]
+                packed = [pack_bf16(rows[i], rows[i + 1]) for i in range(0, self.down_rows, 2)]
+                for k in cutlass.range_constexpr(TOP_K):
+                    if ((mask >> k) & Int32(1)) != 0:
+                        address = out.iterator + (b * TOP_K + k) * self.latent + column
+                        if cutlass.const_expr(len(packed) == 1):
+                            store_word(address, packed[0])
+                        else:
+                            store_words(address, packed)
 
     @cute.jit
     def allocate(self):
         """(the ring (words), its full barriers, parts [TOKENS, 2I, warps] FP64, hidden
-        [TOKENS, 2I] FP32, acts [TOKENS, I] FP32, masks [MAX_BATCH], the first-pair flag)."""
+        [TOKENS, 2I] FP32, acts [TOKENS, I] FP32, masks [MAX_BATCH], the matched tokens
+        (count, then the list), the first-pair flag)."""
         smem = SmemAllocator()
         double = 2 * self.intermediate
         ring = smem.allocate_tensor(Uint32, cute.make_layout(DEPTH * self.slot_words), 16).iterator
@@ -249,8 +255,9 @@ class RoutedExperts(Release):
         acts = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, self.intermediate), stride=(self.intermediate, 1)),
                                     16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
+        matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
-        return ring, full, parts, hidden, acts, masks, flag
+        return ring, full, parts, hidden, acts, masks, matched, flag
 
 
 @compiled
