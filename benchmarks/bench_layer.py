@@ -130,11 +130,10 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
         units.append(Unit(name, call, weights, sum(w.nbytes for w in weights) + extra_bytes, in_layer))
         return call(*weights)
 
-    q_c = unit("oproj wq_a", lambda w: kimi.oproj(x, w), index.wq_a)
-    head_in = unit("oproj w_head", lambda w: kimi.oproj(x, w), index.w_head)
+    q_c, head_in, k_in = unit("oproj wq_a + w_head + wk", lambda w: kimi.oproj(x, w), index.w_in).split(
+        index.sizes, dim=1)
     unit("dsa_index_front", lambda w: kimi.dsa_index_front(q_c, w, head_in, index.q_norm_w, eps), index.wq_b,
          extra_bytes=index.q_norm_w.nbytes)
-    k_in = unit("oproj wk", lambda w: kimi.oproj(x, w), index.wk)
     unit("dsa_index_key_insert", lambda: kimi.dsa_index_key_insert(
         k_in, index.k_norm_w, index.k_norm_b, eps, index.index_cache, slots),
         extra_bytes=index.k_norm_w.nbytes + index.k_norm_b.nbytes)

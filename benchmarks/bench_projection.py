@@ -35,13 +35,11 @@ kimi = torch.ops.kimi
 
 def projections(tp: int, config: KimiConfig | None = None) -> list[tuple[str, str, int, int, int]]:
     """(name, op, N, K, n_logits) of every projection the decoder runs on one rank
-    (runtime/prepared.py): the DSA helpers (replicated), the stand-in core, o-proj, the
-    MoE front, the shared expert's gate/up and down."""
+    (runtime/prepared.py): the DSA helpers (replicated: wq_a, w_head and wk as one GEMM), the
+    stand-in core, o-proj, the MoE front, the shared expert's gate/up and down."""
     c = config or KimiConfig.kimi_k3()
     return [
-        ("wq_a", "oproj", c.q_lora, c.hidden, 0),
-        ("w_head", "oproj", 32, c.hidden, 0),
-        ("wk", "oproj", 128, c.hidden, 0),
+        ("index_in", "oproj", c.q_lora + 32 + 128, c.hidden, 0),
         ("core", "oproj", c.attn_out // tp, c.q_lora, 0),
         ("o_proj", "oproj_publish", c.hidden, c.attn_out // tp, 0),
         ("front", "moe_front_publish", (c.experts + c.latent) // tp, c.hidden, c.experts // tp),

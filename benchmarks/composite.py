@@ -99,8 +99,9 @@ class CompositeDecoder(nn.Module):
         self.layers = nn.ModuleList()
         for (part,), (attn_res, moe_res) in zip(decoder.layers, decoder.attn_res):
             layer = nn.Module()
-            for name in ATTENTION:
-                layer.register_buffer(name, getattr(part.index, name))
+            for name in ATTENTION:  # the decoder's three projections of x are rows of one weight
+                weight = part.index.weight(name) if name in part.index.SPLITS else getattr(part.index, name)
+                layer.register_buffer(name, weight)
             layer.register_buffer("index_cache", torch.zeros_like(part.index.index_cache))
             layer.register_buffer("w_core", part.oproj.w_core)
             layer.register_buffer("w_o", part.oproj.w_o)

@@ -25,8 +25,11 @@ def check_tensor(
     tensor: torch.Tensor,
     dtype: torch.dtype | Sequence[torch.dtype],
     shape: Sequence[int | None],
+    rows: bool = False,
 ) -> None:
-    """dtype (one or a choice), exact rank, sizes (``None``: any) and a contiguous layout."""
+    """dtype (one or a choice), exact rank, sizes (``None``: any) and a contiguous layout;
+    ``rows`` (a matrix): contiguous rows at any row stride, e.g. a column slice of a wider
+    matrix (kernels index such an argument's rows by its stride)."""
     if not isinstance(tensor, torch.Tensor):
         fail(op, name, "a Tensor", type(tensor).__name__)
     dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
@@ -37,8 +40,10 @@ def check_tensor(
     ):
         wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         fail(op, name, f"of shape {wanted}", list(tensor.shape))
+    if rows and (tensor.shape[1] <= 1 or tensor.stride(1) == 1) and (tensor.shape[0] <= 1 or tensor.stride(0) >= tensor.shape[1]):
+        return
     if not tensor.is_contiguous():
-        fail(op, name, "contiguous", f"strides {tensor.stride()}")
+        fail(op, name, "rows of unit stride" if rows else "contiguous", f"strides {tensor.stride()}")
 
 
 def named_tensors(tensors: dict) -> list[tuple[str, torch.Tensor]]:

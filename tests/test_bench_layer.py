@@ -39,9 +39,9 @@ def test_smoke_runs_every_path(tmp_path):
         assert row["rel_l2_max"] <= MAX_REL_L2 and row["rel_l2_mean"] <= MEAN_REL_L2
     for ops in out["breakdown"].values():
         names = [op["op"] for op in ops]
-        assert len(names) == len(set(names)) == 17
+        assert len(names) == len(set(names)) == 15
         assert all(op["floor_us"] >= 0 and op["us"] is None for op in ops)
-        assert sum(op["weight_bytes"] > 0 for op in ops) >= 12  # every op that reads a weight counts it
+        assert sum(op["weight_bytes"] > 0 for op in ops) >= 10  # every op that reads a weight counts it
     for row in out["rows"]:  # the layer's ops read the layer's weights (layers differ in their experts)
         layer = sum(op["floor_us"] for op in out["breakdown"][str(row["B"])] if op["in_layer"])
         assert 0.5 * row["floor_us"] <= layer <= 1.5 * row["floor_us"]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import oracle
+from kimi_ops import KimiArgumentError
 from kimi_ops.numerics import ordered_key
 from conftest import BATCHES, DEVICES, assert_bf16_close, assert_tail_close, randn
 
@@ -177,6 +178,34 @@ def test_dsa_index_front_zero_rows():
     q, head_w = kimi.dsa_index_front(rows, wq_b, head_in, None, 1e-6)
     assert q.float().abs().sum() == 0 and torch.isfinite(head_w.float()).all()
     assert_bf16_close(head_w, oracle.index_front(rows, wq_b, head_in, None, 1e-6)[1], max_ulps=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_dsa_helpers_take_column_views_of_one_gemm(gen, device, batch):
+    """The decoder's wq_a, w_head and wk as one GEMM (PreparedIndexFront): q_c, head_in and
+    k_in are column views of its rows; the consumers (the stand-in core's GEMM, the index
+    front, the key insert) give on them exactly what they give on contiguous copies."""
+    x = randn(gen, batch, 7168, dtype=torch.bfloat16, device=device)
+    w_in = randn(gen, 1536 + 32 + 128, 7168, dtype=torch.bfloat16, device=device, scale=7168**-0.5)
+    q_c, head_in, k_in = kimi.oproj(x, w_in).split([1536, 32, 128], dim=1)
+    assert q_c.stride() == (1696, 1) and (batch == 1 or not q_c.is_contiguous())
+    _, wq_b, _, q_norm_w = index_front_inputs(gen, batch, device)
+    w_core = randn(gen, 256, 1536, dtype=torch.bfloat16, device=device, scale=1536**-0.5)
+    assert torch.equal(kimi.oproj(q_c, w_core), kimi.oproj(q_c.contiguous(), w_core))
+    for norm in (q_norm_w, None):
+        got = kimi.dsa_index_front(q_c, wq_b, head_in, norm, 1e-6)
+        want = kimi.dsa_index_front(q_c.contiguous(), wq_b, head_in.contiguous(), norm, 1e-6)
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    norm_w, norm_b = torch.ones(128, dtype=torch.bfloat16, device=device), torch.zeros(128, dtype=torch.bfloat16, device=device)
+    caches = [torch.zeros(batch, 132, dtype=torch.uint8, device=device) for _ in range(2)]
+    slots = torch.arange(batch, device=device)
+    kimi.dsa_index_key_insert(k_in, norm_w, norm_b, 1e-5, caches[0], slots)
+    kimi.dsa_index_key_insert(k_in.contiguous(), norm_w, norm_b, 1e-5, caches[1], slots)
+    assert torch.equal(caches[0], caches[1])
+    if batch > 1:  # columns of unit stride are no rows
+        with pytest.raises(KimiArgumentError, match="'k_in' must be rows of unit stride"):
+            kimi.dsa_index_key_insert(k_in.t().contiguous().t(), norm_w, norm_b, 1e-5, caches[0], slots)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -200,7 +200,11 @@ def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torc
 
 
 def aligned(*tensors) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+    """16-byte aligned data and rows of whole 16-byte packets (a row view of a wider
+    matrix passes where its row stride does)."""
+    return all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0
+                                              for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
+               for t in tensors)
 
 
 class Values:

@@ -321,9 +321,10 @@ class KeyInsertKernel:
         compile_key_insert()
 
     def unsupported(self, k_in, norm_w, norm_b, eps, cache, slots):
-        if not (all(t.data_ptr() % 8 == 0 for t in (k_in, norm_w, norm_b, slots))  # contiguous (the op's check)
+        if not (all(t.data_ptr() % 8 == 0 for t in (k_in, norm_w, norm_b, slots)) and k_in.stride(0) % 4 == 0
                 and cache.data_ptr() % 4 == 0):
-            return "the key insert reads 8-byte packets and stores words: align k_in, norm_w, norm_b and the cache"
+            return ("the key insert reads 8-byte packets and stores words: align k_in (and its row stride), norm_w, "
+                    "norm_b and the cache")
         if cache.shape[0] >= 2**31:
             return f"the key insert indexes at most 2^31 cache rows, got {cache.shape[0]}"
         return hopper(k_in)

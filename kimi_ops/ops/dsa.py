@@ -13,9 +13,9 @@ KEY_BYTES = DIM + 4  # e4m3 bytes, then the FP32 scale (little endian)
 def check_dsa_index_front(rows, wq_b, head_in, q_norm_w, eps) -> int:
     """Returns B."""
     op = "dsa_index_front"
-    check_tensor(op, "rows", rows, torch.bfloat16, (None, None))
+    check_tensor(op, "rows", rows, torch.bfloat16, (None, None), rows=True)
     check_tensor(op, "wq_b", wq_b, torch.bfloat16, (HEADS * DIM, rows.shape[1]))
-    check_tensor(op, "head_in", head_in, torch.bfloat16, (rows.shape[0], HEADS))
+    check_tensor(op, "head_in", head_in, torch.bfloat16, (rows.shape[0], HEADS), rows=True)
     if q_norm_w is not None:
         check_tensor(op, "q_norm_w", q_norm_w, torch.bfloat16, (rows.shape[1],))
     check_same_device(op, rows=rows, wq_b=wq_b, head_in=head_in, q_norm_w=q_norm_w)
@@ -50,7 +50,7 @@ def dsa_index_front_fake(rows, wq_b, head_in, q_norm_w, eps):
 
 def check_dsa_index_key_insert(k_in, norm_w, norm_b, eps, cache, slots) -> None:
     op = "dsa_index_key_insert"
-    check_tensor(op, "k_in", k_in, torch.bfloat16, (None, DIM))
+    check_tensor(op, "k_in", k_in, torch.bfloat16, (None, DIM), rows=True)
     check_tensor(op, "norm_w", norm_w, torch.bfloat16, (DIM,))
     check_tensor(op, "norm_b", norm_b, torch.bfloat16, (DIM,))
     check_tensor(op, "cache", cache, torch.uint8, (None, KEY_BYTES))

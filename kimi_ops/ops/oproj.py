@@ -8,7 +8,7 @@ from ..numerics import bf16, matmul_f32
 
 def check_oproj(x, w, op: str = "oproj") -> tuple[int, int]:
     """Returns (B, N); errors in the name of ``op`` (the publishing op reuses the checks)."""
-    check_tensor(op, "x", x, torch.bfloat16, (None, None))
+    check_tensor(op, "x", x, torch.bfloat16, (None, None), rows=True)
     check_tensor(op, "w", w, torch.bfloat16, (None, x.shape[1]))
     check_same_device(op, x=x, w=w)
     return x.shape[0], w.shape[0]

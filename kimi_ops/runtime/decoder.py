@@ -173,7 +173,7 @@ class KimiDecoder(nn.Module):
             # live in its pool untracked.
             peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks]
                      for kind in ("attn", "front", "latent", "rs", "out")}
-            for n, k in ((config.q_lora, hidden), (32, hidden), (128, hidden),  # the DSA helpers (wq_a, w_head, wk)
+            for n, k in ((config.q_lora + 32 + 128, hidden),  # the DSA helpers (wq_a, w_head, wk) as one GEMM
                          (config.attn_out // tp, config.q_lora),  # the stand-in core
                          (2 * config.shared_intermediate // tp, hidden), (hidden, config.shared_intermediate // tp)):
                 backend.prepare("oproj", n, k, batches)

@@ -24,23 +24,32 @@ class Prepared(nn.Module):
 
 
 class PreparedIndexFront(Prepared):
-    """The DSA index front (replicated on every rank) and the layer's key cache."""
+    """The DSA index front (replicated on every rank) and the layer's key cache. The three
+    projections of x (wq_a, w_head, wk) are one GEMM over their stacked rows ``w_in``: x is
+    read once, and the two small ones (32 and 128 rows) pay no launch of their own; their
+    outputs are column views of its rows, which the consumers take as they are."""
+
+    SPLITS = ("wq_a", "w_head", "wk")
 
     def __init__(self, config, tp, rank, attention):
         super().__init__(
-            config, tp, rank, wq_a=attention.wq_a, q_norm_w=attention.q_norm_w,
-            wq_b=attention.wq_b, w_head=attention.w_head, wk=attention.wk,
-            k_norm_w=attention.k_norm_w, k_norm_b=attention.k_norm_b,
-            index_cache=torch.zeros(config.index_slots, 132, dtype=torch.uint8),
+            config, tp, rank, w_in=torch.cat([getattr(attention, name) for name in self.SPLITS]),
+            q_norm_w=attention.q_norm_w, wq_b=attention.wq_b, k_norm_w=attention.k_norm_w,
+            k_norm_b=attention.k_norm_b, index_cache=torch.zeros(config.index_slots, 132, dtype=torch.uint8),
         )
+        self.sizes = [getattr(attention, name).shape[0] for name in self.SPLITS]
+
+    def weight(self, name: str) -> torch.Tensor:
+        """One projection's rows of ``w_in`` (a view)."""
+        return self.w_in.split(self.sizes)[self.SPLITS.index(name)]
 
     def run(self, x, slots):
         """q_c (the raw rows the front normalizes), the FP8 query and head weights; the
         keys go into the cache at ``slots``."""
         eps = self.config.eps
-        q_c = kimi.oproj(x, self.wq_a)
-        q, head_w = kimi.dsa_index_front(q_c, self.wq_b, kimi.oproj(x, self.w_head), self.q_norm_w, eps)
-        kimi.dsa_index_key_insert(kimi.oproj(x, self.wk), self.k_norm_w, self.k_norm_b, eps, self.index_cache, slots)
+        q_c, head_in, k_in = kimi.oproj(x, self.w_in).split(self.sizes, dim=1)
+        q, head_w = kimi.dsa_index_front(q_c, self.wq_b, head_in, self.q_norm_w, eps)
+        kimi.dsa_index_key_insert(k_in, self.k_norm_w, self.k_norm_b, eps, self.index_cache, slots)
         return q_c, q, head_w
 
 
