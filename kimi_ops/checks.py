@@ -43,7 +43,7 @@ def check_tensor(
     if rows and (tensor.shape[1] <= 1 or tensor.stride(1) == 1) and (tensor.shape[0] <= 1 or tensor.stride(0) >= tensor.shape[1]):
         return
     if not tensor.is_contiguous():
-        fail(op, name, "rows of unit stride" if rows else "contiguous", f"strides {tensor.stride()}")
+        fail(op, name, "rows with unit column stride" if rows else "contiguous", f"strides {tensor.stride()}")
 
 
 def named_tensors(tensors: dict) -> list[tuple[str, torch.Tensor]]:

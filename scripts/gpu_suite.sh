@@ -18,3 +18,4 @@ run rest tests "${ignores[@]}" &
 wait
 cat "$OUT/rc.txt"
 for f in "$OUT"/*.log; do echo "== $f"; tail -n 2 "$f"; done
+! grep -qv "rc=0$" "$OUT/rc.txt"  # the exit status: 0 when every file passed

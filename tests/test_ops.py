@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import oracle
-from kimi_ops import KimiArgumentError
+from kimi_ops import KimiArgumentError, backend
 from kimi_ops.numerics import ordered_key
-from conftest import BATCHES, DEVICES, assert_bf16_close, assert_tail_close, randn
+from conftest import BATCHES, DEVICES, HOPPER, assert_bf16_close, assert_tail_close, randn
 
 kimi = torch.ops.kimi
 
@@ -200,11 +200,17 @@ def test_dsa_helpers_take_column_views_of_one_gemm(gen, device, batch):
     norm_w, norm_b = torch.ones(128, dtype=torch.bfloat16, device=device), torch.zeros(128, dtype=torch.bfloat16, device=device)
     caches = [torch.zeros(batch, 132, dtype=torch.uint8, device=device) for _ in range(2)]
     slots = torch.arange(batch, device=device)
+    if device == "cuda" and HOPPER:  # the kernels take the views (no silent fallback to the reference)
+        for op, args in (("oproj", (q_c, w_core)), ("dsa_index_front", (q_c, wq_b, head_in, q_norm_w, 1e-6)),
+                         ("dsa_index_front", (q_c, wq_b, head_in, None, 1e-6)),
+                         ("dsa_index_key_insert", (k_in, norm_w, norm_b, 1e-5, caches[0], slots))):
+            kernel = backend.KERNELS.get(op)  # None: CuTe DSL not installed
+            assert kernel is None or kernel.unsupported(*args) is None, op
     kimi.dsa_index_key_insert(k_in, norm_w, norm_b, 1e-5, caches[0], slots)
     kimi.dsa_index_key_insert(k_in.contiguous(), norm_w, norm_b, 1e-5, caches[1], slots)
     assert torch.equal(caches[0], caches[1])
     if batch > 1:  # columns of unit stride are no rows
-        with pytest.raises(KimiArgumentError, match="'k_in' must be rows of unit stride"):
+        with pytest.raises(KimiArgumentError, match="'k_in' must be rows with unit column stride"):
             kimi.dsa_index_key_insert(k_in.t().contiguous().t(), norm_w, norm_b, 1e-5, caches[0], slots)
 
 

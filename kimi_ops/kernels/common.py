@@ -195,8 +195,9 @@ class Release:
 def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:
     """One element of ``tensor`` viewed as ``dtype`` (``dims`` dimensions) for an argument
     the kernel's mode never touches (no allocation: nothing outlives the call, e.g. in a
-    cudagraph-tree pool)."""
-    return tensor.view(-1).view(dtype)[:1].view([1] * dims)
+    cudagraph-tree pool). A row view of a wider matrix gives its first row's element."""
+    source = tensor.view(-1) if tensor.is_contiguous() else tensor[(0,) * (tensor.dim() - 1)]
+    return source.view(dtype)[:1].view([1] * dims)
 
 
 def aligned(*tensors) -> bool:

@@ -22,6 +22,7 @@ from ..checks import fail_setting, is_int
 from ..config import PACKED, KimiConfig
 from ..mailbox import KimiMailboxError, parities, raise_if_error
 from ..moe import MoeWeights
+from ..ops.dsa import DIM, HEADS
 from .boxes import DecodeBoxes
 from .groups import make_group
 from .prepared import PreparedFront, PreparedIndexFront, PreparedOproj, PreparedTail
@@ -173,7 +174,7 @@ class KimiDecoder(nn.Module):
             # live in its pool untracked.
             peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks]
                      for kind in ("attn", "front", "latent", "rs", "out")}
-            for n, k in ((config.q_lora + 32 + 128, hidden),  # the DSA helpers (wq_a, w_head, wk) as one GEMM
+            for n, k in ((config.q_lora + HEADS + DIM, hidden),  # the DSA helpers (wq_a, w_head, wk) as one GEMM
                          (config.attn_out // tp, config.q_lora),  # the stand-in core
                          (2 * config.shared_intermediate // tp, hidden), (hidden, config.shared_intermediate // tp)):
                 backend.prepare("oproj", n, k, batches)
