@@ -7,7 +7,7 @@ threads scan the ids before it), the CTA serves e for every token routed to it; 
 pair of e ends at once, so each routed expert's weights are read once a step, with no
 gather and no sort. A pair of another rank's expert (or an id outside [0, E)) gets a zero
 row. A CTA streams its whole expert (2I·L gate/up and L·I down values) by bulk copies
-(TMA, no tensor map) through a ring of DEPTH chunks of 8·L bytes, so that a chunk's bytes
+(TMA, no tensor map) through a ring of 3-4 chunks of 8·L bytes, so that a chunk's bytes
 are in flight whatever the registers (the version before, with plain loads, kept few in
 flight: benchmarks/NOTES.md).
 
@@ -24,7 +24,9 @@ chunk is 4 rows of L: thread t < P takes row t % 4 and packets t // 4 + (P/4)·j
 rows padded by 2 packets in the slot (conflict-free reads). A down chunk is 4L/I rows of
 L's: thread t takes the 32/I rows t·32/I … (4 packets). The serve first issues the
 ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
-tokens in order); up to TOKENS a pass over the weights, more take another pass.
+tokens in order); up to TOKENS a pass over the weights, more take another pass. A pass's
+latent rows are copied into shared memory once (cp.async) as it starts: every gate/up
+chunk reads them there, not from L2.
 """
 
 import cutlass
@@ -36,12 +38,12 @@ from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .common import (
-    PDL, Release, aligned, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid, unpack_words,
+    PDL, SMEM_BYTES, Release, aligned, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid, unpack_words,
 )
-from .ptx import bulk_copy, l2_evict_first, load_shared, load_words, pack_bf16, store_word, store_words
+from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_bf16, store_word, store_words
 
 GATE_ROWS = 4  # gate/up rows a chunk (8·L bytes; a down chunk is as many bytes)
-DEPTH = 4  # ring slots: 4 chunks in flight (115 KB at L = 3584)
+DEPTHS = (4, 3)  # ring slots: 4 chunks in flight (115 KB at L = 3584) where shared memory allows, else 3
 TOKENS = 8  # matched tokens a pass over the expert's weights (their partials in shared memory)
 MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # P = L/8 ≤ 512 threads
@@ -63,11 +65,14 @@ class RoutedExperts(Release):
         self.row_words = (self.packets + 2) * 4  # a gate/up row in a slot, padded: conflict-free reads
         self.slot_words = GATE_ROWS * self.row_words
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
-        assert self.chunks > DEPTH  # serve issues a pass's first DEPTH chunks before it counts its tokens
+        self.depth = next(d for d in DEPTHS if self.smem_bytes(d) <= SMEM_BYTES)
+        assert self.chunks > self.depth  # serve issues a pass's first ring of chunks before it counts its tokens
 
-    def smem_bytes(self) -> int:
-        """What :meth:`allocate` takes (each piece 16-byte aligned)."""
-        pieces = (4 * DEPTH * self.slot_words, 8 * DEPTH, 8 * TOKENS * 2 * self.intermediate * self.warps,
+    def smem_bytes(self, depth: int | None = None) -> int:
+        """What :meth:`allocate` takes (each piece 16-byte aligned) with a ring of ``depth``."""
+        depth = depth or self.depth
+        pieces = (4 * depth * self.slot_words, 8 * depth, 16 * TOKENS * self.packets,
+                  8 * TOKENS * 2 * self.intermediate * self.warps,
                   4 * TOKENS * 2 * self.intermediate, 4 * TOKENS * self.intermediate, 4 * MAX_BATCH,
                   4 * (1 + MAX_BATCH), 4)
         return sum(-(-piece // 16) * 16 for piece in pieces)
@@ -88,7 +93,7 @@ class RoutedExperts(Release):
         space = self.allocate()
         full = space[1]
         if tid == 0:
-            for slot in cutlass.range_constexpr(DEPTH):
+            for slot in cutlass.range_constexpr(self.depth):
                 cute.arch.mbarrier_init(full + slot, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
@@ -101,7 +106,7 @@ class RoutedExperts(Release):
         if served == 0:
             if tid < self.packets:
                 store_words(out.iterator + pair * self.latent + 8 * tid, [Uint32(0)] * 4)
-        elif self.first_pair(ids, expert, pair, space[7], tid) != 0:
+        elif self.first_pair(ids, expert, pair, space[8], tid) != 0:
             self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, tid, space)
         self.release_late()
 
@@ -125,10 +130,10 @@ class RoutedExperts(Release):
     def serve(self, latent, ids, gate_up, down, out, batch, expert, token, tid, space):
         """Every token from ``token`` on routed to ``expert`` (its masks: which of the
         token's 16 slots hold it), TOKENS a pass: the chunks' stream, steps 1-3."""
-        ring, full, parts, hidden, acts, masks, matched, _ = space
+        ring, full, xs, parts, hidden, acts, masks, matched, _ = space
         policy = l2_evict_first()
-        if tid == 0:  # a pass is more chunks than the ring holds: its first DEPTH at once
-            for i in cutlass.range_constexpr(DEPTH):
+        if tid == 0:  # a pass is more chunks than the ring holds: its first ring at once
+            for i in cutlass.range_constexpr(self.depth):
                 self.issue(gate_up, down, expert, i, ring + i * self.slot_words, full + i, policy)
         for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
             mask = Int32(0)
@@ -154,17 +159,19 @@ class RoutedExperts(Release):
         cute.arch.sync_threads()
         streamed = (matched[0] + TOKENS - 1) // TOKENS * self.chunks  # the passes' chunks
         for i in cutlass.range(streamed, unroll=1):
-            slot, chunk, first = i % DEPTH, i % self.chunks, i // self.chunks * TOKENS
-            cute.arch.mbarrier_wait(full + slot, (i // DEPTH) % 2)
+            slot, chunk, first = i % self.depth, i % self.chunks, i // self.chunks * TOKENS
+            if chunk == 0:  # the pass's latent rows into shared memory: every gate/up chunk reads them
+                self.stash_latent(latent, xs, matched, first, tid)
+            cute.arch.mbarrier_wait(full + slot, (i // self.depth) % 2)
             words = ring + slot * self.slot_words
             if chunk < self.gate_chunks:
-                self.gate_chunk(latent, words, parts, matched, first, chunk, tid)
+                self.gate_chunk(xs, words, parts, matched, first, chunk, tid)
             else:
                 self.down_chunk(out, words, acts, masks, matched, first, chunk - self.gate_chunks, tid)
             cute.arch.sync_threads()  # the slot is read (and the chunk's partials are in)
             if tid == 0:
-                if i + DEPTH < streamed:
-                    self.issue(gate_up, down, expert, (i + DEPTH) % self.chunks, words, full + slot, policy)
+                if i + self.depth < streamed:
+                    self.issue(gate_up, down, expert, (i + self.depth) % self.chunks, words, full + slot, policy)
             if chunk == self.gate_chunks - 1:
                 self.activate(parts, hidden, acts, tid)
 
@@ -182,7 +189,19 @@ class RoutedExperts(Release):
                       Int32(8 * self.latent), barrier, policy)
 
     @cute.jit
-    def gate_chunk(self, latent, words, parts, matched, first, chunk, tid):
+    def stash_latent(self, latent, xs, matched, first, tid):
+        """The latent rows of the pass's tokens (from ordinal ``first``) into ``xs`` [TOKENS,
+        P] packets: cp.async, all in flight at once, then the barrier."""
+        count = clamp(matched[0] - first, Int32(TOKENS))
+        for item in cutlass.range(tid, count * self.packets, self.threads, unroll=1):
+            n, c = item // self.packets, item % self.packets
+            copy_async(xs + item * 4, latent.iterator + matched[1 + first + n] * self.latent + c * 8)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def gate_chunk(self, xs, words, parts, matched, first, chunk, tid):
         """Step 1's share of gate/up chunk ``chunk`` for the pass's tokens: each token's 4
         row sums of the warp into ``parts``."""
         r, group = tid % GATE_ROWS, tid // GATE_ROWS
@@ -191,11 +210,10 @@ class RoutedExperts(Release):
         if tid < self.packets:
             weights = [unpack_words(load_shared(words + r * self.row_words + c * 4)) for c in columns]
         for n in cutlass.range(clamp(matched[0] - first, Int32(TOKENS)), unroll=1):
-            b = matched[1 + first + n]
             total = Float64(0.0)
             if tid < self.packets:
                 for j in cutlass.range_constexpr(4):
-                    x = unpack_words(load_words(latent.iterator + b * self.latent + columns[j] * 8))
+                    x = unpack_words(load_shared(xs + (n * self.packets + columns[j]) * 4))
                     total += exact_dot(weights[j], x)
             for shift in cutlass.range_constexpr(2, 5):  # the lanes of row r: 4, 8, 16 apart
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
@@ -242,13 +260,15 @@ class RoutedExperts(Release):
 
     @cute.jit
     def allocate(self):
-        """(the ring (words), its full barriers, parts [TOKENS, 2I, warps] FP64, hidden
+        """(the ring (words), its full barriers, the pass's latent rows (words), parts
+        [TOKENS, 2I, warps] FP64, hidden
         [TOKENS, 2I] FP32, acts [TOKENS, I] FP32, masks [MAX_BATCH], the matched tokens
         (count, then the list), the first-pair flag)."""
         smem = SmemAllocator()
         double = 2 * self.intermediate
-        ring = smem.allocate_tensor(Uint32, cute.make_layout(DEPTH * self.slot_words), 16).iterator
-        full = smem.allocate_tensor(Int64, cute.make_layout(DEPTH), 16).iterator
+        ring = smem.allocate_tensor(Uint32, cute.make_layout(self.depth * self.slot_words), 16).iterator
+        full = smem.allocate_tensor(Int64, cute.make_layout(self.depth), 16).iterator
+        xs = smem.allocate_tensor(Uint32, cute.make_layout(4 * TOKENS * self.packets), 16).iterator
         parts = smem.allocate_tensor(
             Float64, cute.make_layout((TOKENS, double, self.warps), stride=(double * self.warps, self.warps, 1)), 16)
         hidden = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, double), stride=(double, 1)), 16)
@@ -257,7 +277,7 @@ class RoutedExperts(Release):
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
-        return ring, full, parts, hidden, acts, masks, matched, flag
+        return ring, full, xs, parts, hidden, acts, masks, matched, flag
 
 
 @compiled
