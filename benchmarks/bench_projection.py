@@ -23,6 +23,7 @@ import torch
 import kimi_ops  # noqa: F401
 from kimi_ops.config import KimiConfig
 from kimi_ops.mailbox import no_neg_zero
+from kimi_ops.ops.dsa import DIM, HEADS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import graph_us, print_table  # noqa: E402
@@ -39,7 +40,7 @@ def projections(tp: int, config: KimiConfig | None = None) -> list[tuple[str, st
     stand-in core, o-proj, the MoE front, the shared expert's gate/up and down."""
     c = config or KimiConfig.kimi_k3()
     return [
-        ("index_in", "oproj", c.q_lora + 32 + 128, c.hidden, 0),
+        ("index_in", "oproj", c.q_lora + HEADS + DIM, c.hidden, 0),
         ("core", "oproj", c.attn_out // tp, c.q_lora, 0),
         ("o_proj", "oproj_publish", c.hidden, c.attn_out // tp, 0),
         ("front", "moe_front_publish", (c.experts + c.latent) // tp, c.hidden, c.experts // tp),

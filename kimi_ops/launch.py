@@ -35,14 +35,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def ranks_per_gpu(tp: int, devices: int) -> int:
+    """Ranks sharing a GPU (rank r runs on GPU r % devices)."""
+    return -(-tp // max(devices, 1))
+
+
 def rank_env(rank: int, tp: int, port: int, devices: int) -> dict[str, str]:
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(tp),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     if tp > max(devices, 1):
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-        sharing = -(-tp // max(devices, 1))
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-                                                                  str(100 // sharing))
+                                                                  str(100 // ranks_per_gpu(tp, devices)))
     return env
 
 

@@ -2,6 +2,7 @@ import importlib
 import os
 import pathlib
 import sys
+import unittest.mock
 
 import pytest
 import torch
@@ -110,15 +111,8 @@ def dirty_shared_memory():
 
 def reference(op, *args):
     """``op(*args)`` under the reference backend (the oracle on the same device)."""
-    before = os.environ.get("KIMI_OPS_BACKEND")
-    os.environ["KIMI_OPS_BACKEND"] = "reference"
-    try:
+    with unittest.mock.patch.dict(os.environ, KIMI_OPS_BACKEND="reference"):
         return op(*args)
-    finally:
-        if before is None:
-            del os.environ["KIMI_OPS_BACKEND"]
-        else:
-            os.environ["KIMI_OPS_BACKEND"] = before
 
 
 def benchmark(name: str):

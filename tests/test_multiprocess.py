@@ -59,7 +59,7 @@ def expected(tmp_path_factory):
 @on_hopper
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_processes_equal_the_simulated_group(tp, expected):
-    if -(-tp // torch.cuda.device_count()) > 4 and not launch.mps_running():
+    if launch.ranks_per_gpu(tp, torch.cuda.device_count()) > 4 and not launch.mps_running():
         pytest.skip("more than 4 ranks a GPU time-slice past the poll bound without MPS (nvidia-cuda-mps-control -d)")
     results = run_group(tp, "equal", expected(tp))
     for rank, result in enumerate(results):

@@ -22,6 +22,9 @@ import torch
 from kimi_ops import KimiArgumentError, KimiConfig, KimiDecoder, KimiMailboxError, launch
 from kimi_ops.mailbox import SENTINEL, parities
 
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+from timing import capture  # noqa: E402  (the side-stream warm-up, then the capture)
+
 CONFIG = KimiConfig.tiny(latent=256, expert_intermediate=16)  # the tail and expert kernels (as test_gpu)
 LAYERS, SEED, BATCHES, INPUTS, REPLAYS = 6, 21, (1, 5, 64), 4, 100
 
@@ -64,14 +67,7 @@ def equal_at(decoder, group, batch: int, want: list[torch.Tensor]) -> dict:
     # A first step on a new stream pays one-time host costs (allocator pools, library
     # workspaces) that exceeded the barrier's 1 s bound at TP8 on one GPU: meet first.
     group.host_barrier()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        decoder(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = decoder(static_x)
+    graph, static_out = capture(lambda: decoder(static_x), warmups=1)
     same, times = 0, []
     for i in range(REPLAYS):
         static_x.copy_(xs[i % INPUTS])

@@ -169,7 +169,7 @@ class KimiDecoder(nn.Module):
             backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
             backend.prepare("situ", config.shared_intermediate // tp, "bfloat16")
             backend.prepare("routed_experts", config.latent, config.expert_intermediate)
-            batches = range(8, config.capacity + 8, 8)  # one compile per 8-token MMA group count
+            batches = self.buckets()
             # The peers' address tables too: built in a cudagraph-tree warm-up, they would
             # live in its pool untracked.
             peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks]
@@ -279,6 +279,12 @@ class KimiDecoder(nn.Module):
             self.check()
         return h[ranks[0]]
 
+    def buckets(self) -> list[int]:
+        """The batches that stand for every kernel variant: one compile per 8-token MMA
+        group count, the capacity the last."""
+        capacity = self.config.capacity
+        return sorted({min(bucket, capacity) for bucket in range(8, capacity + 8, 8)})
+
     def warm_up(self) -> None:
         """A multi-process group's first step of each batch bucket, before any real one: a
         rank pays its one-time costs there (lazy module loads, allocator pools), which at TP8
@@ -286,7 +292,7 @@ class KimiDecoder(nn.Module):
         out meanwhile only sets an error word; every slot is −1 (no key written); reset()
         then re-arms the boxes, so the first real step equals a fresh decoder's."""
         config, device = self.config, self.boxes.error(self.group.ranks[0]).device
-        for batch in sorted({min(bucket, config.capacity) for bucket in range(8, config.capacity + 8, 8)}):
+        for batch in self.buckets():
             try:
                 self(torch.zeros(batch, config.hidden, dtype=torch.bfloat16, device=device),
                      torch.full((batch,), -1, dtype=torch.int64, device=device))
