@@ -291,12 +291,13 @@ def unpack_words(words):
 
 
 @cute.jit
-def butterfly(value, lanes: cutlass.Constexpr[int], combine=operator.add):
+def butterfly(value, lanes: cutlass.Constexpr[int], combine=operator.add, stride: cutlass.Constexpr[int] = 1):
     """``combine`` (associative and commutative: +, a max) of ``value`` over each aligned
     group of ``lanes`` lanes (a power of 2), in every lane of the group: log2(lanes)
-    butterfly shuffles."""
+    butterfly shuffles; ``stride`` (a power of 2): over the group's lanes that many apart
+    (the lanes of a group with the same lane % stride), log2(lanes / stride) shuffles."""
     total = value
-    for shift in cutlass.range_constexpr(lanes.bit_length() - 1):
+    for shift in cutlass.range_constexpr(stride.bit_length() - 1, lanes.bit_length() - 1):
         total = combine(total, cute.arch.shuffle_sync_bfly(total, offset=1 << shift))
     return total
 

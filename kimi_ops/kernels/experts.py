@@ -38,7 +38,7 @@ from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .common import (
-    PDL, SMEM_BYTES, Release, aligned, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid, unpack_words,
+    PDL, SMEM_BYTES, Release, aligned, butterfly, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid, unpack_words,
 )
 from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_bf16, store_word, store_words
 
@@ -53,8 +53,8 @@ MAX_BATCH = 256  # the tokens' match masks in shared memory
 class RoutedExperts(Release):
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
-    def __init__(self, latent: int, intermediate: int, early: bool = False):
-        super().__init__(early)
+    def __init__(self, latent: int, intermediate: int):
+        super().__init__(early=False)  # released late: dependents cannot take its SMs
         self.latent, self.intermediate = latent, intermediate
         self.packets = latent // 8  # P: a row of L's packets
         self.threads = -(-self.packets // 32) * 32  # whole warps: the butterflies need every lane
@@ -215,8 +215,7 @@ class RoutedExperts(Release):
                 for j in cutlass.range_constexpr(4):
                     x = unpack_words(load_shared(xs + (n * self.packets + columns[j]) * 4))
                     total += exact_dot(weights[j], x)
-            for shift in cutlass.range_constexpr(2, 5):  # the lanes of row r: 4, 8, 16 apart
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+            total = butterfly(total, 32, stride=GATE_ROWS)  # the warp's lanes of row r
             if tid % 32 < GATE_ROWS:
                 parts[n, chunk * GATE_ROWS + r, tid // 32] = total
 
@@ -281,10 +280,10 @@ class RoutedExperts(Release):
 
 
 @compiled
-def compile_routed_experts(latent: int, intermediate: int, early: bool = False):
+def compile_routed_experts(latent: int, intermediate: int):
     tokens, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
-        RoutedExperts(latent, intermediate, early), fake(BFloat16, (tokens, latent)),
+        RoutedExperts(latent, intermediate), fake(BFloat16, (tokens, latent)),
         fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
         fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), fake_stream(),
         options=compile_options(),
