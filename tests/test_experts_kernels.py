@@ -64,6 +64,7 @@ def args_of(batch, shape, seed, device="cuda"):
     """Latent rows ~ N(0, 1), weights scaled like trained ones, ids as routing gives them
     (16 distinct experts a token), drawn from a third of E so that tokens share experts."""
     latent, intermediate, count = shape
+    assert count >= 48, "16 distinct ids from a third of E"
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(count // 3, generator=gen)[:16] * 3 for _ in range(batch)]).to(torch.int32)
 
@@ -137,7 +138,7 @@ def test_routed_experts_kernel_one_cta_per_expert_and_wide_batches(batch):
 @pytest.mark.parametrize("batch", [3, 40])
 def test_routed_experts_kernel_with_a_partial_warp(batch):
     """L = 320: 40 packets in 64 threads (a warp and a part of one whose lanes hold none)."""
-    args = args_of(batch, (320, 16, 30), seed=300 + batch)
+    args = args_of(batch, (320, 16, 48), seed=300 + batch)
     served_by_the_kernel(*args, 0, 1)
     poison(batch, 320)
     assert_matches(kimi.routed_experts(*args, 0, 1), reference(kimi.routed_experts, *args, 0, 1))
