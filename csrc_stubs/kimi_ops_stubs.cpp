@@ -21,6 +21,7 @@ TORCH_LIBRARY(kimi, m) {
   m.def("moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error) -> (Tensor ids, Tensor weights, Tensor latent)");
   m.def("moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()");
   m.def("moe_tail_publish(Tensor expanded, Tensor weights, Tensor(a!)[] latent_boxes, int parity, int rank) -> ()");
+  m.def("moe_latent_reduce(Tensor(a!) recv_box, Tensor(b!)[] gathered_boxes, Tensor(c!) error, int parity, int rearm_parity, int rearm_batch, int rank, int batch) -> ()");
   m.def("moe_tail_poll(Tensor(a!) latent_box, Tensor(b!) rs_box, Tensor gamma, Tensor w_up, float eps, Tensor(c!)[] out_boxes, Tensor(d!) error, int parity, int rearm_parity, int rearm_batch, int rank, int batch) -> ()");
   m.def("moe_tail_serve(Tensor expanded, Tensor weights, Tensor(a!)[] latent_boxes, Tensor(b!) rs_box, Tensor gamma, Tensor w_up, float eps, Tensor(c!)[] out_boxes, Tensor(d!) error, int parity, int rearm_parity, int rearm_batch, int rank) -> ()");
   m.def("group_barrier(Tensor(a!)[] boxes, Tensor(b!) ticket, Tensor(c!) error, int rank) -> ()");

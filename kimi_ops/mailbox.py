@@ -21,13 +21,14 @@ SENTINEL = -0x80000000  # as int32
 PACKET = 8  # BF16 values per 16-byte packet: box widths and offsets are multiples of it
 
 # Error word bits: which poll found its row unwritten.
-ROUTE_POLL, TAIL_LATENT_POLL, TAIL_SHARED_POLL, TAKE_POLL, BARRIER_POLL = 1, 2, 4, 8, 16
+ROUTE_POLL, TAIL_LATENT_POLL, TAIL_SHARED_POLL, TAKE_POLL, BARRIER_POLL, TWO_SHOT_POLL = 1, 2, 4, 8, 16, 32
 POLL_NAMES = {
     ROUTE_POLL: "the routing kernel's front row",
     TAIL_LATENT_POLL: "the tail's latent sources",
     TAIL_SHARED_POLL: "the tail's shared reduce-scatter sources",
     TAKE_POLL: "a consumer's rows (o-proj partials or tail output)",
     BARRIER_POLL: "a peer's ticket in the group barrier's sync box (a rank stopped between phases)",
+    TWO_SHOT_POLL: "the two-shot latent chunks pushed to their owner (moe_latent_reduce's receive box)",
 }
 
 

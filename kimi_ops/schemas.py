@@ -62,6 +62,10 @@ SCHEMAS: dict[str, str] = {
         "moe_tail_publish(Tensor expanded, Tensor weights, Tensor(a!)[] latent_boxes,"
         " int parity, int rank) -> ()"
     ),
+    "moe_latent_reduce": (
+        "moe_latent_reduce(Tensor(a!) recv_box, Tensor(b!)[] gathered_boxes, Tensor(c!) error, int parity,"
+        " int rearm_parity, int rearm_batch, int rank, int batch) -> ()"
+    ),
     "moe_tail_poll": (
         "moe_tail_poll(Tensor(a!) latent_box, Tensor(b!) rs_box, Tensor gamma, Tensor w_up,"
         " float eps, Tensor(c!)[] out_boxes, Tensor(d!) error, int parity, int rearm_parity,"

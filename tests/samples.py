@@ -68,6 +68,8 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         return rand(gen, batch, 64), boxes(3, TP, CAP, 32), 0, 1
     if name == "moe_tail_publish":
         return rand(gen, batch, 16, 48), rand(gen, batch, 16, scale=0.2), boxes(3, TP, CAP, 48), 1, 0
+    if name == "moe_latent_reduce":  # L = 48 over TP2: chunks of 24
+        return rand(gen, 3, TP, CAP, 24), boxes(3, 1, CAP, 48), error, 0, 2, CAP, 1, batch
     if name == "moe_tail_poll":
         return (
             rand(gen, 3, TP, CAP, 48), rand(gen, 3, TP, CAP, 32), rand(gen, 48) + 1,

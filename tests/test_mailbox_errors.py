@@ -89,18 +89,31 @@ CASES = [
     ("moe_tail_poll", lambda a: put_member(a, 5, 1, a[5][0]), ["'out_boxes[1]'", "own", "out_boxes[0]"]),
     ("moe_tail_poll", lambda a: put_member(a, 5, 0, torch.randn(1, 1, 16, 64).bfloat16()[:, :, ::2]),
      ["'out_boxes[0]'", "contiguous"]),
-    ("moe_tail_poll", lambda a: put(put(a, 5, a[5][:1]), 10, 0), ["'out_boxes'", "one box per source"]),
+    ("moe_tail_poll", lambda a: put(put(a, 5, a[5][:1]), 10, 0), ["'out_boxes'", "one box per rank"]),
     ("oproj_publish", lambda a: put_member(a, 2, 1, a[2][0]), ["'boxes[1]'", "own"]),
     ("moe_front_publish", lambda a: put_member(a, 3, 1, a[3][0]), ["'boxes[1]'", "own"]),
     ("moe_tail_push", lambda a: put_member(a, 1, 1, a[1][0]), ["'rs_boxes[1]'", "own"]),
     ("moe_tail_publish", lambda a: put_member(a, 2, 1, a[2][0]), ["'latent_boxes[1]'", "own"]),
     ("mailbox_take", lambda a: put(a, 3, a[0].view(-1)[:2].view(torch.int32)), ["'error'", "own"]),
-    # 4. moe_route_poll's experts in its own name, checked before the error word is set
+    # 4. the two-shot boxes: moe_latent_reduce's against each other, the publish's widths, serve refusing them
+    ("moe_latent_reduce", lambda a: put(a, 1, a[1][:1]), ["'gathered_boxes'", "one box per source", "TP = 2"]),
+    ("moe_latent_reduce", lambda a: put(a, 1, [torch.randn(3, 1, 8, 40).bfloat16() for _ in range(2)]),
+     ["'gathered_boxes'", "L = TP · recv_box width = 48"]),
+    ("moe_latent_reduce", lambda a: put(a, 4, 0), ["'rearm_parity'", "not the published parity 0"]),
+    ("moe_latent_reduce", lambda a: put(a, 7, 9), ["'batch (over the mailbox capacity?)'"]),
+    ("moe_latent_reduce", lambda a: put_member(a, 1, 1, a[1][0]), ["'gathered_boxes[1]'", "own"]),
+    ("moe_tail_publish", lambda a: put(a, 2, [torch.randn(3, 2, 8, 16).bfloat16() for _ in range(2)]),
+     ["'latent_boxes'", "L/TP = 48/2", "two-shot"]),
+    ("moe_tail_serve", lambda a: put(a, 2, [torch.randn(3, 2, 8, 24).bfloat16() for _ in range(2)]),
+     ["'latent_boxes'", "two-shot receive boxes go to moe_tail_publish"]),
+    ("moe_tail_poll", lambda a: put(put(put(a, 0, torch.randn(3, 1, 8, 48).bfloat16()), 5, a[5][:1]), 10, 0),
+     ["'out_boxes'", "one box per rank (TP = 2)"]),
+    # 5. moe_route_poll's experts in its own name, checked before the error word is set
     *[("moe_route_poll", lambda a, e=e: put(a, 1, torch.randn(e)), ["kimi::moe_route_poll", "'bias.shape[0] (experts)'"])
       for e in (8, 15, 1025)],
     ("moe_route_poll", lambda a: put(put(a, 0, torch.randn(3, 1, 8, 112).bfloat16()), 1, torch.randn(31)),
      ["'box'", "E = 31", "multiple of 8"]),
-    # 5. eps finite and > 0
+    # 6. eps finite and > 0
     *[(name, lambda a, i=i, eps=eps: put(a, i, eps), ["'eps'", "finite and > 0"])
       for name, i in (("moe_tail", 5), ("attn_res", 6), ("dsa_index_front", 4), ("dsa_index_key_insert", 3),
                       ("moe_tail_poll", 4))

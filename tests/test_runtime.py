@@ -8,6 +8,7 @@ from torch._inductor.utils import run_and_get_code
 
 from kimi_ops.config import KimiConfig
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, no_neg_zero, parities, raise_if_error
+from kimi_ops.runtime import boxes as boxes_module
 from kimi_ops.runtime.decoder import KimiDecoder
 
 kimi = torch.ops.kimi
@@ -38,9 +39,10 @@ def concentrate(decoder: KimiDecoder, tp: int) -> KimiDecoder:
     return decoder
 
 
-@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("tp", [2, 4, 8])
 def test_simulated_tp_equals_tp1(tp):
-    """Six layers (every parity, the wrap), three steps of changing batch: TP-N == TP1."""
+    """Six layers (every parity, the wrap), three steps of changing batch: TP-N == TP1
+    (TP4 and TP8 at B = 64: the two-shot latent all-reduce)."""
     reference = concentrate(KimiDecoder(CONFIG, 6, tp=1, seed=3), tp)
     sharded = concentrate(KimiDecoder(CONFIG, 6, tp=tp, seed=3), tp)
     for step, batch in enumerate((64, 1, 5)):
@@ -62,6 +64,22 @@ def test_simulated_tp_close_to_tp1_dense():
         got = KimiDecoder(CONFIG, 2, tp=tp, seed=4)(x).double()
         error = (got - want).norm(dim=1) / want.norm(dim=1)
         assert float(error.median()) < 0.02 and float(error.max()) < 0.4, error
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_two_shot_equals_one_shot(tp, monkeypatch):
+    """Dense weights, six layers, steps switching between the two all-reduces (B = 9 and
+    64 two-shot, 5 one-shot: a box's parities are re-armed by its next use, so a stale row
+    would be read as data): bit-equal to a decoder whose all-reduces are all one-shot."""
+    two_shot = KimiDecoder(CONFIG, 6, tp=tp, seed=21)
+    batches = (64, 5, 9, 5, 64)
+    assert [two_shot.boxes.two_shot(b) for b in batches] == [True, False, True, False, True]
+    got = [two_shot(hidden_states(b, seed=s)) for s, b in enumerate(batches)]
+    monkeypatch.setattr(boxes_module, "TWO_SHOT_BATCH", CONFIG.capacity + 1)
+    one_shot = KimiDecoder(CONFIG, 6, tp=tp, seed=21)
+    assert "recv" not in one_shot.boxes.kinds
+    for s, (b, row) in enumerate(zip(batches, got)):
+        assert torch.equal(one_shot(hidden_states(b, seed=s)), row)
 
 
 def test_parities_rotate_and_collisions_rejected():
@@ -162,7 +180,7 @@ def boxes_armed(decoder: KimiDecoder) -> bool:
     boxes = decoder.boxes
     return all(
         bool((boxes.own(kind, r).view(torch.int32) == SENTINEL).all()) and int(boxes.error(r)) == 0
-        for kind in boxes.KINDS for r in decoder.group.ranks
+        for kind in boxes.kinds for r in decoder.group.ranks
     )
 
 

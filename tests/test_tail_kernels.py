@@ -92,6 +92,17 @@ def test_fronts_and_push_compile(tp, clean_ptxas):
     clean_ptxas(4 if tp == 1 else 2)
 
 
+@pytest.mark.parametrize("tp", [4, 8, 16])
+def test_two_shot_kernels_compile(tp, clean_ptxas):
+    """The publish into the receive boxes, the owners' reduce, and MoeTail polling the
+    one-source gathered box (the poll's variant past 8 tokens)."""
+    assert host.compile_front.build(LATENT, tp, LATENT // tp) is not None
+    assert host.compile_reduce.build(LATENT // tp, tp) is not None
+    assert host.compile_tail.build(tp, HIDDEN // tp, LATENT, 2, True, sources=1) is not None
+    assert host.poll_variant(tp, HIDDEN // tp, LATENT, 8, 1).plan.sources == 1
+    clean_ptxas(3)
+
+
 def test_stash_takes_what_the_registers_hold():
     """Functional mode holds 32 registers per stashed chunk per lane beside 12 per token
     group (ptxas -v, no spills under the 168 cap of nine warps: 156 registers at B <= 8,
@@ -138,11 +149,13 @@ def test_poll_prepare_compiles_the_wave_up_to_max_wave_tp(monkeypatch):
     monkeypatch.setattr(host, "compile_poll_front", lambda *key: compiled.append(("front", *key)))
     for tp in (1, 2, 8):
         host.TailPollKernel().prepare(tp, HIDDEN // tp, LATENT, [1, 64])
+    host.TailPollKernel().prepare(8, HIDDEN // 8, LATENT, [1, 64], (), [64])  # B = 64 polls two-shot's gathered box
     assert compiled == [
         ("tail", 1, HIDDEN, LATENT, 1, True), ("front", LATENT, 1, HIDDEN), ("wave", HIDDEN, LATENT, 8, False, 1),
         ("tail", 2, HIDDEN // 2, LATENT, 1, True), ("front", LATENT, 2, HIDDEN // 2),
         ("wave", HIDDEN // 2, LATENT, 8, False, 2),
         ("tail", 8, HIDDEN // 8, LATENT, 1, True), ("tail", 8, HIDDEN // 8, LATENT, 8, True),
+        ("tail", 8, HIDDEN // 8, LATENT, 1, True), ("tail", 8, HIDDEN // 8, LATENT, 8, True, False, False, 1),
     ]
 
 
@@ -491,6 +504,62 @@ def test_tail_poll_sums_the_sources_of_tp2(batch):
         assert armed(out[0, 0, batch:])
     for latent_box, rs_box, error in boxes:
         assert armed(latent_box[2]) and armed(rs_box[2]) and int(error) == 0
+
+
+@on_hopper
+@pytest.mark.parametrize("tp, batch", [(4, 9), (4, 64), (8, 33)])
+def test_two_shot_equals_one_shot(tp, batch):
+    """TP4 / TP8's latent all-reduce two-shot, every rank on one device in turn: each rank's
+    partial chunks pushed to their owners (moe_tail_publish into the receive boxes), each
+    owner's sum gathered into every rank's box (moe_latent_reduce), each rank's tail
+    polling that one-source box. The output boxes bit-equal to the one-shot path's (the
+    same kernels), the receive and gathered boxes to the reference's; the previous parity
+    of the receive boxes re-armed; without a peer's push the reduce times out into the
+    error word."""
+    shard, parity, rearm = HIDDEN // tp, 1, 0
+    gen = torch.Generator().manual_seed(70 + tp + batch)
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
+    gamma, w_up = rand(LATENT, scale=0.1) + 1, rand(HIDDEN, LATENT, scale=LATENT**-0.5)
+    expanded = [rand(batch, 16, LATENT, scale=0.3) for _ in range(tp)]
+    weights = [rand(batch, 16, scale=0.2) for _ in range(tp)]
+    shards = [rand(tp, batch, shard) for _ in range(tp)]  # rank r's reduce-scatter box: every source's shard r
+    junk = rand(tp, batch, LATENT // tp)
+
+    def run(two_shot, pushes=tp):
+        boxes = lambda *shape: [armed_box(*shape) for _ in range(tp)]  # noqa: E731
+        latent_boxes, recv, gathered = boxes(3, tp, CAPACITY, LATENT), boxes(3, tp, CAPACITY, LATENT // tp), \
+            boxes(3, 1, CAPACITY, LATENT)
+        rs, outs = boxes(3, tp, CAPACITY, shard), boxes(1, 1, CAPACITY, HIDDEN)
+        errors = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(tp)]
+        for rank in range(tp):
+            rs[rank][parity, :, :batch] = shards[rank]
+            recv[rank][rearm, :, :batch] = junk  # the previous MoE layer's, consumed
+        for rank in range(pushes):
+            kimi.moe_tail_publish(expanded[rank], weights[rank], recv if two_shot else latent_boxes, parity, rank)
+        if two_shot:
+            for rank in range(tp):
+                kimi.moe_latent_reduce(recv[rank], gathered, errors[rank], parity, rearm, batch, rank, batch)
+        if pushes < tp:
+            return errors
+        for rank in range(tp):
+            kimi.moe_tail_poll(gathered[rank] if two_shot else latent_boxes[rank], rs[rank], gamma,
+                               w_up[rank * shard:(rank + 1) * shard], 1e-6, outs, errors[rank], parity, 2, batch, rank,
+                               batch)
+        return recv, gathered, outs, errors
+
+    recv, gathered, outs, errors = run(True)
+    _, _, one_shot, _ = run(False)
+    for ours, theirs in zip(outs, one_shot):
+        assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+    want_recv, want_gathered, want_outs, _ = reference(run, True)
+    for ours, theirs in zip(recv + gathered, want_recv + want_gathered):
+        assert torch.equal(ours[parity].view(torch.int16), theirs[parity].view(torch.int16))
+    shared = torch.cat([s.float().sum(0).bfloat16() for s in shards], dim=1)
+    assert_tail_close(outs[0][0, 0, :batch], want_outs[0][0, 0, :batch], shared)
+    assert all(armed(box[rearm]) for box in recv + gathered) and all(int(e) == 0 for e in errors)
+    errors = run(True, pushes=tp - 1)  # the last rank never pushes
+    torch.cuda.synchronize()  # returns: the polls are bounded
+    assert [int(e) for e in errors] == [32] * tp
 
 
 @on_hopper

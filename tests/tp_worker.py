@@ -36,13 +36,14 @@ def inputs(batch: int) -> list[torch.Tensor]:
 
 def armed(decoder, batch: int) -> bool:
     """Every box armed but what the step leaves by design: the last MoE layer's rows of
-    its parity in the latent and shared boxes (the next step's first layer re-arms them),
-    and the sync box's tickets."""
+    its parity in the latent, shared and two-shot boxes (the next step that uses a box
+    re-arms them in its first layer: BATCHES grow, so a box the step left alone holds at
+    most ``batch`` such rows), and the sync box's tickets."""
     boxes, rank = decoder.boxes, decoder.group.rank
     last = parities(LAYERS - 1, LAYERS)[0]
     sentinel = lambda t: bool((t.view(torch.int32) == SENTINEL).all())  # noqa: E731
     whole = all(sentinel(boxes.own(k, rank)) for k in ("attn", "front", "out"))
-    kept = [boxes.own(k, rank) for k in ("latent", "rs")]
+    kept = [boxes.own(k, rank) for k in ("latent", "rs", "recv", "gathered") if k in boxes.kinds]
     others = [p for p in range(3) if p != last]
     return whole and all(sentinel(box[others]) and sentinel(box[last, :, batch:]) for box in kept)
 

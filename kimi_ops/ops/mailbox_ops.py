@@ -20,6 +20,7 @@ from ..mailbox import (
     TAIL_LATENT_POLL,
     TAIL_SHARED_POLL,
     TAKE_POLL,
+    TWO_SHOT_POLL,
     arm_,
     flag_missing,
     no_neg_zero,
@@ -248,21 +249,62 @@ def check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank, op="mo
     """``placement``: that no written box overlaps an input (moe_tail_serve checks it once for both halves)."""
     check_tensor(op, "expanded", expanded, torch.bfloat16, (None, route.TOP_K, None))
     check_tensor(op, "weights", weights, torch.bfloat16, (expanded.shape[0], route.TOP_K))
-    check_boxes(op, "latent_boxes", latent_boxes, rank, parity, expanded.shape[0], len(latent_boxes),
-                "expanded.shape[0] (batch)")
-    if latent_boxes[0].shape[3] != expanded.shape[2]:
-        fail(op, "latent_boxes", f"rows of width L = {expanded.shape[2]}", latent_boxes[0].shape[3])
+    tp = check_boxes(op, "latent_boxes", latent_boxes, rank, parity, expanded.shape[0], len(latent_boxes),
+                     "expanded.shape[0] (batch)")
+    latent, width = expanded.shape[2], latent_boxes[0].shape[3]
+    if width != latent and width * tp != latent:
+        fail(op, "latent_boxes", f"rows of width L = {latent} (latent boxes) or L/TP = {latent}/{tp} "
+             "(two-shot receive boxes [3, TP, CAP, L/TP])", list(latent_boxes[0].shape))
     if placement:
         check_placement(op, dict(latent_boxes=latent_boxes), dict(expanded=expanded, weights=weights))
 
 
 def moe_tail_publish(expanded, weights, latent_boxes, parity: int, rank: int) -> None:
     """The tail's front: partial = BF16(Σ_r row_r · w_r) (:func:`~kimi_ops.ops.tail.finalize`)
-    as source ``rank`` of every rank's latent box [3, TP, CAP, L]."""
+    as source ``rank`` of every rank's latent box [3, TP, CAP, L]; or, into two-shot receive
+    boxes [3, TP, CAP, L/TP], column chunk c of it as source ``rank`` of rank c's box (its
+    owner sums the chunk: :func:`moe_latent_reduce`)."""
     check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank)
     partial = no_neg_zero(tail.finalize(expanded, weights))
-    for box in latent_boxes:
-        box[parity, rank, : expanded.shape[0]].copy_(partial)
+    chunks = partial.split(latent_boxes[0].shape[3], dim=1)
+    for box, chunk in zip(latent_boxes, chunks if len(chunks) > 1 else chunks * len(latent_boxes)):
+        box[parity, rank, : expanded.shape[0]].copy_(chunk)
+
+
+def check_moe_latent_reduce(recv_box, gathered_boxes, error, parity, rearm_parity, rearm_batch, rank, batch) -> None:
+    op = "moe_latent_reduce"
+    check_box(op, "recv_box", recv_box, parity, batch)
+    parities, tp, capacity, chunk = recv_box.shape
+    if isinstance(gathered_boxes, (list, tuple)) and len(gathered_boxes) != tp:
+        fail(op, "gathered_boxes", f"one box per source of recv_box (TP = {tp})", f"{len(gathered_boxes)} boxes")
+    check_boxes(op, "gathered_boxes", gathered_boxes, rank, parity, batch, 1)
+    if list(gathered_boxes[0].shape) != [parities, 1, capacity, tp * chunk]:
+        fail(op, "gathered_boxes", f"[{parities}, 1, {capacity}, L = TP · recv_box width = {tp * chunk}]",
+             list(gathered_boxes[0].shape))
+    check_error(op, error)
+    check_range(op, "rearm_batch", rearm_batch, 1, capacity)
+    check_range(op, "rearm_parity", rearm_parity, 0, parities - 1)
+    if rearm_parity == parity:
+        fail(op, "rearm_parity", f"not the published parity {parity}", rearm_parity)
+    check_placement(op, dict(recv_box=recv_box, gathered_boxes=gathered_boxes, error=error), {})
+
+
+def moe_latent_reduce(recv_box, gathered_boxes, error, parity: int, rearm_parity: int, rearm_batch: int, rank: int,
+                      batch: int) -> None:
+    """The two-shot latent all-reduce's second half on rank ``rank``, the owner of latent
+    columns [rank·L/TP, …): its chunk = BF16(Σ of the TP sources of ``recv_box`` [3, TP,
+    CAP, L/TP] in rank order) — moe_tail_poll's sum over these columns, bit for bit — into
+    those columns of every rank's gathered box [3, 1, CAP, L], which moe_tail_poll then
+    reads as its one-source latent box. Then rows [:rearm_batch] of the previous MoE
+    layer's parity of ``recv_box`` are re-armed."""
+    check_moe_latent_reduce(recv_box, gathered_boxes, error, parity, rearm_parity, rearm_batch, rank, batch)
+    rows = recv_box[parity, :, :batch]
+    flag_missing(error, rows, TWO_SHOT_POLL)
+    chunk = no_neg_zero(rank_sum(rows))
+    columns = slice(rank * recv_box.shape[3], (rank + 1) * recv_box.shape[3])
+    for box in gathered_boxes:
+        box[parity, 0, :batch, columns].copy_(chunk)
+    arm_(recv_box[rearm_parity, :, :rearm_batch])
 
 
 def check_moe_tail_poll(
@@ -280,12 +322,13 @@ def check_moe_tail_poll(
     if placement:
         check_placement(op, dict(latent_box=latent_box, rs_box=rs_box, out_boxes=out_boxes, error=error),
                         dict(gamma=gamma, w_up=w_up))
-    parities, tp, capacity = latent_box.shape[:3]
-    if rs_box.shape[:3] != latent_box.shape[:3]:
-        fail(op, "rs_box", f"[parities, sources, CAP] of latent_box {list(latent_box.shape[:3])}, then H/TP",
-             list(rs_box.shape))
+    parities, sources, capacity = latent_box.shape[:3]
+    tp = rs_box.shape[1] if sources == 1 else sources  # one source: two-shot's gathered rows (moe_latent_reduce)
+    if rs_box.shape[:3] != (parities, tp, capacity):
+        fail(op, "rs_box", f"[parities, TP, CAP] = {[parities, tp, capacity]} (latent_box's, whose sources are TP "
+             "or 1), then H/TP", list(rs_box.shape))
     if len(out_boxes) != tp:
-        fail(op, "out_boxes", f"one box per source of latent_box ({tp})", f"{len(out_boxes)} boxes")
+        fail(op, "out_boxes", f"one box per rank (TP = {tp})", f"{len(out_boxes)} boxes")
     if out_boxes[0].shape[3] != tp * rs_box.shape[3]:
         fail(op, "out_boxes", f"rows of width H = TP · rs_box width = {tp * rs_box.shape[3]}", list(out_boxes[0].shape))
     if w_up.shape[0] != rs_box.shape[3]:
@@ -301,7 +344,7 @@ def moe_tail_poll(
     parity: int, rearm_parity: int, rearm_batch: int, rank: int, batch: int,
 ) -> None:
     """The tail's polled half on one rank: latent = BF16(Σ of the TP sources in rank
-    order); the RMSNorm of :func:`~kimi_ops.ops.tail.tail_norm`; up = BF16(xn @ w_up.T)
+    order; a one-source box: two-shot's gathered rows, summed already); the RMSNorm of :func:`~kimi_ops.ops.tail.tail_norm`; up = BF16(xn @ w_up.T)
     over this rank's H/TP rows; out = BF16(up + BF16(Σ of the shared reduce-scatter
     sources)); out goes to columns [rank·H/TP, …) of every rank's output box
     [1, 1, CAP, H]. Then the previous MoE layer's parity (rows [:rearm_batch]) of the
@@ -329,6 +372,9 @@ def check_moe_tail_serve(
     named for this op, and no written buffer shared with another argument."""
     op = "moe_tail_serve"
     check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank, op, placement=False)
+    if latent_boxes[0].shape[3] != expanded.shape[2]:
+        fail(op, "latent_boxes", f"latent boxes of rows of width L = {expanded.shape[2]} (two-shot receive boxes "
+             "go to moe_tail_publish, then moe_latent_reduce and moe_tail_poll)", list(latent_boxes[0].shape))
     check_moe_tail_poll(latent_boxes[rank], rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                         rearm_batch, rank, expanded.shape[0], op, placement=False)
     check_placement(op, dict(latent_boxes=latent_boxes, rs_box=rs_box, out_boxes=out_boxes, error=error),
@@ -401,6 +447,7 @@ OPS = {
     "moe_route_poll": (moe_route_poll, moe_route_poll_fake),
     "moe_tail_push": (moe_tail_push, fake_of(check_moe_tail_push)),
     "moe_tail_publish": (moe_tail_publish, fake_of(check_moe_tail_publish)),
+    "moe_latent_reduce": (moe_latent_reduce, fake_of(check_moe_latent_reduce)),
     "moe_tail_poll": (moe_tail_poll, fake_of(check_moe_tail_poll)),
     "moe_tail_serve": (moe_tail_serve, fake_of(check_moe_tail_serve)),
     "group_barrier": (group_barrier, fake_of(check_group_barrier)),

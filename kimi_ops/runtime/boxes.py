@@ -8,6 +8,17 @@ from ..config import KimiConfig
 from ..mailbox import PACKET
 from .groups import Boxes
 
+# The tail's latent all-reduce goes two-shot (the seeds' common.twoshot) from TP4 and 9
+# tokens on: partial chunks to their column owners, summed there, gathered; each rank then
+# receives 2·B·L values instead of TP·B·L (at TP2 and small batches one shot's single
+# wait is cheaper).
+TWO_SHOT_TP, TWO_SHOT_BATCH = 4, 9
+
+
+def two_shot(tp: int, latent: int, batch: int) -> bool:
+    """Whether a batch's latent all-reduce is two-shot (identical on every rank)."""
+    return tp >= TWO_SHOT_TP and batch >= TWO_SHOT_BATCH and latent % (PACKET * tp) == 0
+
 
 def static(box: torch.Tensor) -> torch.Tensor:
     """Mark a box's address static for torch.compile: cudagraph trees must pass the box
@@ -22,6 +33,9 @@ class DecodeBoxes(nn.Module):
     - ``attn`` [1, TP, CAP, H]: o-proj partial rows, slot = rank (AttnRes input);
     - ``front`` [3, 1, CAP, L + 2E]: the front row, latent then logits as FP32 words;
     - ``latent`` [3, TP, CAP, L]: the tail's latent partials (all-reduce sources);
+    - ``recv`` [3, TP, CAP, L/TP] and ``gathered`` [3, 1, CAP, L] where some batch goes
+      two-shot (:func:`two_shot`): the partials' column chunk this rank owns, from every
+      rank, and the summed rows of every owner (moe_latent_reduce, then moe_tail_poll);
     - ``rs`` [3, TP, CAP, H/TP]: the shared expert's reduce-scatter shards;
     - ``out`` [1, 1, CAP, H]: the tail's output rows (the next AttnRes input);
     - ``sync`` [1, TP, 1, 8]: the group barrier's tickets, a packet per rank
@@ -32,8 +46,6 @@ class DecodeBoxes(nn.Module):
     The boxes this process owns are buffers (``{kind}_{rank}``); ``peers(kind, rank)`` is
     the ``boxes`` argument of a publishing op on that rank.
     """
-
-    KINDS = ("attn", "front", "latent", "rs", "out", "sync")
 
     def __init__(self, group, config: KimiConfig, device):
         super().__init__()
@@ -47,6 +59,10 @@ class DecodeBoxes(nn.Module):
             "out": (1, 1, cap, h),
             "sync": (1, tp, 1, PACKET),
         }
+        self.tp, self.latent = tp, l
+        if two_shot(tp, l, cap):
+            shapes.update(recv=(3, tp, cap, l // tp), gathered=(3, 1, cap, l))
+        self.kinds = tuple(shapes)
         self.ranks = group.ranks
         self._peers: dict[str, dict[int, list[torch.Tensor]]] = {}
         for kind, shape in shapes.items():
@@ -60,6 +76,9 @@ class DecodeBoxes(nn.Module):
         for rank in group.ranks:
             self.register_buffer(f"error_{rank}", static(torch.zeros(1, dtype=torch.int32, device=device)))
             self.register_buffer(f"ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
+
+    def two_shot(self, batch: int) -> bool:
+        return two_shot(self.tp, self.latent, batch)
 
     def own(self, kind: str, rank: int) -> torch.Tensor:
         return getattr(self, f"{kind}_{rank}")
@@ -78,7 +97,7 @@ class DecodeBoxes(nn.Module):
         barrier tickets (in place: the addresses peers and captured graphs hold stay
         valid)."""
         for rank in self.ranks:
-            for kind in self.KINDS:
+            for kind in self.kinds:
                 torch.ops.kimi.mailbox_arm(self.own(kind, rank))
             self.error(rank).zero_()
             self.ticket(rank).zero_()

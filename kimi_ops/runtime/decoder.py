@@ -173,7 +173,8 @@ class KimiDecoder(nn.Module):
             # The peers' address tables too: built in a cudagraph-tree warm-up, they would
             # live in its pool untracked.
             peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks]
-                     for kind in ("attn", "front", "latent", "rs", "out")}
+                     for kind in self.boxes.kinds if kind != "sync"}
+            gathered = [b for b in batches if self.boxes.two_shot(b)]
             for n, k in ((config.q_lora + HEADS + DIM, hidden),  # the DSA helpers (wq_a, w_head, wk) as one GEMM
                          (config.attn_out // tp, config.q_lora),  # the stand-in core
                          (2 * config.shared_intermediate // tp, hidden), (hidden, config.shared_intermediate // tp)):
@@ -183,9 +184,12 @@ class KimiDecoder(nn.Module):
             backend.prepare("oproj_publish", hidden, config.attn_out // tp, tp, batches, peers["attn"])
             backend.prepare("moe_front_publish", (config.experts + config.latent) // tp, hidden, config.experts // tp,
                             tp, batches, peers["front"])
-            backend.prepare("moe_tail_publish", config.latent, tp, peers["latent"])
+            backend.prepare("moe_tail_publish", config.latent, tp, peers["latent"] + peers.get("recv", []),
+                            (0, config.latent // tp) if gathered else (0,))
+            if gathered:
+                backend.prepare("moe_latent_reduce", config.latent // tp, tp, peers["gathered"])
             backend.prepare("moe_tail_push", hidden, tp, peers["rs"])
-            backend.prepare("moe_tail_poll", tp, hidden // tp, config.latent, batches, peers["out"])
+            backend.prepare("moe_tail_poll", tp, hidden // tp, config.latent, batches, peers["out"], gathered)
             if self.serving:
                 backend.prepare("moe_tail_serve", tp, hidden // tp, config.latent, batches, peers["latent"],
                                 peers["out"])
@@ -260,6 +264,10 @@ class KimiDecoder(nn.Module):
             self.barrier()
             rows = {r: part.experts(x[r], boxes, self.serving) for r, part in zip(ranks, layer)}
             self.barrier()
+            if boxes.two_shot(batch):  # the owners' sums first: every rank's poll reads them all
+                for part in layer:
+                    part.tail.reduce(batch, boxes)
+                self.barrier()
             for r, part in zip(ranks, layer):
                 if self.serving:
                     part.tail.serve(*rows[r], boxes)

@@ -115,14 +115,26 @@ class PreparedTail(Prepared):
         self.parity, self.rearm, self.wrap = parity, rearm, wrap
 
     def publish(self, expanded, weights, boxes: DecodeBoxes):
-        kimi.moe_tail_publish(expanded, weights, boxes.peers("latent", self.rank), self.parity, self.rank)
+        """The partial latent into every rank's latent box, or (two-shot) its column chunks
+        into their owners' receive boxes."""
+        kind = "recv" if boxes.two_shot(expanded.shape[0]) else "latent"
+        kimi.moe_tail_publish(expanded, weights, boxes.peers(kind, self.rank), self.parity, self.rank)
+
+    def rearm_batch(self, batch: int) -> int:
+        return self.config.capacity if self.wrap else batch
+
+    def reduce(self, batch: int, boxes: DecodeBoxes):
+        """Two-shot: our latent chunk summed from the receive box into every rank's gathered box."""
+        rank = self.rank
+        kimi.moe_latent_reduce(boxes.own("recv", rank), boxes.peers("gathered", rank), boxes.error(rank), self.parity,
+                               self.rearm, self.rearm_batch(batch), rank, batch)
 
     def run(self, batch: int, boxes: DecodeBoxes):
         rank, config = self.rank, self.config
         kimi.moe_tail_poll(
-            boxes.own("latent", rank), boxes.own("rs", rank), self.gamma, self.w_up, config.eps,
-            boxes.peers("out", rank), boxes.error(rank), self.parity, self.rearm,
-            config.capacity if self.wrap else batch, rank, batch,
+            boxes.own("gathered" if boxes.two_shot(batch) else "latent", rank), boxes.own("rs", rank), self.gamma,
+            self.w_up, config.eps, boxes.peers("out", rank), boxes.error(rank), self.parity, self.rearm,
+            self.rearm_batch(batch), rank, batch,
         )
 
     def serve(self, expanded, weights, boxes: DecodeBoxes):
@@ -131,6 +143,5 @@ class PreparedTail(Prepared):
         rank, config, batch = self.rank, self.config, expanded.shape[0]
         kimi.moe_tail_serve(
             expanded, weights, boxes.peers("latent", rank), boxes.own("rs", rank), self.gamma, self.w_up, config.eps,
-            boxes.peers("out", rank), boxes.error(rank), self.parity, self.rearm,
-            config.capacity if self.wrap else batch, rank,
+            boxes.peers("out", rank), boxes.error(rank), self.parity, self.rearm, self.rearm_batch(batch), rank,
         )

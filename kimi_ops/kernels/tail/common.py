@@ -9,11 +9,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int64
 
 from ...ops import tail as tail_op
-from ..common import Values, poll_all, rearm, store_to_peers, unpack_words
-from ..ptx import pack_bf16
+from ..common import Values, no_neg_zero, poll_all, rearm, store_to_peers, unpack_words
+from ..ptx import pack_bf16, store_words
 
 TOP_K = tail_op.TOP_K
-LATENT_POLL, SHARED_POLL = 2, 4  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL
+LATENT_POLL, SHARED_POLL, TWO_SHOT_POLL = 2, 4, 32  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL, TWO_SHOT_POLL
 # The functional tails' phases (kernels.common.Stamps, for benchmarks/profile_tail.py),
 # stamped into the buffer that comes in as the error word (MoeTail) or stamps (WaveMoeTail:
 # "latent" is its first xn chunk in, the slots its warpgroup 0's).
@@ -32,17 +32,16 @@ class Outbox(Values):
 
 
 @cute.jit
-def rearm_previous(latent_box, shared_box, tp: cutlass.Constexpr[int], rearm_parity, rearm_batch, first, threads):
-    """Sentinels over rows [0, rearm_batch) of every source at ``rearm_parity`` of both
-    boxes [3, TP, CAP, width], packet ``first`` on in steps of ``threads`` (the previous MoE
-    layer's boxes: consumed before we were launched)."""
-    for box in (latent_box, shared_box):
-        per_row = box.shape[3] // 8
-        for item in cutlass.range(first, tp * rearm_batch * per_row, threads, unroll=1):
-            source, rest = item // (rearm_batch * per_row), item % (rearm_batch * per_row)
-            token, packet = rest // per_row, rest % per_row
-            row = (rearm_parity * tp + source) * box.shape[2] + token
-            rearm(box.iterator + row * box.shape[3] + packet * 8)
+def rearm_previous(box, sources: cutlass.Constexpr[int], rearm_parity, rearm_batch, first, threads):
+    """Sentinels over rows [0, rearm_batch) of every source at ``rearm_parity`` of a box
+    [3, sources, CAP, width], packet ``first`` on in steps of ``threads`` (the previous MoE
+    layer's box: consumed before we were launched)."""
+    per_row = box.shape[3] // 8
+    for item in cutlass.range(first, sources * rearm_batch * per_row, threads, unroll=1):
+        source, rest = item // (rearm_batch * per_row), item % (rearm_batch * per_row)
+        token, packet = rest // per_row, rest % per_row
+        row = (rearm_parity * sources + source) * box.shape[2] + token
+        rearm(box.iterator + row * box.shape[3] + packet * 8)
 
 
 @cute.jit
@@ -75,6 +74,15 @@ def publish_out(peers, tp: cutlass.Constexpr[int], shard: cutlass.Constexpr[int]
     """An output packet (``row`` of our shard) to columns [rank · shard, …) of ``token``'s
     row in every rank's output box [1, CAP, H]."""
     store_to_peers(peers, tp, (Int64(token) * shard * tp + rank * shard + row) * 2, words)
+
+
+@cute.jit
+def store_to_owner(peers, width: cutlass.Constexpr[int], row, column, words):
+    """A packet at ``column`` of a row split into chunks of ``width``, one a rank (the
+    reduce-scatter and two-shot receive boxes): into the chunk owner's box (``peers``: the
+    bases), row ``row`` of rows of ``width``, made unable to equal the sentinel."""
+    offset = (Int64(row) * width + column % width) * 2
+    store_words(Int64(peers[column // width]) + offset, [no_neg_zero(w) for w in words], mailbox=True)
 
 
 @cute.jit

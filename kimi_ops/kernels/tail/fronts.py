@@ -20,7 +20,12 @@ boxes, with the re-arm of the previous MoE layer's boxes.
 
 ``TailFront`` (publish mode; grid B × L/2048 CTAs of 256 threads): the partial latent
 BF16(Σ_r row_r · w_r) of one packet per thread, stored (−0 → +0, NaN canonical) as
-source ``rank`` of every rank's latent box, one relaxed system-scope store per peer.
+source ``rank`` of every rank's latent box, one relaxed system-scope store per peer; or,
+two-shot, of its column owner's receive box only (one store a packet).
+
+``LatentReduce`` (two-shot's second half; grid B × ⌈L/TP/2048⌉): a thread per packet of
+our latent chunk sums its TP polled sources in rank order (as the tails do) and stores
+the BF16 sum into every rank's gathered box, which the tail then polls as one source.
 
 ``ShardPush``: the shared expert's rows into the reduce-scatter boxes (it waits for its
 predecessor, then releases).
@@ -32,21 +37,22 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (
-    PDL, THREADS, butterfly_sum, clamp, inverse_rms, launch, no_neg_zero, normalized, poll_all, store_to_peers,
+    PDL, THREADS, butterfly_sum, clamp, inverse_rms, launch, normalized, poll_all, store_to_peers,
     unpack_words,
 )
 from ..ptx import load_words, pack_bf16, store_words
-from .common import LATENT_POLL, TOP_K, rank_sums, rearm_previous, sum_of_squares
+from .common import LATENT_POLL, TOP_K, TWO_SHOT_POLL, rank_sums, rearm_previous, store_to_owner, sum_of_squares
 
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
 
 
 class TailFront:
     """The publish half: partial = BF16(Σ_r row_r · w_r) per (token, packet), stored as
-    source ``rank`` of every rank's latent box (the tail sums the sources, then normalizes)."""
+    source ``rank`` of every rank's latent box (the tail sums the sources, then normalizes);
+    ``chunk`` (two-shot: L/TP), of its column owner's receive box instead."""
 
-    def __init__(self, latent: int, tp: int):
-        self.latent, self.tp = latent, tp
+    def __init__(self, latent: int, tp: int, chunk: int = 0):
+        self.latent, self.tp, self.chunk = latent, tp, chunk
         self.packets = latent // 8
 
     @cute.jit
@@ -57,7 +63,7 @@ class TailFront:
     @cute.kernel
     def kernel(self, expanded: cute.Tensor, weights: cute.Tensor, peers: cute.Tensor, row0: Int32):
         """``peers``: the latent boxes' base addresses, written at row ``row0 + token`` of
-        rows of L."""
+        rows of L (two-shot: of rows of the chunk)."""
         tid, _, _ = cute.arch.thread_idx()
         token, part, _ = cute.arch.block_idx()
         packet = part * FRONT_PACKETS + tid
@@ -66,7 +72,7 @@ class TailFront:
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
         if packet < self.packets:
-            publish_partial(expanded, weights, peers, self.tp, self.latent, row0, token, packet)
+            publish_partial(expanded, weights, peers, self.tp, self.latent, row0, token, packet, self.chunk)
 
 
 class NormFront:
@@ -170,12 +176,51 @@ class PollNormFront(NormFront):
         columns, scale = self.gamma_packets(gamma)
         # Release at once: the wave only streams weights before it waits for us.
         cute.arch.griddepcontrol_launch_dependents()
-        rearm_previous(latent_box, shared_box, self.tp, rearm_parity, rearm_batch,
-                       token * self.threads + tid, rows.shape[0] * self.threads)
+        for box in (latent_box, shared_box):
+            rearm_previous(box, self.tp, rearm_parity, rearm_batch, token * self.threads + tid,
+                           rows.shape[0] * self.threads)
         first_row = (parity * self.tp) * latent_box.shape[2] + token
         polled = poll_all([latent_box.iterator + (first_row + source * latent_box.shape[2]) * self.latent + column
                            for column in columns for source in range(self.tp)], error, LATENT_POLL)
         self.store_normed(rank_sums(polled, self.tp), scale, rows, token, eps)
+
+
+class LatentReduce:
+    """The two-shot latent all-reduce's second half on the owner of latent columns
+    [rank·chunk, …): per (token, packet) of the chunk, BF16(Σ of the TP sources polled from
+    the receive box [3, TP, CAP, chunk], rank order), into those columns of every rank's
+    gathered box [3, 1, CAP, L]; the previous MoE layer's parity of the receive box
+    re-armed over the grid. Like PollNormFront it releases at entry and never waits: its
+    inputs come by polls."""
+
+    def __init__(self, chunk: int, tp: int):
+        self.chunk, self.tp, self.packets = chunk, tp, chunk // 8
+        self.parts = -(-self.packets // THREADS)
+
+    @cute.jit
+    def __call__(self, recv_box: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, parity: Int32,
+                 rearm_parity: Int32, rearm_batch: Int32, rank: Int32, batch: Int32, stream):
+        launch(self.kernel(recv_box, peers, error, parity, rearm_parity, rearm_batch, rank, batch),
+               [batch, self.parts], stream)
+
+    @cute.kernel
+    def kernel(self, recv_box: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, parity: Int32,
+               rearm_parity: Int32, rearm_batch: Int32, rank: Int32, batch: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        token, part, _ = cute.arch.block_idx()
+        packet = part * THREADS + tid
+        cute.arch.griddepcontrol_launch_dependents()  # the tail only streams weights before it polls our rows
+        rearm_previous(recv_box, self.tp, rearm_parity, rearm_batch, (token * self.parts + part) * THREADS + tid,
+                       batch * self.parts * THREADS)
+        if packet < self.packets:
+            capacity = recv_box.shape[2]
+            polled = poll_all([recv_box.iterator + ((parity * self.tp + source) * capacity + token) * self.chunk
+                               + packet * 8 for source in range(self.tp)], error, TWO_SHOT_POLL)
+            total = rank_sums(polled, self.tp)[0]
+            words = [pack_bf16(total[i], total[i + 1]) for i in range(0, 8, 2)]
+            column = rank * self.chunk + packet * 8
+            store_to_peers(peers, self.tp, (Int64(parity * capacity + token) * self.chunk * self.tp + column) * 2,
+                           words)
 
 
 class ShardPush:
@@ -196,21 +241,23 @@ class ShardPush:
         column = (part * THREADS + tid) * 8
         cute.arch.griddepcontrol_wait()
         if column < self.hidden:
-            words = load_words(shared.iterator + token * shared.stride[0] + column)
-            destination, own = column // self.shard, column % self.shard
-            offset = (Int64(row0 + token) * self.shard + own) * 2
-            store_words(Int64(peers[destination]) + offset, [no_neg_zero(w) for w in words], mailbox=True)
+            store_to_owner(peers, self.shard, row0 + token, column,
+                           load_words(shared.iterator + token * shared.stride[0] + column))
         cute.arch.griddepcontrol_launch_dependents()
 
 
 @cute.jit
 def publish_partial(expanded, weights, peers, tp: cutlass.Constexpr[int], latent: cutlass.Constexpr[int], row0,
-                    token, packet):
+                    token, packet, chunk: cutlass.Constexpr[int] = 0):
     """The partial latent BF16(Σ_r row_r · w_r) of ``token``'s ``packet`` as source ``rank``
-    (row ``row0 + token`` of rows of L) of every rank's latent box (``peers``: their bases)."""
+    (row ``row0 + token`` of rows of L) of every rank's latent box (``peers``: their bases);
+    ``chunk`` (two-shot), of its column owner's receive box (rows of ``chunk``)."""
     acc = weighted_rows(expanded, weights, token, packet * 8)
     words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
-    store_to_peers(peers, tp, (Int64(row0 + token) * latent + packet * 8) * 2, words)
+    if cutlass.const_expr(chunk):
+        store_to_owner(peers, chunk, row0 + token, packet * 8, words)
+    else:
+        store_to_peers(peers, tp, (Int64(row0 + token) * latent + packet * 8) * 2, words)
 
 
 @cute.jit

@@ -17,7 +17,7 @@ from ..common import (
 )
 from ..ring import CHUNK
 from .common import TOP_K
-from .fronts import NormFront, PollNormFront, ShardPush, TailFront
+from .fronts import LatentReduce, NormFront, PollNormFront, ShardPush, TailFront
 from .split import CLUSTER, TILE_ROWS, MoeTail, Plan
 from .wave import MIN_WAVE_GROUPS, WaveMoeTail, WavePlan
 
@@ -30,10 +30,11 @@ def groups_of(batch: int) -> int:
 
 
 @compiled
-def compile_front(latent: int, tp: int):
+def compile_front(latent: int, tp: int, chunk: int = 0):
+    """TailFront; ``chunk`` (two-shot receive boxes): L/TP."""
     batch = cute.sym_int()
     return cute.compile(
-        TailFront(latent, tp), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
+        TailFront(latent, tp, chunk), fake(BFloat16, (batch, TOP_K, latent)), fake(BFloat16, (batch, TOP_K), align=2),
         fake(Int64, (tp,), align=8), Int32(0), fake_stream(), options=compile_options(),
     )
 
@@ -49,6 +50,15 @@ def compile_norm_front(latent: int, per_sm: int):
 
 
 @compiled
+def compile_reduce(chunk: int, tp: int):
+    return cute.compile(
+        LatentReduce(chunk, tp), fake(BFloat16, (3, tp, cute.sym_int(), chunk)), fake(Int64, (tp,), align=8),
+        fake(Int32, (1,), align=4), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), fake_stream(),
+        options=compile_options(),
+    )
+
+
+@compiled
 def compile_push(hidden: int, tp: int):
     return cute.compile(
         ShardPush(hidden, tp), fake(BFloat16, (cute.sym_int(), hidden)), fake(Int64, (tp,), align=8), Int32(0),
@@ -57,23 +67,25 @@ def compile_push(hidden: int, tp: int):
 
 
 @functools.cache
-def plan_for(tp: int, shard: int, latent: int, groups: int) -> Plan:
+def plan_for(tp: int, shard: int, latent: int, groups: int, sources: int = 0) -> Plan:
     """MoeTail's Plan of a shape (planned once: the dispatch asks on every call);
     ValueError (why) where it does not take the shape."""
     if latent % (CLUSTER * CHUNK) or shard % (TILE_ROWS * 2) or tp > 16:
         raise ValueError(f"the tail kernel needs L % {CLUSTER * CHUNK} == 0, N % {TILE_ROWS * 2} == 0 and "
                          f"TP <= 16 (L={latent}, N={shard}, TP={tp})")
-    return Plan(tp, shard, latent, groups)
+    return Plan(tp, shard, latent, groups, sources)
 
 
 @compiled
 def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, stamps: bool = False,
-                 front: bool = False):
-    """MoeTail; ``front`` (publish mode): with the partial latent's publish first (moe_tail_serve)."""
-    plan = plan_for(tp, shard, latent, groups)
+                 front: bool = False, sources: int = 0):
+    """MoeTail; ``front`` (publish mode): with the partial latent's publish first (moe_tail_serve);
+    ``sources``: the latent box's (publish mode; 0: TP)."""
+    plan = plan_for(tp, shard, latent, groups, sources)
     batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if publish:
-        latent_in, shared_in = fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard))
+        latent_in = fake(BFloat16, (3, plan.sources, capacity, latent))
+        shared_in = fake(BFloat16, (3, tp, capacity, shard))
     else:
         latent_in, shared_in = fake(BFloat16, (batch, latent)), fake(BFloat16, (batch, shard))
     if front:
@@ -197,11 +209,12 @@ def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = Fal
 
 
 @functools.cache
-def poll_variant(tp: int, shard: int, latent: int, groups: int) -> Variant:
+def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int) -> Variant:
     """``kimi::moe_tail_poll``: PollNormFront and WaveMoeTail from MIN_WAVE_GROUPS token
-    groups on at TP <= MAX_WAVE_TP, else MoeTail; ``arguments`` takes the op's. ValueError
-    (why) where neither takes the shape."""
-    wave = poll_wave_plan(tp, shard, latent, groups)
+    groups on at TP <= MAX_WAVE_TP, else MoeTail (which alone takes two-shot's one-source
+    gathered box, ``sources`` 1); ``arguments`` takes the op's. ValueError (why) where
+    neither takes the shape."""
+    wave = poll_wave_plan(tp, shard, latent, groups) if sources == tp else None
     if wave:
         def arguments(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
                       rank, batch):
@@ -221,8 +234,9 @@ def poll_variant(tp: int, shard: int, latent: int, groups: int) -> Variant:
         return ((latent_box, rs_box, gamma, w_up, rs_box[parity, rank], addresses(out_boxes), error, parity, rank, eps,
                  batch, rearm_parity, rearm_batch, *no_expert_rows(rs_box)),)
 
-    return Variant(plan_for(tp, shard, latent, groups), lambda: (compile_tail(tp, shard, latent, groups, True),),
-                   arguments)
+    gathered = () if sources == tp else (False, False, sources)  # the one-shot compile keys as they were
+    return Variant(plan_for(tp, shard, latent, groups, sources),
+                   lambda: (compile_tail(tp, shard, latent, groups, True, *gathered),), arguments)
 
 
 SERVE_GROUPS = 1  # moe_tail_serve's one launch up to 8 tokens (beyond: publish, then moe_tail_poll's kernels)
@@ -302,8 +316,10 @@ class TailPublishKernel:
 
     check = staticmethod(mailbox_ops.check_moe_tail_publish)
 
-    def prepare(self, latent: int, tp: int, peer_lists=()) -> None:
-        compile_front(latent, tp)
+    def prepare(self, latent: int, tp: int, peer_lists=(), chunks=(0,)) -> None:
+        """``chunks``: 0 for latent boxes, L/TP for two-shot receive boxes."""
+        for chunk in chunks:
+            compile_front(latent, tp, chunk)
         register_addresses(peer_lists)
 
     def unsupported(self, expanded, weights, latent_boxes, parity, rank):
@@ -312,9 +328,29 @@ class TailPublishKernel:
         return hopper(expanded)
 
     def __call__(self, expanded, weights, latent_boxes, parity, rank):
-        latent = expanded.shape[2]
+        latent, width = expanded.shape[2], latent_boxes[0].shape[3]
         tp, capacity = len(latent_boxes), latent_boxes[0].shape[2]
-        compile_front(latent, tp)(expanded, weights, addresses(latent_boxes), (parity * tp + rank) * capacity)
+        compile_front(latent, tp, 0 if width == latent else width)(
+            expanded, weights, addresses(latent_boxes), (parity * tp + rank) * capacity)
+
+
+class LatentReduceKernel:
+    """``kimi::moe_latent_reduce`` on CUDA."""
+
+    check = staticmethod(mailbox_ops.check_moe_latent_reduce)
+
+    def prepare(self, chunk: int, tp: int, peer_lists=()) -> None:
+        compile_reduce(chunk, tp)
+        register_addresses(peer_lists)
+
+    def unsupported(self, recv_box, gathered_boxes, error, parity, rearm_parity, rearm_batch, rank, batch):
+        if not aligned(recv_box, *gathered_boxes):
+            return "the reduce kernel stores 16-byte packets: 16-byte aligned boxes"
+        return hopper(recv_box)
+
+    def __call__(self, recv_box, gathered_boxes, error, parity, rearm_parity, rearm_batch, rank, batch):
+        compile_reduce(recv_box.shape[3], recv_box.shape[1])(
+            recv_box, addresses(gathered_boxes), error, parity, rearm_parity, rearm_batch, rank, batch)
 
 
 class TailPushKernel:
@@ -341,10 +377,11 @@ class TailPollKernel:
 
     check = staticmethod(mailbox_ops.check_moe_tail_poll)
 
-    def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=()) -> None:
-        for groups in sorted({groups_of(b) for b in batches}):
+    def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=(), gathered_batches=()) -> None:
+        """``gathered_batches``: those of ``batches`` that poll two-shot's gathered box (one source)."""
+        for groups, sources in sorted({(groups_of(b), 1 if b in gathered_batches else tp) for b in batches}):
             try:
-                variant = poll_variant(tp, shard, latent, groups)
+                variant = poll_variant(tp, shard, latent, groups, sources)
             except ValueError:
                 continue  # the reference runs it: nothing to compile
             variant.kernels()
@@ -355,14 +392,15 @@ class TailPollKernel:
         if not aligned(latent_box, rs_box, gamma, w_up, *out_boxes):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
         try:
-            poll_variant(latent_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch))
+            poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch), latent_box.shape[1])
         except ValueError as why:
             return str(why)
         return hopper(latent_box)
 
     def __call__(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
                  rank, batch):
-        variant = poll_variant(latent_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch))
+        variant = poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
+                               latent_box.shape[1])
         for launch in variant.launches(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                                        rearm_batch, rank, batch):
             launch()
@@ -411,5 +449,6 @@ def register() -> None:
     backend.KERNELS["moe_tail"] = TailKernel()
     backend.KERNELS["moe_tail_publish"] = TailPublishKernel()
     backend.KERNELS["moe_tail_push"] = TailPushKernel()
+    backend.KERNELS["moe_latent_reduce"] = LatentReduceKernel()
     backend.KERNELS["moe_tail_poll"] = TailPollKernel()
     backend.KERNELS["moe_tail_serve"] = TailServeKernel()

@@ -16,7 +16,7 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    a 50 MB L2 per call and would evict the expert rows, xn and the shared rows.
 2. xn: functional mode copies the CTA's K slice of NormFront's rows (cp.async). Publish
    mode polls the latent boxes (Lamport polls of every TP source bounded by the global
-   timer), a warp per token, sums the sources in rank order in FP32, rounds to BF16,
+   timer; two-shot's gathered box has one, summed by LatentReduce), a warp per token, sums the sources in rank order in FP32, rounds to BF16,
    sums the slice's squares in FP64 (as NormFront) and the slices' sums meet in every
    CTA through DSMEM; then it normalizes in place.
 3. Up projection on the tensor cores: mma.sync m16n8k16 BF16 → FP32, weights as A (16
@@ -77,8 +77,10 @@ class Plan:
     one CTA per SM, all clusters co-resident, the rest of shared memory for the weight
     ring (measured: a deep ring beats two CTAs per SM with half the ring each)."""
 
-    def __init__(self, tp: int, shard: int, latent: int, groups: int):
+    def __init__(self, tp: int, shard: int, latent: int, groups: int, sources: int = 0):
+        """``sources``: the latent box's (publish mode): TP, or 1 for two-shot's gathered rows."""
         self.tp, self.shard, self.latent, self.groups = tp, shard, latent, groups
+        self.sources = sources or tp
         self.total_tiles = shard // TILE_ROWS
         tokens = 8 * groups
         self.cluster, self.cols = CLUSTER, latent // CLUSTER  # CTAs per cluster, K columns per CTA
@@ -124,12 +126,12 @@ class Plan:
         self.owned = TILE_ROWS * self.tiles // CLUSTER  # output rows per CTA
         # owner packets per thread: 8 · groups tokens of owned / 8 packets each
         self.finish_rounds = -(-self.groups * self.owned // self.threads)
-        self.tokens_per_pass = max(1, 4 // self.tp)  # latent loads in flight per lane: 16 × this
+        self.tokens_per_pass = max(1, 4 // self.sources)  # latent loads in flight per lane: 16 × this
         self.packets = self.cols // 8  # 8-column packets of the CTA's K slice
         self.rounds = -(-self.packets // 32)  # of them per lane
         # a pass's rounds: at most LATENT_LOADS packets in flight per lane (TP16 polled all 64
         # at once: ptxas fell back to 32 registers and 7 KB of spills)
-        self.rounds_per_pass = max(1, min(self.rounds, LATENT_LOADS // self.tp))
+        self.rounds_per_pass = max(1, min(self.rounds, LATENT_LOADS // self.sources))
 
     def xn_rows(self, batch: int) -> int:
         """Rows of the functional xn buffer NormFront writes: the batch's (MoeTail copies
@@ -262,8 +264,9 @@ class MoeTail:
             scale = self.load_gamma(gamma, k_slice, lane) if self.publish else None
             stashed = self.stash(ring, full, empty, row_group, sub, lane)
             if cutlass.const_expr(self.publish):
-                rearm_previous(latent, shared, plan.tp, rearm_parity, rearm_batch, cta * plan.threads + tid,
-                               plan.ctas * plan.threads)
+                for box, sources in ((latent, plan.sources), (shared, plan.tp)):
+                    rearm_previous(box, sources, rearm_parity, rearm_batch, cta * plan.threads + tid,
+                                   plan.ctas * plan.threads)
                 if cutlass.const_expr(self.front):
                     cute.arch.griddepcontrol_wait()  # the expert rows: our predecessor's
                     packets = plan.latent // 8
@@ -351,7 +354,7 @@ class MoeTail:
         into slot ``k_slice`` of every CTA's ss. A warp per token, ``tokens_per_pass``
         tokens' polls in flight at once, ``rounds_per_pass`` rounds of them."""
         plan = self.plan
-        packets, sources = plan.packets, plan.tp
+        packets, sources = plan.packets, plan.sources
         per_pass, pass_rounds = plan.tokens_per_pass, plan.rounds_per_pass
         for base in cutlass.range(warp, batch, plan.warps * per_pass, unroll=1):
             squares = cute.make_rmem_tensor((per_pass,), Float64)  # per token, over the passes
@@ -364,7 +367,7 @@ class MoeTail:
                     for q in cutlass.range_constexpr(first, first + pass_rounds):
                         column = k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8
                         for source in cutlass.range_constexpr(sources):
-                            row = (outbox.parity * plan.tp + source) * latent.shape[2] + token
+                            row = (outbox.parity * sources + source) * latent.shape[2] + token
                             addresses.append(latent.iterator + row * plan.latent + column)
                 packets_in = poll_all(addresses, outbox.error, LATENT_POLL)
                 for u in cutlass.range_constexpr(per_pass):
