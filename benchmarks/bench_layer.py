@@ -29,10 +29,12 @@ its box re-armed): those rows say ``+``.
     python benchmarks/plot_layer.py out.json     # the breakdown as a PNG
 
 ``--tp8-rank``: one TP8 rank's shard shapes with TP1 mailboxes, through a TP1 config whose
-widths make the decoder run them (TP8_RANK): o-proj K = 1536, shared 768, front
-[112 + 448, 7168], core [1536, 1536]. Not a full rank: routing ranks 112 experts (a rank
-polls all 896 logits), the experts work in L = 448, and the tail's up projection is
-[7168, 448] (the rank's [896, 3584] has the same 6.4 MB).
+widths make the decoder run them (TP8_RANK): o-proj K = 1536, shared 768, core
+[1536, 1536]. Not a full rank: routing ranks 112 experts (a rank polls all 896 logits),
+and the latent is 512 wide, the nearest width the tail kernel takes (L % 256 == 0; at
+L = 448 the tail ran the reference, 235 µs): the front is [112 + 512, 7168] (the rank's
+[112 + 448, 7168]), the experts work in L = 512, the tail's up projection is [7168, 512],
+7.3 MB (the rank's [896, 3584]: 6.4 MB).
 """
 
 import argparse
@@ -54,7 +56,7 @@ BATCHES = (1, 8, 64)
 LAYERS = 2
 L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
 HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (issue 21, issue 25)
-TP8_RANK = dict(attn_out=1536, shared_intermediate=768, experts=112, latent=448)
+TP8_RANK = dict(attn_out=1536, shared_intermediate=768, experts=112, latent=512)
 kimi = torch.ops.kimi
 
 
