@@ -2,10 +2,14 @@
 
 One CTA a (token, expert) pair: the grid is B·16 CTAs, which the hardware hands to SMs as
 others end (a balanced schedule, no persistent loop). For pair (b, k), expert e =
-ids[b, k]: if e is this rank's and (b, k) is its first pair (token-major; the CTA's
-threads scan the ids before it), the CTA serves e for every token routed to it; a later
-pair of e ends at once, so each routed expert's weights are read once a step, with no
-gather and no sort. A pair of another rank's expert (or an id outside [0, E)) gets a zero
+ids[b, k]: if e is this rank's, k is e's first slot in token b, and b is e's token number
+0, TOKENS, 2·TOKENS, … (token-major; the CTA's threads count the tokens before it that
+hold e), the CTA serves e for that token and the next TOKENS − 1 routed to it; any other
+pair of e ends at once. So each routed expert's weights are read once a step per TOKENS
+of its tokens, with no gather and no sort, and a popular expert's tokens spread over
+CTAs: a token costs a CTA about 6 µs of FP64 sums at L = 3584 (FP32 → FP64 conversions,
+16 a clock per SM), and the version that served all of an expert's tokens in one CTA was
+2.4× its floor at B = 64 (62× at one TP8 rank's 112 experts: benchmarks/NOTES.md). A pair of another rank's expert (or an id outside [0, E)) gets a zero
 row. A CTA streams its whole expert (2I·L gate/up and L·I down values) by bulk copies
 (TMA, no tensor map) through a ring of 3-4 chunks of 8·L bytes, so that a chunk's bytes
 are in flight whatever the registers (the version before, with plain loads, kept few in
@@ -24,9 +28,8 @@ chunk is 4 rows of L: thread t < P takes row t % 4 and packets t // 4 + (P/4)·j
 rows padded by 2 packets in the slot (conflict-free reads). A down chunk is 4L/I rows of
 L's: thread t takes the 32/I rows t·32/I … (4 packets). The serve first issues the
 ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
-tokens in order); up to TOKENS a pass over the weights, more take another pass. A pass's
-latent rows are copied into shared memory once (cp.async) as it starts: every gate/up
-chunk reads them there, not from L2.
+tokens in order, up to TOKENS) and copies their latent rows into shared memory once
+(cp.async): every gate/up chunk reads them there, not from L2.
 """
 
 import cutlass
@@ -44,7 +47,7 @@ from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words,
 
 GATE_ROWS = 4  # gate/up rows a chunk (8·L bytes; a down chunk is as many bytes)
 DEPTHS = (4, 3)  # ring slots: 4 chunks in flight (115 KB at L = 3584) where shared memory allows, else 3
-TOKENS = 8  # matched tokens a pass over the expert's weights (their partials in shared memory)
+TOKENS = 4  # the tokens a CTA serves in its pass over the expert's weights (their partials in shared memory)
 MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # P = L/8 ≤ 512 threads
 MAX_BATCH = 256  # the tokens' match masks in shared memory
@@ -66,7 +69,7 @@ class RoutedExperts(Release):
         self.slot_words = GATE_ROWS * self.row_words
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
         self.depth = next(d for d in DEPTHS if self.smem_bytes(d) <= SMEM_BYTES)
-        assert self.chunks > self.depth  # serve issues a pass's first ring of chunks before it counts its tokens
+        assert self.chunks > self.depth  # serve issues the first ring of chunks before it counts its tokens
 
     def smem_bytes(self, depth: int | None = None) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned) with a ring of ``depth``."""
@@ -74,7 +77,7 @@ class RoutedExperts(Release):
         pieces = (4 * depth * self.slot_words, 8 * depth, 16 * TOKENS * self.packets,
                   8 * TOKENS * 2 * self.intermediate * self.warps,
                   4 * TOKENS * 2 * self.intermediate, 4 * TOKENS * self.intermediate, 4 * MAX_BATCH,
-                  4 * (1 + MAX_BATCH), 4)
+                  4 * (1 + MAX_BATCH), 4 * 32)
         return sum(-(-piece // 16) * 16 for piece in pieces)
 
     @cute.jit
@@ -106,33 +109,50 @@ class RoutedExperts(Release):
         if served == 0:
             if tid < self.packets:
                 store_words(out.iterator + pair * self.latent + 8 * tid, [Uint32(0)] * 4)
-        elif self.first_pair(ids, expert, pair, space[8], tid) != 0:
+        elif self.leads_its_tokens(ids, expert, pair, space[8], tid) != 0:
             self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, tid, space)
         self.release_late()
 
     @cute.jit
-    def first_pair(self, ids, expert, pair, flag, tid) -> Int32:
-        """1 if no earlier pair (token-major) has ``expert``: the CTA's threads scan ids[:pair]
-        (the barrier first also publishes the ring's initialized barriers)."""
-        if tid == 0:
-            flag[0] = Int32(0)
+    def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:
+        """1 if slot k of token b (``pair``) is ``expert``'s first in b and the tokens before b
+        that hold it are a multiple of TOKENS: the CTA's warps count them by ballots (the
+        barrier first also publishes the ring's initialized barriers)."""
+        token, slot = pair // TOP_K, pair % TOP_K
+        warp, lane = tid // 32, tid % 32
+        before = Int32(0)  # lane 0's running count of the warp's tokens
+        for base in cutlass.range(0, token, self.threads, unroll=1):
+            b = base + tid
+            hit = Int32(0)
+            if b < token:
+                for q in cutlass.range_constexpr(TOP_K // 4):  # 4 ids a load
+                    for word in load_words(ids.iterator + b * TOP_K + 4 * q):
+                        if Int32(word) == expert:
+                            hit = Int32(1)
+            before = before + cute.arch.popc(cute.arch.vote_ballot_sync(hit != 0))
+        if lane == 0:
+            counts[warp] = before
+        earlier = Int32(0)  # an earlier slot of the token holds the expert (a repeated id)
+        for k in cutlass.range_constexpr(TOP_K):
+            if k < slot:
+                if ids[token * TOP_K + k] == expert:
+                    earlier = Int32(1)
         cute.arch.sync_threads()
-        for q in cutlass.range(tid, (pair + 3) // 4, self.threads, unroll=1):  # 4 ids a load
-            words = load_words(ids.iterator + 4 * q)
-            for u in cutlass.range_constexpr(4):
-                if 4 * q + u < pair:
-                    if Int32(words[u]) == expert:
-                        flag[0] = Int32(1)
-        cute.arch.sync_threads()
-        return Int32(1) - flag[0]
+        total = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            total = total + counts[w]
+        leads = Int32(0)
+        if (earlier == 0) & (total % TOKENS == 0):
+            leads = Int32(1)
+        return leads
 
     @cute.jit
     def serve(self, latent, ids, gate_up, down, out, batch, expert, token, tid, space):
-        """Every token from ``token`` on routed to ``expert`` (its masks: which of the
-        token's 16 slots hold it), TOKENS a pass: the chunks' stream, steps 1-3."""
+        """``token`` and the next TOKENS − 1 tokens routed to ``expert`` (their masks: which
+        of a token's 16 slots hold it): the chunks' stream, steps 1-3."""
         ring, full, xs, parts, hidden, acts, masks, matched, _ = space
         policy = l2_evict_first()
-        if tid == 0:  # a pass is more chunks than the ring holds: its first ring at once
+        if tid == 0:  # the stream is more chunks than the ring holds: its first ring at once
             for i in cutlass.range_constexpr(self.depth):
                 self.issue(gate_up, down, expert, i, ring + i * self.slot_words, full + i, policy)
         for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
@@ -142,7 +162,7 @@ class RoutedExperts(Release):
                     mask = mask | Int32(1 << k)
             masks[b] = mask
         cute.arch.sync_threads()  # the masks
-        if tid < 32:  # the matched tokens in order: matched[0] their count, matched[1 + n] the n-th
+        if tid < 32:  # the matched tokens in order: matched[0] their count (up to TOKENS), matched[1 + n] the n-th
             count = Int32(0)
             for start in cutlass.range(token, batch, 32, unroll=1):
                 b = start + tid
@@ -155,23 +175,21 @@ class RoutedExperts(Release):
                     matched[1 + count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1)))] = b
                 count = count + cute.arch.popc(ballot)
             if tid == 0:
-                matched[0] = count
+                matched[0] = clamp(count, Int32(TOKENS))
         cute.arch.sync_threads()
-        streamed = (matched[0] + TOKENS - 1) // TOKENS * self.chunks  # the passes' chunks
-        for i in cutlass.range(streamed, unroll=1):
-            slot, chunk, first = i % self.depth, i % self.chunks, i // self.chunks * TOKENS
-            if chunk == 0:  # the pass's latent rows into shared memory: every gate/up chunk reads them
-                self.stash_latent(latent, xs, matched, first, tid)
-            cute.arch.mbarrier_wait(full + slot, (i // self.depth) % 2)
+        self.stash_latent(latent, xs, matched, tid)  # every gate/up chunk reads them
+        for chunk in cutlass.range(self.chunks, unroll=1):
+            slot = chunk % self.depth
+            cute.arch.mbarrier_wait(full + slot, (chunk // self.depth) % 2)
             words = ring + slot * self.slot_words
             if chunk < self.gate_chunks:
-                self.gate_chunk(xs, words, parts, matched, first, chunk, tid)
+                self.gate_chunk(xs, words, parts, matched, chunk, tid)
             else:
-                self.down_chunk(out, words, acts, masks, matched, first, chunk - self.gate_chunks, tid)
+                self.down_chunk(out, words, acts, masks, matched, chunk - self.gate_chunks, tid)
             cute.arch.sync_threads()  # the slot is read (and the chunk's partials are in)
             if tid == 0:
-                if i + self.depth < streamed:
-                    self.issue(gate_up, down, expert, (i + self.depth) % self.chunks, words, full + slot, policy)
+                if chunk + self.depth < self.chunks:
+                    self.issue(gate_up, down, expert, chunk + self.depth, words, full + slot, policy)
             if chunk == self.gate_chunks - 1:
                 self.activate(parts, hidden, acts, tid)
 
@@ -189,27 +207,26 @@ class RoutedExperts(Release):
                       Int32(8 * self.latent), barrier, policy)
 
     @cute.jit
-    def stash_latent(self, latent, xs, matched, first, tid):
-        """The latent rows of the pass's tokens (from ordinal ``first``) into ``xs`` [TOKENS,
-        P] packets: cp.async, all in flight at once, then the barrier."""
-        count = clamp(matched[0] - first, Int32(TOKENS))
-        for item in cutlass.range(tid, count * self.packets, self.threads, unroll=1):
+    def stash_latent(self, latent, xs, matched, tid):
+        """The latent rows of the matched tokens into ``xs`` [TOKENS, P] packets: cp.async,
+        all in flight at once, then the barrier."""
+        for item in cutlass.range(tid, matched[0] * self.packets, self.threads, unroll=1):
             n, c = item // self.packets, item % self.packets
-            copy_async(xs + item * 4, latent.iterator + matched[1 + first + n] * self.latent + c * 8)
+            copy_async(xs + item * 4, latent.iterator + matched[1 + n] * self.latent + c * 8)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
     @cute.jit
-    def gate_chunk(self, xs, words, parts, matched, first, chunk, tid):
-        """Step 1's share of gate/up chunk ``chunk`` for the pass's tokens: each token's 4
+    def gate_chunk(self, xs, words, parts, matched, chunk, tid):
+        """Step 1's share of gate/up chunk ``chunk`` for the matched tokens: each token's 4
         row sums of the warp into ``parts``."""
         r, group = tid % GATE_ROWS, tid // GATE_ROWS
         columns = [group + self.row_threads * j for j in range(4)]
         weights = [[Float32(0.0)] * 8 for _ in range(4)]
         if tid < self.packets:
             weights = [unpack_words(load_shared(words + r * self.row_words + c * 4)) for c in columns]
-        for n in cutlass.range(clamp(matched[0] - first, Int32(TOKENS)), unroll=1):
+        for n in cutlass.range(matched[0], unroll=1):
             total = Float64(0.0)
             if tid < self.packets:
                 for j in cutlass.range_constexpr(4):
@@ -221,7 +238,7 @@ class RoutedExperts(Release):
 
     @cute.jit
     def activate(self, parts, hidden, acts, tid):
-        """Steps 1-2's ends for the pass's token slots (unused slots: values never stored)."""
+        """Steps 1-2's ends for the TOKENS token slots (unused slots: values never stored)."""
         double = 2 * self.intermediate
         for item in cutlass.range(tid, TOKENS * double, self.threads, unroll=1):
             total = Float64(0.0)
@@ -237,13 +254,13 @@ class RoutedExperts(Release):
         cute.arch.sync_threads()
 
     @cute.jit
-    def down_chunk(self, out, words, acts, masks, matched, first, part, tid):
-        """Step 3 on down chunk ``part`` (rows part·4L/I …) for the pass's tokens."""
+    def down_chunk(self, out, words, acts, masks, matched, part, tid):
+        """Step 3 on down chunk ``part`` (rows part·4L/I …) for the matched tokens."""
         if tid < self.packets:
             values = [v for m in range(4) for v in unpack_words(load_shared(words + (4 * tid + m) * 4))]
             column = part * (4 * self.latent // self.intermediate) + tid * self.down_rows
-            for n in cutlass.range(clamp(matched[0] - first, Int32(TOKENS)), unroll=1):
-                b = matched[1 + first + n]
+            for n in cutlass.range(matched[0], unroll=1):
+                b = matched[1 + n]
                 mask = masks[b]
                 act = [acts[n, j] for j in range(self.intermediate)]
                 rows = [Float32(exact_dot(values[i * self.intermediate:(i + 1) * self.intermediate], act))
@@ -259,10 +276,10 @@ class RoutedExperts(Release):
 
     @cute.jit
     def allocate(self):
-        """(the ring (words), its full barriers, the pass's latent rows (words), parts
+        """(the ring (words), its full barriers, the matched tokens' latent rows (words), parts
         [TOKENS, 2I, warps] FP64, hidden
         [TOKENS, 2I] FP32, acts [TOKENS, I] FP32, masks [MAX_BATCH], the matched tokens
-        (count, then the list), the first-pair flag)."""
+        (count, then the list), the warps' token counts)."""
         smem = SmemAllocator()
         double = 2 * self.intermediate
         ring = smem.allocate_tensor(Uint32, cute.make_layout(self.depth * self.slot_words), 16).iterator
@@ -275,8 +292,8 @@ class RoutedExperts(Release):
                                     16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
-        flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
-        return ring, full, xs, parts, hidden, acts, masks, matched, flag
+        counts = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
+        return ring, full, xs, parts, hidden, acts, masks, matched, counts
 
 
 @compiled
