@@ -279,6 +279,13 @@ def sigmoid(x: Float32) -> Float32:
 
 
 @cute.jit
+def situ_value(gate: Float32, up: Float32, beta, linear_beta) -> Float32:
+    """situ(g, u) = g · sigmoid(beta · g) · (u + linear_beta) in FP32, left to right
+    (kimi_ops.ops.route.situ's rounding points: the caller rounds it once)."""
+    return gate * sigmoid(gate * beta) * (up + linear_beta)
+
+
+@cute.jit
 def unpack_bf16(word: Uint32):
     """The two BF16 values of a word as FP32 (low half first)."""
     return bits_float(word << Uint32(16)), bits_float(word & Uint32(0xFFFF0000))

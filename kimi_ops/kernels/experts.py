@@ -41,7 +41,8 @@ from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .common import (
-    PDL, SMEM_BYTES, Release, aligned, butterfly, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper, sigmoid, unpack_words,
+    PDL, SMEM_BYTES, Release, aligned, butterfly, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper,
+    situ_value, unpack_words,
 )
 from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_bf16, store_word, store_words
 
@@ -250,7 +251,7 @@ class RoutedExperts(Release):
             n, j = item // self.intermediate, item % self.intermediate
             gate = Float32(BFloat16(hidden[n, j]))
             up = Float32(BFloat16(hidden[n, j + self.intermediate]))
-            acts[n, j] = Float32(BFloat16(gate * sigmoid(gate * Float32(1.0)) * (up + Float32(0.0))))
+            acts[n, j] = Float32(BFloat16(situ_value(gate, up, Float32(1.0), Float32(0.0))))  # SwiGLU
         cute.arch.sync_threads()
 
     @cute.jit

@@ -30,7 +30,7 @@ from ..ops import route as route_op
 from ..mailbox import ROUTE_POLL
 from .common import (
     THREADS, Release, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch, ordered, poll, rearm,
-    sigmoid, unpack_words,
+    sigmoid, situ_value, unpack_words,
 )
 from .ptx import bits_float, load_words, pack_bf16, store_words
 
@@ -268,7 +268,7 @@ class Situ(Release):
         if first < self.width:
             row = gate_up.iterator + token * gate_up.stride[0] + first
             gate, up = self.unpack(load_words(row)), self.unpack(load_words(row + self.width))
-            values = [g * sigmoid(g * beta) * (u + linear_beta) for g, u in zip(gate, up)]
+            values = [situ_value(g, u, beta, linear_beta) for g, u in zip(gate, up)]
             words = [pack_bf16(values[i], values[i + 1]) for i in range(0, self.columns, 2)]
             store_words(out.iterator + token * out.stride[0] + first, words)
         self.release_late()
