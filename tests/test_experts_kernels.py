@@ -2,7 +2,7 @@
 without a GPU, with no spills and no ptxas performance note; on a Hopper GPU
 ``kimi::routed_experts`` equals the reference backend on the same device (outputs
 poisoned first, fresh inputs) at every batch up to CAP, at TP1 and at a TP8 rank, with
-repeated experts across tokens (each expert served once), repeated ids in a token, ids
+repeated experts across tokens (a CTA serves TOKENS of an expert's tokens), repeated ids in a token, ids
 outside [0, E), −0 and NaN latent rows; it replays from a CUDA graph."""
 
 import pytest
@@ -125,10 +125,13 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
 
 @on_hopper
 @pytest.mark.parametrize("batch", [33, experts.MAX_BATCH])
-def test_routed_experts_kernel_one_cta_per_expert_and_wide_batches(batch):
+def test_routed_experts_kernel_shared_experts_and_wide_batches(batch):
     """L = 64, I = 8 (a warp a CTA, 8 threads with packets) at batches past the mask loop's
-    stride and at the kernel's largest: every token on the same 16 experts (many passes)."""
+    stride and at the kernel's largest: every token on the same 16 experts (each served
+    by ⌈B/TOKENS⌉ CTAs), and a repeated id in a token that leads its CTA (8) and in one
+    that does not (5): both its rows written, the later tokens' ordinals one fewer."""
     args = args_of(batch, (64, 8, 48), seed=batch)
+    args[1][5, 7], args[1][8, 9] = args[1][5, 2], args[1][8, 1]
     served_by_the_kernel(*args, 2, 3)
     poison(batch, 64)
     assert_matches(kimi.routed_experts(*args, 2, 3), reference(kimi.routed_experts, *args, 2, 3))

@@ -74,12 +74,24 @@ def test_two_shot_equals_one_shot(tp, monkeypatch):
     two_shot = KimiDecoder(CONFIG, 6, tp=tp, seed=21)
     batches = (64, 5, 9, 5, 64)
     assert [two_shot.boxes.two_shot(b) for b in batches] == [True, False, True, False, True]
-    got = [two_shot(hidden_states(b, seed=s)) for s, b in enumerate(batches)]
+    got = []
+    for s, b in enumerate(batches):
+        got.append(two_shot(hidden_states(b, seed=s)))
+        assert armed_but_the_last_layers_parity(two_shot)
     monkeypatch.setattr(boxes_module, "TWO_SHOT_BATCH", CONFIG.capacity + 1)
     one_shot = KimiDecoder(CONFIG, 6, tp=tp, seed=21)
     assert "recv" not in one_shot.boxes.kinds
     for s, (b, row) in enumerate(zip(batches, got)):
         assert torch.equal(one_shot(hidden_states(b, seed=s)), row)
+
+
+def armed_but_the_last_layers_parity(decoder: KimiDecoder) -> bool:
+    """After a step every parity of the latent, shared and two-shot boxes is armed but the
+    last MoE layer's (the next step's first layer re-arms it)."""
+    boxes, count = decoder.boxes, len(decoder.layers)
+    others = [p for p in range(3) if p != parities(count - 1, count)[0]]
+    return all(bool((boxes.own(kind, r)[others].view(torch.int32) == SENTINEL).all())
+               for kind in ("latent", "rs", "recv", "gathered") for r in decoder.group.ranks)
 
 
 def test_parities_rotate_and_collisions_rejected():

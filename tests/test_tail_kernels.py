@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
+from kimi_ops import backend  # noqa: E402
 from kimi_ops.kernels.common import SMEM_BYTES  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
 from kimi_ops.kernels.tail import host, split, wave  # noqa: E402
@@ -507,15 +508,15 @@ def test_tail_poll_sums_the_sources_of_tp2(batch):
 
 
 @on_hopper
-@pytest.mark.parametrize("tp, batch", [(4, 9), (4, 64), (8, 33)])
-def test_two_shot_equals_one_shot(tp, batch):
-    """TP4 / TP8's latent all-reduce two-shot, every rank on one device in turn: each rank's
-    partial chunks pushed to their owners (moe_tail_publish into the receive boxes), each
-    owner's sum gathered into every rank's box (moe_latent_reduce), each rank's tail
-    polling that one-source box. The output boxes bit-equal to the one-shot path's (the
-    same kernels), the receive and gathered boxes to the reference's; the previous parity
-    of the receive boxes re-armed; without a peer's push the reduce times out into the
-    error word."""
+@pytest.mark.parametrize("tp, batch, rearm_batch", [(4, 9, 9), (4, 64, CAPACITY), (8, 33, 33)])  # CAPACITY: the wrap
+def test_two_shot_equals_one_shot(tp, batch, rearm_batch):
+    """TP4 / TP8's latent all-reduce two-shot, every rank on one device in turn, on the
+    kernels: each rank's partial chunks pushed to their owners (moe_tail_publish into the
+    receive boxes), each owner's sum gathered into every rank's box (moe_latent_reduce),
+    each rank's tail polling that one-source box. The output boxes bit-equal to the
+    one-shot path's (the same kernels), the receive and gathered boxes to the reference's;
+    the previous parity of the receive, gathered and shared boxes (junk rows: the previous
+    layer's) re-armed; without a peer's push the reduce times out into the error word."""
     shard, parity, rearm = HIDDEN // tp, 1, 0
     gen = torch.Generator().manual_seed(70 + tp + batch)
     rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
@@ -523,7 +524,7 @@ def test_two_shot_equals_one_shot(tp, batch):
     expanded = [rand(batch, 16, LATENT, scale=0.3) for _ in range(tp)]
     weights = [rand(batch, 16, scale=0.2) for _ in range(tp)]
     shards = [rand(tp, batch, shard) for _ in range(tp)]  # rank r's reduce-scatter box: every source's shard r
-    junk = rand(tp, batch, LATENT // tp)
+    junk = {width: rand(tp, batch, width) for width in (LATENT, LATENT // tp, shard)}
 
     def run(two_shot, pushes=tp):
         boxes = lambda *shape: [armed_box(*shape) for _ in range(tp)]  # noqa: E731
@@ -533,30 +534,34 @@ def test_two_shot_equals_one_shot(tp, batch):
         errors = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(tp)]
         for rank in range(tp):
             rs[rank][parity, :, :batch] = shards[rank]
-            recv[rank][rearm, :, :batch] = junk  # the previous MoE layer's, consumed
+            for box in (latent_boxes[rank], recv[rank], gathered[rank], rs[rank]):  # the previous layer's, consumed
+                box[rearm, :, :batch] = junk[box.shape[3]][:box.shape[1]]
         for rank in range(pushes):
             kimi.moe_tail_publish(expanded[rank], weights[rank], recv if two_shot else latent_boxes, parity, rank)
-        if two_shot:
-            for rank in range(tp):
-                kimi.moe_latent_reduce(recv[rank], gathered, errors[rank], parity, rearm, batch, rank, batch)
+        reduces = [(recv[rank], gathered, errors[rank], parity, rearm, rearm_batch, rank, batch) for rank in range(tp)]
+        polls = [(gathered[rank] if two_shot else latent_boxes[rank], rs[rank], gamma, w_up[rank * shard:(rank + 1) * shard],
+                  1e-6, outs, errors[rank], parity, rearm, rearm_batch, rank, batch) for rank in range(tp)]
+        assert backend.KERNELS["moe_tail_publish"].unsupported(expanded[0], weights[0], recv, parity, 0) is None
+        assert backend.KERNELS["moe_latent_reduce"].unsupported(*reduces[0]) is None
+        assert backend.KERNELS["moe_tail_poll"].unsupported(*polls[0]) is None
+        for call in reduces if two_shot else ():
+            kimi.moe_latent_reduce(*call)
         if pushes < tp:
             return errors
-        for rank in range(tp):
-            kimi.moe_tail_poll(gathered[rank] if two_shot else latent_boxes[rank], rs[rank], gamma,
-                               w_up[rank * shard:(rank + 1) * shard], 1e-6, outs, errors[rank], parity, 2, batch, rank,
-                               batch)
-        return recv, gathered, outs, errors
+        for call in polls:
+            kimi.moe_tail_poll(*call)
+        return recv, gathered, rs, outs, errors
 
-    recv, gathered, outs, errors = run(True)
-    _, _, one_shot, _ = run(False)
+    recv, gathered, rs, outs, errors = run(True)
+    one_shot = run(False)[3]
     for ours, theirs in zip(outs, one_shot):
         assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
-    want_recv, want_gathered, want_outs, _ = reference(run, True)
+    want_recv, want_gathered, _, want_outs, _ = reference(run, True)
     for ours, theirs in zip(recv + gathered, want_recv + want_gathered):
         assert torch.equal(ours[parity].view(torch.int16), theirs[parity].view(torch.int16))
     shared = torch.cat([s.float().sum(0).bfloat16() for s in shards], dim=1)
     assert_tail_close(outs[0][0, 0, :batch], want_outs[0][0, 0, :batch], shared)
-    assert all(armed(box[rearm]) for box in recv + gathered) and all(int(e) == 0 for e in errors)
+    assert all(armed(box[rearm]) for box in recv + gathered + rs) and all(int(e) == 0 for e in errors)
     errors = run(True, pushes=tp - 1)  # the last rank never pushes
     torch.cuda.synchronize()  # returns: the polls are bounded
     assert [int(e) for e in errors] == [32] * tp

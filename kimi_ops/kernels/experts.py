@@ -7,10 +7,8 @@ ids[b, k]: if e is this rank's, k is e's first slot in token b, and b is e's tok
 hold e), the CTA serves e for that token and the next TOKENS − 1 routed to it; any other
 pair of e ends at once. So each routed expert's weights are read once a step per TOKENS
 of its tokens, with no gather and no sort, and a popular expert's tokens spread over
-CTAs: a token costs a CTA about 6 µs of FP64 sums at L = 3584 (FP32 → FP64 conversions,
-16 a clock per SM), and the version that served all of an expert's tokens in one CTA was
-2.4× its floor at B = 64 (62× at one TP8 rank's 112 experts: benchmarks/NOTES.md). A pair of another rank's expert (or an id outside [0, E)) gets a zero
-row. A CTA streams its whole expert (2I·L gate/up and L·I down values) by bulk copies
+CTAs (a token costs a CTA about 6 µs of FP64 sums at L = 3584: benchmarks/NOTES.md). A
+pair of another rank's expert (or an id outside [0, E)) gets a zero row. A CTA streams its whole expert (2I·L gate/up and L·I down values) by bulk copies
 (TMA, no tensor map) through a ring of 3-4 chunks of 8·L bytes, so that a chunk's bytes
 are in flight whatever the registers (the version before, with plain loads, kept few in
 flight: benchmarks/NOTES.md).
@@ -118,7 +116,7 @@ class RoutedExperts(Release):
     def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:
         """1 if slot k of token b (``pair``) is ``expert``'s first in b and the tokens before b
         that hold it are a multiple of TOKENS: the CTA's warps count them by ballots (the
-        barrier first also publishes the ring's initialized barriers)."""
+        barrier before the warps' sum also publishes the ring's initialized barriers)."""
         token, slot = pair // TOP_K, pair % TOP_K
         warp, lane = tid // 32, tid % 32
         before = Int32(0)  # lane 0's running count of the warp's tokens

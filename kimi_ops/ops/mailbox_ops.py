@@ -253,7 +253,8 @@ def check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank, op="mo
                      "expanded.shape[0] (batch)")
     latent, width = expanded.shape[2], latent_boxes[0].shape[3]
     if width != latent and width * tp != latent:
-        fail(op, "latent_boxes", f"rows of width L = {latent} (latent boxes) or L/TP = {latent}/{tp} "
+        chunk = f"L/TP = {latent // tp}" if latent % tp == 0 else f"L/TP (L = {latent} over TP = {tp})"
+        fail(op, "latent_boxes", f"rows of width L = {latent} (latent boxes) or {chunk} "
              "(two-shot receive boxes [3, TP, CAP, L/TP])", list(latent_boxes[0].shape))
     if placement:
         check_placement(op, dict(latent_boxes=latent_boxes), dict(expanded=expanded, weights=weights))
@@ -272,6 +273,8 @@ def moe_tail_publish(expanded, weights, latent_boxes, parity: int, rank: int) ->
 
 
 def check_moe_latent_reduce(recv_box, gathered_boxes, error, parity, rearm_parity, rearm_batch, rank, batch) -> None:
+    """The receive box [P, TP, CAP, L/TP]; TP gathered boxes [P, 1, CAP, L]; parities,
+    batch and rank in range; no box passed twice."""
     op = "moe_latent_reduce"
     check_box(op, "recv_box", recv_box, parity, batch)
     parities, tp, capacity, chunk = recv_box.shape
@@ -344,8 +347,8 @@ def moe_tail_poll(
     parity: int, rearm_parity: int, rearm_batch: int, rank: int, batch: int,
 ) -> None:
     """The tail's polled half on one rank: latent = BF16(Σ of the TP sources in rank
-    order; a one-source box: two-shot's gathered rows, summed already); the RMSNorm of :func:`~kimi_ops.ops.tail.tail_norm`; up = BF16(xn @ w_up.T)
-    over this rank's H/TP rows; out = BF16(up + BF16(Σ of the shared reduce-scatter
+    order; a one-source box: two-shot's gathered rows, summed already); the RMSNorm of
+    :func:`~kimi_ops.ops.tail.tail_norm`; up = BF16(xn @ w_up.T) over this rank's H/TP rows; out = BF16(up + BF16(Σ of the shared reduce-scatter
     sources)); out goes to columns [rank·H/TP, …) of every rank's output box
     [1, 1, CAP, H]. Then the previous MoE layer's parity (rows [:rearm_batch]) of the
     latent and shared boxes is re-armed."""

@@ -13,6 +13,9 @@ from .groups import Boxes
 # receives 2·B·L values instead of TP·B·L (at TP2 and small batches one shot's single
 # wait is cheaper).
 TWO_SHOT_TP, TWO_SHOT_BATCH = 4, 9
+# The kernels compile per 8-token group (KimiDecoder.buckets): a group's batches must
+# all take one path.
+assert (TWO_SHOT_BATCH - 1) % 8 == 0
 
 
 def two_shot(tp: int, latent: int, batch: int) -> bool:

@@ -8,12 +8,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int64
 
+from ...mailbox import TAIL_LATENT_POLL as LATENT_POLL  # noqa: F401  (the error word's bits, for the tail's kernels)
+from ...mailbox import TAIL_SHARED_POLL as SHARED_POLL
+from ...mailbox import TWO_SHOT_POLL  # noqa: F401
 from ...ops import tail as tail_op
 from ..common import Values, no_neg_zero, poll_all, rearm, store_to_peers, unpack_words
 from ..ptx import pack_bf16, store_words
 
 TOP_K = tail_op.TOP_K
-LATENT_POLL, SHARED_POLL, TWO_SHOT_POLL = 2, 4, 32  # kimi_ops.mailbox TAIL_LATENT_POLL, TAIL_SHARED_POLL, TWO_SHOT_POLL
 # The functional tails' phases (kernels.common.Stamps, for benchmarks/profile_tail.py),
 # stamped into the buffer that comes in as the error word (MoeTail) or stamps (WaveMoeTail:
 # "latent" is its first xn chunk in, the slots its warpgroup 0's).

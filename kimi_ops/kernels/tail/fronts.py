@@ -1,6 +1,7 @@
 """The tail's fronts (the seeds' front half) and the shared expert's push. Each front
-releases its dependent at entry and then waits for its own predecessor, so the tail's
-weight loads start at once.
+releases its dependent at entry, so the tail's weight loads start at once; NormFront and
+TailFront then wait for their predecessor, PollNormFront and LatentReduce never do (their
+inputs come by bounded polls).
 
 ``NormFront`` (functional, TP1; one CTA per token, a thread per 16-byte packet): latent =
 BF16(Σ_r row_r · w_r) as an FP32 FMA chain in rank order, ss = Σ BF16(latent²) in FP64 —
@@ -191,7 +192,9 @@ class LatentReduce:
     the receive box [3, TP, CAP, chunk], rank order), into those columns of every rank's
     gathered box [3, 1, CAP, L]; the previous MoE layer's parity of the receive box
     re-armed over the grid. Like PollNormFront it releases at entry and never waits: its
-    inputs come by polls."""
+    inputs come by polls. Its re-arm is ordered before the next publish into that parity
+    (two MoE layers on) by what lies between: the tail's polls of the gathered rows, the
+    waiting kernels of a layer, and in multi-process groups the group barriers."""
 
     def __init__(self, chunk: int, tp: int):
         self.chunk, self.tp, self.packets = chunk, tp, chunk // 8

@@ -235,7 +235,7 @@ def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int) ->
                  batch, rearm_parity, rearm_batch, *no_expert_rows(rs_box)),)
 
     gathered = () if sources == tp else (False, False, sources)  # the one-shot compile keys as they were
-    return Variant(plan_for(tp, shard, latent, groups, sources),
+    return Variant(plan_for(tp, shard, latent, groups, *gathered[2:]),
                    lambda: (compile_tail(tp, shard, latent, groups, True, *gathered),), arguments)
 
 

@@ -16,8 +16,8 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
    a 50 MB L2 per call and would evict the expert rows, xn and the shared rows.
 2. xn: functional mode copies the CTA's K slice of NormFront's rows (cp.async). Publish
    mode polls the latent boxes (Lamport polls of every TP source bounded by the global
-   timer; two-shot's gathered box has one, summed by LatentReduce), a warp per token, sums the sources in rank order in FP32, rounds to BF16,
-   sums the slice's squares in FP64 (as NormFront) and the slices' sums meet in every
+   timer; two-shot's gathered box has one, summed by LatentReduce), a warp per token,
+   sums the sources in rank order in FP32, rounds to BF16, sums the slice's squares in FP64 (as NormFront) and the slices' sums meet in every
    CTA through DSMEM; then it normalizes in place.
 3. Up projection on the tensor cores: mma.sync m16n8k16 BF16 → FP32, weights as A (16
    rows), xn as B (8 tokens), fragments by ldmatrix.x4 from 128-byte rows in the 128-byte
