@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The session's benchmarks in one device call (about 5 minutes on a cold kernel cache):
+# The session's benchmarks in one device call (about 6-9 minutes on a cold kernel cache):
 # the layer at kimi_k3 TP1 and at one TP8 rank's shapes (JSON + the breakdown PNG data),
-# then the tail's paths. Logs and JSON go to ${OUT:-/tmp/gpu_bench}; each step has its own
+# the tail's paths, then the main example (kimi_k3, 3 layers: eager, compiled, CUDA graph). Logs and JSON go to ${OUT:-/tmp/gpu_bench}; each step has its own
 # limit, so one that hangs leaves the others' results.
 #   bash scripts/gpu_bench.sh            # B = 1 8 64 for the layers
 set -u
@@ -12,9 +12,11 @@ step() {
   echo "$name rc=$?" >> "$OUT/rc.txt"
 }
 : > "$OUT/rc.txt"
-step layer 200 benchmarks/bench_layer.py --batches 1 8 64 --skip-no-pdl --json "$OUT/layer.json"
-step layer_tp8 150 benchmarks/bench_layer.py --tp8-rank --batches 1 8 64 --skip-no-pdl --json "$OUT/layer_tp8.json"
-step tail 120 benchmarks/bench_tail.py
+step layer 180 benchmarks/bench_layer.py --batches 1 8 64 --skip-no-pdl --json "$OUT/layer.json"
+step layer_tp8 120 benchmarks/bench_layer.py --tp8-rank --batches 1 8 64 --skip-no-pdl --json "$OUT/layer_tp8.json"
+step tail 90 benchmarks/bench_tail.py
+step example 180 examples/decode_layer.py
 cat "$OUT/rc.txt"
 for f in layer layer_tp8; do echo "== $f"; grep -E "^ +B |^ +(1|8|64) |routed|tail:" "$OUT/$f.log"; done
 echo "== tail"; tail -n 12 "$OUT/tail.log"
+echo "== example"; tail -n 8 "$OUT/example.log"
