@@ -151,27 +151,30 @@ def test_batch_over_capacity_is_rejected():
         decoder(hidden_states(9))
 
 
-def test_compiled_decoder_equals_eager_and_reinplaces_boxes():
+@pytest.mark.parametrize("tp, batch", [(2, 5), (4, 16)])  # TP4 at 16 tokens: the two-shot all-reduce
+def test_compiled_decoder_equals_eager_and_reinplaces_boxes(tp, batch):
     """fullgraph, bit-equal to eager over steps, and every mailbox op gets the box buffers
     themselves (graph inputs), never a clone."""
     torch._dynamo.reset()
-    eager = KimiDecoder(CONFIG, 3, tp=2, seed=8)
-    compiled_module = KimiDecoder(CONFIG, 3, tp=2, seed=8)
+    eager = KimiDecoder(CONFIG, 3, tp=tp, seed=8)
+    compiled_module = KimiDecoder(CONFIG, 3, tp=tp, seed=8)
     compiled = torch.compile(compiled_module, fullgraph=True)
-    out, (code, *_) = run_and_get_code(compiled, hidden_states(5))
-    assert torch.equal(out, eager(hidden_states(5)))
+    out, (code, *_) = run_and_get_code(compiled, hidden_states(batch))
+    assert torch.equal(out, eager(hidden_states(batch)))
     for seed in (1, 2):
-        assert torch.equal(compiled(hidden_states(5, seed)), eager(hidden_states(5, seed)))
+        assert torch.equal(compiled(hidden_states(batch, seed)), eager(hidden_states(batch, seed)))
     compiled_module.check()
     calls = re.findall(r"torch\.ops\.kimi\.(\w+)\.default\((.*)\)", code)
     mutating = {"attn_res_take", "moe_route_poll", "moe_tail_poll", "oproj_publish",
                 "moe_front_publish", "moe_tail_push", "moe_tail_publish", "dsa_index_key_insert"}
+    if compiled_module.boxes.two_shot(batch):
+        mutating.add("moe_latent_reduce")
     seen = {name for name, _ in calls} & mutating
     assert seen == mutating
     for name, args in calls:
         for box_list in re.findall(r"\[([^\]]*)\]", args):
             assert all(re.fullmatch(r"arg\d+_1", a.strip()) for a in box_list.split(",")), (name, args)
-        if name in ("attn_res_take", "moe_route_poll", "moe_tail_poll"):
+        if name in ("attn_res_take", "moe_route_poll", "moe_tail_poll", "moe_latent_reduce"):
             assert re.match(r"arg\d+_1,", args), (name, args)
     assert ".copy_(" not in code and "clone" not in code
 
