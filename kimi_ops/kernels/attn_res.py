@@ -57,7 +57,7 @@ from .common import (
     compile_options, compiled, exact_dot, fake, fake_stream, hopper, inverse_rms, normalized, poll_all, rearm,
     send_to_cluster, unpack_words,
 )
-from .ptx import copy_async, divide, load_shared, load_words, pack_bf16, store_words
+from .ptx import copy_async, divide, load_shared, load_words, pack_values, store_words
 
 CLUSTERS = (1, 2, 4, 8)  # CTAs per token (portable cluster sizes)
 CTA_PACKETS = 128  # packets a CTA takes at most where H allows (H = 7168: 8 CTAs of 112)
@@ -164,7 +164,7 @@ class AttnRes(Release):
             for source in cutlass.range_constexpr(self.tp):
                 extra = unpack_words(rows[q][1 + source])
                 acc = [acc[i] + extra[i] for i in range(8)]
-            words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
+            words = pack_values(acc)
             squares += self.stored(new_partial, words, token, columns[q], valid[q])
             values.append(unpack_words(words))
         self.warp_sum(partials, self.partial_ss, squares, tid)
@@ -191,7 +191,7 @@ class AttnRes(Release):
                         acc[i] = acc[i] + Float64(weight * block[i])
             weight = alpha[count]
             total = [acc[i] + Float64(weight * values[q][i]) for i in range(8)]
-            words = [pack_bf16(Float32(total[i]), Float32(total[i + 1])) for i in range(0, 8, 2)]
+            words = pack_values([Float32(t) for t in total])
             squares += self.stored(h, words, token, columns[q], valid[q])
             mixed.append(unpack_words(words))
         self.warp_sum(partials, self.h_ss, squares, tid)

@@ -18,7 +18,7 @@ import torch
 from cutlass import Float32, Float64, Int32, Int64, Uint32
 
 from .ptx import (
-    bits_float, divide, float_bits, load_words, nap, pack_bf16, rsqrt_like_torch, store_cluster, store_words,
+    bits_float, divide, float_bits, load_words, nap, pack_values, rsqrt_like_torch, store_cluster, store_words,
 )
 
 EXPORT_NAME = "func"
@@ -375,7 +375,7 @@ def inverse_rms(total: Float64, latent: int, eps: Float32) -> Float32:
 def normalized(values, inv: Float32, scale):
     """A packet of xn = BF16((latent · inv) · gamma) as four BF16x2 words."""
     normed = [(values[i] * inv) * scale[i] for i in range(8)]
-    return [pack_bf16(normed[i], normed[i + 1]) for i in range(0, 8, 2)]
+    return pack_values(normed)
 
 
 # The mailbox protocol (kimi_ops.mailbox): Lamport polls of 16-byte packets against the sentinel.

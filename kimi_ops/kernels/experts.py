@@ -8,8 +8,8 @@ hold e), the CTA serves e for that token and the next TOKENS − 1 routed to it;
 pair of e ends at once. So each routed expert's weights are read once a step per TOKENS
 of its tokens, with no gather and no sort, and a popular expert's tokens spread over
 CTAs (a token costs a CTA about 6 µs of FP64 sums at L = 3584: benchmarks/NOTES.md). A
-pair of another rank's expert (or an id outside [0, E)) gets a zero row. A CTA streams its whole expert (2I·L gate/up and L·I down values) by bulk copies
-(TMA, no tensor map) through a ring of 3-4 chunks of 8·L bytes, so that a chunk's bytes
+pair of another rank's expert (or an id outside [0, E)) gets a zero row. A CTA streams
+its whole expert (2I·L gate/up and L·I down values) by bulk copies (TMA, no tensor map) through a ring of 3-4 chunks of 8·L bytes, so that a chunk's bytes
 are in flight whatever the registers (the version before, with plain loads, kept few in
 flight: benchmarks/NOTES.md).
 
@@ -42,7 +42,7 @@ from .common import (
     PDL, SMEM_BYTES, Release, aligned, butterfly, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper,
     situ_value, unpack_words,
 )
-from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_bf16, store_word, store_words
+from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_values, store_word, store_words
 
 GATE_ROWS = 4  # gate/up rows a chunk (8·L bytes; a down chunk is as many bytes)
 DEPTHS = (4, 3)  # ring slots: 4 chunks in flight (115 KB at L = 3584) where shared memory allows, else 3
@@ -124,18 +124,13 @@ class RoutedExperts(Release):
             b = base + tid
             hit = Int32(0)
             if b < token:
-                for q in cutlass.range_constexpr(TOP_K // 4):  # 4 ids a load
-                    for word in load_words(ids.iterator + b * TOP_K + 4 * q):
-                        if Int32(word) == expert:
-                            hit = Int32(1)
+                if slot_mask(ids, b, expert) != 0:
+                    hit = Int32(1)
             before = before + cute.arch.popc(cute.arch.vote_ballot_sync(hit != 0))
         if lane == 0:
             counts[warp] = before
-        earlier = Int32(0)  # an earlier slot of the token holds the expert (a repeated id)
-        for k in cutlass.range_constexpr(TOP_K):
-            if k < slot:
-                if ids[token * TOP_K + k] == expert:
-                    earlier = Int32(1)
+        # an earlier slot of the token holds the expert (a repeated id)
+        earlier = slot_mask(ids, token, expert) & ((Int32(1) << slot) - Int32(1))
         cute.arch.sync_threads()
         total = Int32(0)
         for w in cutlass.range_constexpr(self.warps):
@@ -155,11 +150,7 @@ class RoutedExperts(Release):
             for i in cutlass.range_constexpr(self.depth):
                 self.issue(gate_up, down, expert, i, ring + i * self.slot_words, full + i, policy)
         for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
-            mask = Int32(0)
-            for k in cutlass.range_constexpr(TOP_K):
-                if ids[b * TOP_K + k] == expert:
-                    mask = mask | Int32(1 << k)
-            masks[b] = mask
+            masks[b] = slot_mask(ids, b, expert)
         cute.arch.sync_threads()  # the masks
         if tid < 32:  # the matched tokens in order: matched[0] their count (up to TOKENS), matched[1 + n] the n-th
             count = Int32(0)
@@ -264,7 +255,7 @@ class RoutedExperts(Release):
                 act = [acts[n, j] for j in range(self.intermediate)]
                 rows = [Float32(exact_dot(values[i * self.intermediate:(i + 1) * self.intermediate], act))
                         for i in range(self.down_rows)]
-                packed = [pack_bf16(rows[i], rows[i + 1]) for i in range(0, self.down_rows, 2)]
+                packed = pack_values(rows)
                 for k in cutlass.range_constexpr(TOP_K):
                     if ((mask >> k) & Int32(1)) != 0:
                         address = out.iterator + (b * TOP_K + k) * self.latent + column
@@ -293,6 +284,18 @@ class RoutedExperts(Release):
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
         counts = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
         return ring, full, xs, parts, hidden, acts, masks, matched, counts
+
+
+@cute.jit
+def slot_mask(ids, token, expert) -> Int32:
+    """Bit k set where slot k of ``token`` holds ``expert`` (its 16 ids, 4 a load)."""
+    mask = Int32(0)
+    for q in cutlass.range_constexpr(TOP_K // 4):
+        words = load_words(ids.iterator + token * TOP_K + 4 * q)
+        for u in cutlass.range_constexpr(4):
+            if Int32(words[u]) == expert:
+                mask = mask | Int32(1 << (4 * q + u))
+    return mask
 
 
 @compiled

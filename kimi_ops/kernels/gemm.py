@@ -69,7 +69,7 @@ from .common import (
     placeholder, register_addresses, store_to_peers, unpack_words,
 )
 from .ptx import (
-    copy_async, divide, double_words, float_bits, l2_evict_first, load_shared, load_words, pack_bf16, pinned,
+    copy_async, divide, double_words, float_bits, l2_evict_first, load_shared, load_words, pack_values, pinned,
     rsqrt_like_torch, store_cluster, store_shared, store_words, wgmma_bf16,
 )
 from .ring import CHUNK, descriptor, expect, landed, paced, release, released, swizzled, swizzled_stages
@@ -213,7 +213,7 @@ class Outputs:
         """The packet of rows [n0, n0 + 8) of ``token`` (8 FP32 values). Tensors: ``first``
         BF16 rows (out, or the front's latent), ``second`` the front's FP32 logits; boxes:
         row ``row0 + token``, latent at column ``col0``, logits at ``col1``."""
-        bf16 = [pack_bf16(values[i], values[i + 1]) for i in range(0, 8, 2)]
+        bf16 = pack_values(values)
         box_row = Int64(row0 + token) * self.width
         if cutlass.const_expr(not self.front):
             if cutlass.const_expr(self.tp):
@@ -438,7 +438,7 @@ class DecodeGemm:
                 if tokens[j] < plan.tokens:
                     values = unpack_words(load_shared(slots[i][j]))
                     normed = [(values[e] * inverse[j]) * gammas[i][e] for e in range(8)]
-                    store_shared(slots[i][j], [pack_bf16(normed[e], normed[e + 1]) for e in range(0, 8, 2)])
+                    store_shared(slots[i][j], pack_values(normed))
             cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then wgmma's reads (async proxy)
             cute.arch.mbarrier_arrive(full + i)
 

@@ -30,6 +30,11 @@ def pack_bf16(low: Float32, high: Float32) -> Uint32:
     )
 
 
+def pack_values(values) -> list:
+    """FP32 values (an even count: a packet's 8) rounded into BF16x2 words, in order."""
+    return [pack_bf16(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+
+
 @cute.jit
 def divide(x: Float32, y: Float32) -> Float32:
     """IEEE x / y (div.rn), as torch divides."""

@@ -32,7 +32,7 @@ from .common import (
     THREADS, Release, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch, ordered, poll, rearm,
     sigmoid, situ_value, unpack_words,
 )
-from .ptx import bits_float, load_words, pack_bf16, store_words
+from .ptx import bits_float, load_words, pack_values, store_words
 
 TOP_K = route_op.TOP_K
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
@@ -269,7 +269,7 @@ class Situ(Release):
             row = gate_up.iterator + token * gate_up.stride[0] + first
             gate, up = self.unpack(load_words(row)), self.unpack(load_words(row + self.width))
             values = [situ_value(g, u, beta, linear_beta) for g, u in zip(gate, up)]
-            words = [pack_bf16(values[i], values[i + 1]) for i in range(0, self.columns, 2)]
+            words = pack_values(values)
             store_words(out.iterator + token * out.stride[0] + first, words)
         self.release_late()
 

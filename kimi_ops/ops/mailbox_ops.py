@@ -267,9 +267,10 @@ def moe_tail_publish(expanded, weights, latent_boxes, parity: int, rank: int) ->
     owner sums the chunk: :func:`moe_latent_reduce`)."""
     check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank)
     partial = no_neg_zero(tail.finalize(expanded, weights))
-    chunks = partial.split(latent_boxes[0].shape[3], dim=1)
-    for box, chunk in zip(latent_boxes, chunks if len(chunks) > 1 else chunks * len(latent_boxes)):
-        box[parity, rank, : expanded.shape[0]].copy_(chunk)
+    width = latent_boxes[0].shape[3]
+    for owner, box in enumerate(latent_boxes):
+        columns = slice(owner * width, (owner + 1) * width) if width != partial.shape[1] else slice(None)
+        box[parity, rank, : expanded.shape[0]].copy_(partial[:, columns])
 
 
 def check_moe_latent_reduce(recv_box, gathered_boxes, error, parity, rearm_parity, rearm_batch, rank, batch) -> None:
@@ -348,8 +349,8 @@ def moe_tail_poll(
 ) -> None:
     """The tail's polled half on one rank: latent = BF16(Σ of the TP sources in rank
     order; a one-source box: two-shot's gathered rows, summed already); the RMSNorm of
-    :func:`~kimi_ops.ops.tail.tail_norm`; up = BF16(xn @ w_up.T) over this rank's H/TP rows; out = BF16(up + BF16(Σ of the shared reduce-scatter
-    sources)); out goes to columns [rank·H/TP, …) of every rank's output box
+    :func:`~kimi_ops.ops.tail.tail_norm`; up = BF16(xn @ w_up.T) over this rank's H/TP
+    rows; out = BF16(up + BF16(Σ of the shared reduce-scatter sources)); out goes to columns [rank·H/TP, …) of every rank's output box
     [1, 1, CAP, H]. Then the previous MoE layer's parity (rows [:rearm_batch]) of the
     latent and shared boxes is re-armed."""
     check_moe_tail_poll(

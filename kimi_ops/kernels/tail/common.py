@@ -13,7 +13,7 @@ from ...mailbox import TAIL_SHARED_POLL as SHARED_POLL
 from ...mailbox import TWO_SHOT_POLL  # noqa: F401
 from ...ops import tail as tail_op
 from ..common import Values, no_neg_zero, poll_all, rearm, store_to_peers, unpack_words
-from ..ptx import pack_bf16, store_words
+from ..ptx import pack_values, store_words
 
 TOP_K = tail_op.TOP_K
 # The functional tails' phases (kernels.common.Stamps, for benchmarks/profile_tail.py),
@@ -99,4 +99,4 @@ def sum_of_squares(values):
 @cute.jit
 def output_packet(up, extra):
     """A packet of out = BF16(up + shared) (8 FP32 values each) as four BF16x2 words."""
-    return [pack_bf16(up[i] + extra[i], up[i + 1] + extra[i + 1]) for i in range(0, 8, 2)]
+    return pack_values([up[i] + extra[i] for i in range(8)])

@@ -41,7 +41,7 @@ from ..common import (
     PDL, THREADS, butterfly_sum, clamp, inverse_rms, launch, normalized, poll_all, store_to_peers,
     unpack_words,
 )
-from ..ptx import load_words, pack_bf16, store_words
+from ..ptx import load_words, pack_values, store_words
 from .common import LATENT_POLL, TOP_K, TWO_SHOT_POLL, rank_sums, rearm_previous, store_to_owner, sum_of_squares
 
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
@@ -220,7 +220,7 @@ class LatentReduce:
             polled = poll_all([recv_box.iterator + ((parity * self.tp + source) * capacity + token) * self.chunk
                                + packet * 8 for source in range(self.tp)], error, TWO_SHOT_POLL)
             total = rank_sums(polled, self.tp)[0]
-            words = [pack_bf16(total[i], total[i + 1]) for i in range(0, 8, 2)]
+            words = pack_values(total)
             column = rank * self.chunk + packet * 8
             store_to_peers(peers, self.tp, (Int64(parity * capacity + token) * self.chunk * self.tp + column) * 2,
                            words)
@@ -256,7 +256,7 @@ def publish_partial(expanded, weights, peers, tp: cutlass.Constexpr[int], latent
     (row ``row0 + token`` of rows of L) of every rank's latent box (``peers``: their bases);
     ``chunk`` (two-shot), of its column owner's receive box (rows of ``chunk``)."""
     acc = weighted_rows(expanded, weights, token, packet * 8)
-    words = [pack_bf16(acc[i], acc[i + 1]) for i in range(0, 8, 2)]
+    words = pack_values(acc)
     if cutlass.const_expr(chunk):
         store_to_owner(peers, chunk, row0 + token, packet * 8, words)
     else:

@@ -17,8 +17,9 @@ CTA c of a cluster owns K columns [c·L/4, (c+1)·L/4)):
 2. xn: functional mode copies the CTA's K slice of NormFront's rows (cp.async). Publish
    mode polls the latent boxes (Lamport polls of every TP source bounded by the global
    timer; two-shot's gathered box has one, summed by LatentReduce), a warp per token,
-   sums the sources in rank order in FP32, rounds to BF16, sums the slice's squares in FP64 (as NormFront) and the slices' sums meet in every
-   CTA through DSMEM; then it normalizes in place.
+   sums the sources in rank order in FP32, rounds to BF16, sums the slice's squares in
+   FP64 (as NormFront) and the slices' sums meet in every CTA through DSMEM; then it
+   normalizes in place.
 3. Up projection on the tensor cores: mma.sync m16n8k16 BF16 → FP32, weights as A (16
    rows), xn as B (8 tokens), fragments by ldmatrix.x4 from 128-byte rows in the 128-byte
    swizzle (xn stored the same way), conflict-free; the order of the FP32 accumulation is
@@ -49,8 +50,8 @@ from cutlass.memory import SmemAllocator
 
 from ..common import PDL, SMEM_BYTES, Stamps, butterfly_sum, clamp, inverse_rms, normalized, poll_all, unpack_words
 from ..ptx import (
-    bits_float, copy_async, l2_evict_first, load_matrices, load_shared, load_words, mma_bf16, pack_bf16, store_cluster,
-    store_shared, store_words,
+    bits_float, copy_async, l2_evict_first, load_matrices, load_shared, load_words, mma_bf16, pack_values,
+    store_cluster, store_shared, store_words,
 )
 from ..ring import CHUNK, expect, landed, paced, release, released, swizzled, swizzled_stages
 from .common import (
@@ -377,7 +378,7 @@ class MoeTail:
                         rounded = rank_sums(packets_in[at:at + sources], sources)[0]
                         if (packet < packets) & (token < batch):
                             squares[u] += sum_of_squares(rounded)
-                            words = [pack_bf16(rounded[i], rounded[i + 1]) for i in range(0, 8, 2)]
+                            words = pack_values(rounded)
                             store_shared(xn + self.xn_packet(token, packet) * 4, words)
                     if cutlass.const_expr(first + pass_rounds >= plan.rounds):  # the token's last pass
                         total = butterfly_sum(squares[u], 32)

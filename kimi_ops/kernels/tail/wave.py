@@ -13,7 +13,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..common import PDL, SMEM_BYTES, Stamps, Values, clamp, unpack_words
-from ..ptx import l2_evict_first, load_matrices, load_shared, load_words, pack_bf16, pinned, store_words, wgmma_bf16
+from ..ptx import l2_evict_first, load_matrices, load_shared, load_words, pack_values, pinned, store_words, wgmma_bf16
 from ..ring import CHUNK, descriptor, expect, landed, paced, release, released, swizzled, swizzled_stages
 from .common import PHASES, Outbox, output_packet, publish_out, reduced_shared
 
@@ -307,7 +307,7 @@ class WaveMoeTail:
         items = [(clamp(token, batch - 1), cta * WAVE_ROWS + row) for token, row in items]  # past the batch: unused
         if cutlass.const_expr(self.tp):
             reduced = reduced_shared(shared, self.tp, outbox.parity, items, outbox.error)
-            return [[pack_bf16(v[i], v[i + 1]) for i in range(0, 8, 2)] for v in reduced]
+            return [pack_values(v) for v in reduced]
         return [load_words(shared.iterator + token * shared.stride[0] + column) for token, column in items]
 
     @cute.jit
