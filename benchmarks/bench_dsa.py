@@ -10,7 +10,10 @@ exceed the H200's L2):
 - floor: the bytes each must read (wq_b; the key rows and cache rows) at the measured
   HBM read bandwidth (timing.HBM_READ_BYTES_PER_US).
 
-    python benchmarks/bench_dsa.py [--batches 1 4 8 16 32 64] [--prepare]
+    python benchmarks/bench_dsa.py [--batches 1 4 8 16 32 64] [--prepare] [--ours-only]
+
+``--ours-only`` skips the composites (their torch.compile takes a minute): for A/B runs of
+the kernels.
 """
 
 import argparse
@@ -85,7 +88,7 @@ def rotating(fn, weights):
     return call
 
 
-def measure(batches) -> list[tuple]:
+def measure(batches, ours_only=False) -> list[tuple]:
     gen = torch.Generator(device="cuda").manual_seed(23)
     copies = int(L2_BYTES // (HEADS * DIM * K * 2)) + 1
     weights = [(torch.randn(HEADS * DIM, K, device="cuda", generator=gen) * K**-0.5).bfloat16() for _ in range(copies)]
@@ -94,6 +97,10 @@ def measure(batches) -> list[tuple]:
     compiled_front = torch.compile(front_composite, dynamic=False)
     compiled_key = torch.compile(key_composite, dynamic=False)
     rows_out = []
+
+    def timed(call, composite=False, **kw):
+        return "-" if composite and ours_only else graph_us(call, **kw)
+
     for batch in batches:
         rows, head_in, q_norm_w, k_in, norm_w, norm_b = inputs(batch)
         slots = torch.randperm(4 * batch, device="cuda")[:batch]
@@ -103,15 +110,15 @@ def measure(batches) -> list[tuple]:
             rows_out.append((f"front/{mode}", batch,
                              graph_us(rotating(lambda w: kimi.dsa_index_front(rows, w, head_in, gamma, EPS), weights),
                                       calls=calls),
-                             graph_us(rotating(lambda w: front_composite(rows, w, head_in, gamma, EPS), weights),
-                                      calls=calls),
-                             graph_us(rotating(lambda w: compiled_front(rows, w, head_in, gamma, EPS), weights),
-                                      calls=calls),
+                             timed(rotating(lambda w: front_composite(rows, w, head_in, gamma, EPS), weights), True,
+                                   calls=calls),
+                             timed(rotating(lambda w: compiled_front(rows, w, head_in, gamma, EPS), weights), True,
+                                   calls=calls),
                              floor))
         rows_out.append(("key_insert", batch,
                          graph_us(lambda: kimi.dsa_index_key_insert(k_in, norm_w, norm_b, EPS, cache, slots)),
-                         graph_us(lambda: key_composite(k_in, norm_w, norm_b, EPS, cache, slots)),
-                         graph_us(lambda: compiled_key(k_in, norm_w, norm_b, EPS, cache, slots)),
+                         timed(lambda: key_composite(k_in, norm_w, norm_b, EPS, cache, slots), True),
+                         timed(lambda: compiled_key(k_in, norm_w, norm_b, EPS, cache, slots), True),
                          floor_us(batch * (DIM * 2 + 8 + 2 * (DIM + 4)))))
         print_table(rows_out[-3:], () if batch != batches[0] else ("op", "B", "ours", "eager", "compiled", "floor"))
     return rows_out
@@ -121,6 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--prepare", action="store_true", help="compile every bucket of both modes first")
+    parser.add_argument("--ours-only", action="store_true", help="skip the eager and compiled composites")
     args = parser.parse_args()
     from kimi_ops import backend
 
@@ -128,7 +136,7 @@ def main() -> None:
         backend.prepare("dsa_index_front", K, args.batches)
         backend.prepare("dsa_index_key_insert")
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, L2-cold wq_b")
-    measure(args.batches)
+    measure(args.batches, args.ours_only)
 
 
 if __name__ == "__main__":
