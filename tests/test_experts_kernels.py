@@ -2,7 +2,7 @@
 without a GPU, with no spills and no ptxas performance note; on a Hopper GPU
 ``kimi::routed_experts`` equals the reference backend on the same device (outputs
 poisoned first, fresh inputs) at every batch up to CAP, at TP1 and at a TP8 rank, with
-repeated experts across tokens (a CTA serves TOKENS of an expert's tokens), repeated ids in a token, ids
+repeated experts across tokens (a cluster serves TOKENS of an expert's tokens), repeated ids in a token, ids
 outside [0, E), −0 and NaN latent rows; it replays from a CUDA graph."""
 
 import pytest
@@ -22,24 +22,39 @@ kimi = torch.ops.kimi
 K3, TINY = (3584, 16, 896), (128, 16, 64)  # (L, I, E): kimi_k3's stand-in, KimiConfig.tiny's L and E
 
 
-@pytest.mark.parametrize("latent, intermediate", [(3584, 16), (3584, 8), (128, 16), (256, 16), (320, 16), (64, 8)])
-def test_routed_experts_compiles(latent, intermediate, clean_ptxas):
-    assert experts.compile_routed_experts.build(latent, intermediate) is not None
+@pytest.mark.parametrize("latent, intermediate, cluster", [
+    (3584, 16, None), (3584, 8, None), (128, 16, None), (256, 16, None), (320, 16, None), (64, 8, None),
+    (3584, 16, 1), (3584, 16, 7),  # a CTA the whole expert (a ring shorter than the stream); full warps
+])
+def test_routed_experts_compiles(latent, intermediate, cluster, clean_ptxas):
+    assert experts.compile_routed_experts.build(latent, intermediate, cluster) is not None
     clean_ptxas()
+
+
+def test_cluster_size():
+    """kimi_k3 (L = 3584) and a TP8 rank (512): clusters of 8; C · P/8 = L and whole chunks always."""
+    assert experts.cluster_size(3584) == 8 and experts.cluster_size(512) == 8
+    assert experts.cluster_size(320) == 5 and experts.cluster_size(64) == 2
+    for latent in range(64, 4097, 64):
+        cluster = experts.cluster_size(latent)
+        assert 2 <= cluster <= experts.MAX_CLUSTER and (latent // 8) % (experts.GATE_ROWS * cluster) == 0
 
 
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
-            kernel = experts.RoutedExperts(latent, intermediate)
-            assert kernel.threads % 32 == 0 and kernel.packets <= kernel.threads < kernel.packets + 32
-            assert kernel.packets * 8 == latent and kernel.row_threads * experts.GATE_ROWS == kernel.packets
-            assert kernel.gate_chunks * experts.GATE_ROWS == 2 * intermediate  # every gate/up row once
-            down_chunks = kernel.chunks - kernel.gate_chunks  # of 4L values: the expert's L·I down values
-            assert down_chunks * 4 * latent == latent * intermediate
-            assert kernel.down_rows * intermediate == 32  # a thread's 4 packets: whole down rows
-            assert kernel.packets * kernel.down_rows * down_chunks == latent  # every output row once
-            assert kernel.smem_bytes() <= SMEM_BYTES
+            for cluster in (None, 1):
+                kernel = experts.RoutedExperts(latent, intermediate, cluster)
+                assert kernel.threads % 32 == 0 and kernel.packets <= kernel.threads < kernel.packets + 32
+                assert kernel.slice * kernel.cluster == latent and kernel.packets * 8 == kernel.slice
+                assert kernel.row_threads * experts.GATE_ROWS == kernel.packets
+                assert kernel.gate_chunks * experts.GATE_ROWS == 2 * intermediate  # every gate/up row once
+                down_chunks = kernel.chunks - kernel.gate_chunks  # of 4 slice values: the slice's I down values
+                assert down_chunks * 4 * kernel.slice == kernel.slice * intermediate
+                assert kernel.down_rows * intermediate == 32  # a thread's 4 packets: whole down rows
+                assert kernel.packets * kernel.down_rows * down_chunks == kernel.slice  # every output row once
+                assert 1 <= kernel.depth <= kernel.chunks and kernel.smem_bytes() <= SMEM_BYTES
+            assert experts.RoutedExperts(latent, intermediate).depth == kernel.chunks  # the whole slice in flight
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
     assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference
     assert "multiple of 64" in experts.unsupported_shape(100, 16, 1)
@@ -107,7 +122,8 @@ def test_routed_experts_kernel(batch, rank, tp):
 
 @on_hopper
 def test_routed_experts_kernel_tiny_and_odd_ids():
-    """KimiConfig.tiny's L and E (16 threads a CTA); a token with a repeated id (both rows written), ids −1 and
+    """KimiConfig.tiny's L and E (clusters of 4, 4 threads with packets a CTA); a token with a
+    repeated id (both rows written), ids −1 and
     E (zero rows), −0 and NaN latent rows (NaN rows only where the NaN token's experts are)."""
     latent, ids, gate_up, down = args_of(6, TINY, seed=7)
     ids[0, 3] = ids[0, 4]
@@ -126,7 +142,7 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
 @on_hopper
 @pytest.mark.parametrize("batch", [33, experts.MAX_BATCH])
 def test_routed_experts_kernel_shared_experts_and_wide_batches(batch):
-    """L = 64, I = 8 (a warp a CTA, 8 threads with packets) at batches past the mask loop's
+    """L = 64, I = 8 (clusters of 2, 4 threads with packets a CTA) at batches past the mask loop's
     stride and at the kernel's largest: every token on the same 16 experts (each served
     by ⌈B/TOKENS⌉ CTAs), and a repeated id in a token that leads its CTA (8) and in one
     that does not (5): both its rows written, the later tokens' ordinals one fewer."""
@@ -145,6 +161,20 @@ def test_routed_experts_kernel_with_a_partial_warp(batch):
     served_by_the_kernel(*args, 0, 1)
     poison(batch, 320)
     assert_matches(kimi.routed_experts(*args, 0, 1), reference(kimi.routed_experts, *args, 0, 1))
+
+
+@on_hopper
+@pytest.mark.parametrize("cluster", [1, 7])
+def test_routed_experts_kernel_at_other_cluster_sizes(cluster):
+    """The sweeps' variants (compile_routed_experts' ``cluster``): a CTA the whole expert
+    (a ring shorter than the stream), and clusters of 7 (full warps at L = 3584)."""
+    batch, (width, intermediate, count) = 8, K3
+    latent, ids, gate_up, down = args_of(batch, K3, seed=cluster)
+    out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+    experts.compile_routed_experts(width, intermediate, cluster)(
+        latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch, 0,
+        count, count)
+    assert_matches(out, reference(kimi.routed_experts, latent, ids, gate_up, down, 0, 1))
 
 
 @on_hopper

@@ -1,30 +1,36 @@
 """The routed experts' stand-in on Hopper (``kimi::routed_experts``; not a seed kernel).
 
-One CTA a (token, expert) pair: the grid is B·16 CTAs, which the hardware hands to SMs as
-others end (a balanced schedule, no persistent loop). For pair (b, k), expert e =
-ids[b, k]: if e is this rank's, k is e's first slot in token b, and b is e's token number
-0, TOKENS, 2·TOKENS, … (token-major; the CTA's threads count the tokens before it that
-hold e), the CTA serves e for that token and the next TOKENS − 1 routed to it; any other
-pair of e ends at once. So each routed expert's weights are read once a step per TOKENS
-of its tokens, with no gather and no sort, and a popular expert's tokens spread over
-CTAs (a token costs a CTA about 6 µs of FP64 sums at L = 3584: benchmarks/NOTES.md). A
-pair of another rank's expert (or an id outside [0, E)) gets a zero row. A CTA streams
-its whole expert (2I·L gate/up and L·I down values) by bulk copies (TMA, no tensor map) through a ring of 3-4 chunks of 8·L bytes, so that a chunk's bytes
-are in flight whatever the registers (the version before, with plain loads, kept few in
-flight: benchmarks/NOTES.md).
+One cluster of C CTAs a (token, expert) pair: the grid is B·16·C CTAs, which the hardware
+hands to SMs as others end (a balanced schedule, no persistent loop). For pair (b, k),
+expert e = ids[b, k]: if e is this rank's, k is e's first slot in token b, and b is e's
+token number 0, TOKENS, 2·TOKENS, … (token-major; the CTA's threads count the tokens
+before it that hold e), the cluster serves e for that token and the next TOKENS − 1
+routed to it; any other pair of e ends at once. So each routed expert's weights are read
+once a step per TOKENS of its tokens, with no gather and no sort, and a popular expert's
+tokens spread over clusters. CTA r of a cluster takes 1/C of L (:func:`cluster_size`):
+gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 sums (about
+6 µs on one SM at L = 3584: the FP32 → FP64 conversions, benchmarks/NOTES.md) and the
+expert's bytes spread over C SMs; the gate/up partial sums meet over DSMEM, added in rank
+order in every CTA (the same bits in each). A pair of another rank's expert (or an id
+outside [0, E)) gets a zero row, each CTA its slice. A CTA streams its slice of the
+expert (2I rows of L/C gate/up values, L/C down rows of I) by bulk copies (TMA, no tensor
+map) through a ring of chunks of 8·L/C bytes, the whole slice in flight where shared
+memory allows (the version with plain loads kept few in flight: benchmarks/NOTES.md).
 
 For each token of e, the reference's rounding points:
 
 1. hidden_r = FP32(Σ_l gate_up[e, r, l] · latent[b, l]) for the 2I rows: FP32 products of
-   BF16 values (exact) summed in FP64 — a thread's 4 packets in order, the 8 lanes of the
-   row in a warp (butterfly), then the warps in order (shared memory) — rounded once.
+   BF16 values (exact) summed in FP64 — a thread's 4 packets in order, the row's lanes in a
+   warp (butterfly), the warps in order (shared memory), then the cluster's CTAs in rank
+   order (DSMEM) — rounded once.
 2. act_j = situ(hidden_j, hidden_{I+j}): gate and up rounded to BF16, FP32 math, BF16.
 3. row_l = BF16(FP32(Σ_j act_j · down[e, l, j])), the sum in FP64.
 
-P = L/8 threads (rounded up to whole warps: the butterflies need every lane). A gate/up
-chunk is 4 rows of L: thread t < P takes row t % 4 and packets t // 4 + (P/4)·j (j < 4),
-rows padded by 2 packets in the slot (conflict-free reads). A down chunk is 4L/I rows of
-L's: thread t takes the 32/I rows t·32/I … (4 packets). The serve first issues the
+P = L/(8C) threads, a CTA's packets of a row (rounded up to whole warps: the butterflies
+need every lane). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
+packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflict-free
+reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
+(4 packets). The serve first issues the
 ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
 tokens in order, up to TOKENS) and copies their latent rows into shared memory once
 (cp.async): every gate/up chunk reads them there, not from L2.
@@ -39,26 +45,41 @@ from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .common import (
-    PDL, SMEM_BYTES, Release, aligned, butterfly, clamp, compile_options, compiled, exact_dot, fake, fake_stream, hopper,
-    situ_value, unpack_words,
+    PDL, SMEM_BYTES, Release, aligned, butterfly, clamp, cluster_barrier, cluster_total, compile_options, compiled,
+    exact_dot, fake, fake_stream, hopper, send_to_cluster, situ_value, unpack_words,
 )
 from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_values, store_word, store_words
 
-GATE_ROWS = 4  # gate/up rows a chunk (8·L bytes; a down chunk is as many bytes)
-DEPTHS = (4, 3)  # ring slots: 4 chunks in flight (115 KB at L = 3584) where shared memory allows, else 3
+GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)
+MAX_CLUSTER = 8  # portable cluster size
 TOKENS = 4  # the tokens a CTA serves in its pass over the expert's weights (their partials in shared memory)
 MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
-MAX_LATENT = 4096  # P = L/8 ≤ 512 threads
+MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
+
+
+def cluster_size(latent: int) -> int:
+    """C, the CTAs of a pair: whole 4-row chunks a CTA (L/8 % 4C == 0), the most busy lanes
+    over the cluster's warps (C · P / P rounded up to warps: SMs and their conversion
+    units at work), the larger C at a tie (a smaller slice to stream)."""
+    packets = latent // 8
+
+    def lanes(c):
+        share = packets // c
+        return c * share / (-(-share // 32) * 32)
+
+    return max((c for c in range(1, MAX_CLUSTER + 1) if packets % (GATE_ROWS * c) == 0), key=lambda c: (lanes(c), c))
 
 
 class RoutedExperts(Release):
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
-    def __init__(self, latent: int, intermediate: int):
+    def __init__(self, latent: int, intermediate: int, cluster: int | None = None):
         super().__init__(early=False)  # released late: dependents cannot take its SMs
         self.latent, self.intermediate = latent, intermediate
-        self.packets = latent // 8  # P: a row of L's packets
+        self.cluster = cluster or cluster_size(latent)
+        self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
+        self.packets = self.slice // 8  # P: a slice row's packets
         self.threads = -(-self.packets // 32) * 32  # whole warps: the butterflies need every lane
         self.warps = self.threads // 32
         self.row_threads = self.packets // GATE_ROWS  # a gate/up row's threads in a chunk
@@ -67,14 +88,15 @@ class RoutedExperts(Release):
         self.row_words = (self.packets + 2) * 4  # a gate/up row in a slot, padded: conflict-free reads
         self.slot_words = GATE_ROWS * self.row_words
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
-        self.depth = next(d for d in DEPTHS if self.smem_bytes(d) <= SMEM_BYTES)
-        assert self.chunks > self.depth  # serve issues the first ring of chunks before it counts its tokens
+        # the whole slice in flight where it fits (a B ≤ 8 step is the stream's latency)
+        self.depth = max(d for d in range(1, self.chunks + 1) if self.smem_bytes(d) <= SMEM_BYTES)
 
     def smem_bytes(self, depth: int | None = None) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned) with a ring of ``depth``."""
         depth = depth or self.depth
         pieces = (4 * depth * self.slot_words, 8 * depth, 16 * TOKENS * self.packets,
                   8 * TOKENS * 2 * self.intermediate * self.warps,
+                  8 * TOKENS * 2 * self.intermediate * self.cluster,
                   4 * TOKENS * 2 * self.intermediate, 4 * TOKENS * self.intermediate, 4 * MAX_BATCH,
                   4 * (1 + MAX_BATCH), 4 * 32)
         return sum(-(-piece // 16) * 16 for piece in pieces)
@@ -84,13 +106,15 @@ class RoutedExperts(Release):
                  out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, stream):
         """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]."""
         self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts).launch(
-            grid=[batch * TOP_K, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=PDL)
+            grid=[batch * TOP_K * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
+            stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
                out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        pair, _, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
+        pair, part = cta // self.cluster, cta % self.cluster
         self.release_early()
         space = self.allocate()
         full = space[1]
@@ -98,6 +122,8 @@ class RoutedExperts(Release):
             for slot in cutlass.range_constexpr(self.depth):
                 cute.arch.mbarrier_init(full + slot, 1)
             cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
         cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
         expert = ids[pair]
         served = Int32(0)
@@ -105,11 +131,16 @@ class RoutedExperts(Release):
             if expert < experts:
                 if expert // per_rank == rank:
                     served = Int32(1)
+        # every CTA of a cluster decides alike (the same pair): all serve, or none
         if served == 0:
             if tid < self.packets:
-                store_words(out.iterator + pair * self.latent + 8 * tid, [Uint32(0)] * 4)
-        elif self.leads_its_tokens(ids, expert, pair, space[8], tid) != 0:
-            self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, tid, space)
+                store_words(out.iterator + pair * self.latent + part * self.slice + 8 * tid, [Uint32(0)] * 4)
+        elif self.leads_its_tokens(ids, expert, pair, space[9], tid) != 0:
+            self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space)
+            served = Int32(2)
+        if cutlass.const_expr(self.cluster > 1):
+            if served != 2:
+                cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
         self.release_late()
 
     @cute.jit
@@ -141,14 +172,14 @@ class RoutedExperts(Release):
         return leads
 
     @cute.jit
-    def serve(self, latent, ids, gate_up, down, out, batch, expert, token, tid, space):
+    def serve(self, latent, ids, gate_up, down, out, batch, expert, token, part, tid, space):
         """``token`` and the next TOKENS − 1 tokens routed to ``expert`` (their masks: which
-        of a token's 16 slots hold it): the chunks' stream, steps 1-3."""
-        ring, full, xs, parts, hidden, acts, masks, matched, _ = space
+        of a token's 16 slots hold it): our slice's stream, steps 1-3."""
+        ring, full, xs, parts, received, hidden, acts, masks, matched, _ = space
         policy = l2_evict_first()
-        if tid == 0:  # the stream is more chunks than the ring holds: its first ring at once
+        if tid == 0:  # the first ring of chunks at once
             for i in cutlass.range_constexpr(self.depth):
-                self.issue(gate_up, down, expert, i, ring + i * self.slot_words, full + i, policy)
+                self.issue(gate_up, down, expert, part, i, ring + i * self.slot_words, full + i, policy)
         for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
             masks[b] = slot_mask(ids, b, expert)
         cute.arch.sync_threads()  # the masks
@@ -167,7 +198,7 @@ class RoutedExperts(Release):
             if tid == 0:
                 matched[0] = clamp(count, Int32(TOKENS))
         cute.arch.sync_threads()
-        self.stash_latent(latent, xs, matched, tid)  # every gate/up chunk reads them
+        self.stash_latent(latent, xs, matched, part, tid)  # every gate/up chunk reads them
         for chunk in cutlass.range(self.chunks, unroll=1):
             slot = chunk % self.depth
             cute.arch.mbarrier_wait(full + slot, (chunk // self.depth) % 2)
@@ -175,34 +206,37 @@ class RoutedExperts(Release):
             if chunk < self.gate_chunks:
                 self.gate_chunk(xs, words, parts, matched, chunk, tid)
             else:
-                self.down_chunk(out, words, acts, masks, matched, chunk - self.gate_chunks, tid)
+                self.down_chunk(out, words, acts, masks, matched, part, chunk - self.gate_chunks, tid)
             cute.arch.sync_threads()  # the slot is read (and the chunk's partials are in)
-            if tid == 0:
-                if chunk + self.depth < self.chunks:
-                    self.issue(gate_up, down, expert, chunk + self.depth, words, full + slot, policy)
+            if cutlass.const_expr(self.depth < self.chunks):
+                if tid == 0:
+                    if chunk + self.depth < self.chunks:
+                        self.issue(gate_up, down, expert, part, chunk + self.depth, words, full + slot, policy)
             if chunk == self.gate_chunks - 1:
-                self.activate(parts, hidden, acts, tid)
+                self.activate(parts, received, hidden, acts, part, tid)
 
     @cute.jit
-    def issue(self, gate_up, down, expert, chunk, words, barrier, policy: Int64):
-        """Chunk ``chunk`` of ``expert``'s stream into the slot at ``words`` (thread 0)."""
-        cute.arch.mbarrier_arrive_and_expect_tx(barrier, 8 * self.latent)
+    def issue(self, gate_up, down, expert, part, chunk, words, barrier, policy: Int64):
+        """Chunk ``chunk`` of ``expert``'s stream over slice ``part`` into the slot at ``words``
+        (thread 0): 4 gate/up rows' columns of the slice, or 4L/(C·I) of its down rows."""
+        cute.arch.mbarrier_arrive_and_expect_tx(barrier, 8 * self.slice)
         if chunk < self.gate_chunks:
             for r in cutlass.range_constexpr(GATE_ROWS):
                 row = expert * 2 * self.intermediate + chunk * GATE_ROWS + r
-                bulk_copy(words + r * self.row_words, gate_up.iterator + row * self.latent,
-                          Int32(2 * self.latent), barrier, policy)
+                bulk_copy(words + r * self.row_words, gate_up.iterator + row * self.latent + part * self.slice,
+                          Int32(2 * self.slice), barrier, policy)
         else:
-            bulk_copy(words, down.iterator + (expert * self.intermediate + (chunk - self.gate_chunks) * 4) * self.latent,
-                      Int32(8 * self.latent), barrier, policy)
+            first_row = expert * self.latent + part * self.slice  # of down's [E·L, I] rows
+            first = first_row * self.intermediate + (chunk - self.gate_chunks) * 4 * self.slice
+            bulk_copy(words, down.iterator + first, Int32(8 * self.slice), barrier, policy)
 
     @cute.jit
-    def stash_latent(self, latent, xs, matched, tid):
-        """The latent rows of the matched tokens into ``xs`` [TOKENS, P] packets: cp.async,
-        all in flight at once, then the barrier."""
+    def stash_latent(self, latent, xs, matched, part, tid):
+        """Slice ``part`` of the matched tokens' latent rows into ``xs`` [TOKENS, P] packets:
+        cp.async, all in flight at once, then the barrier."""
         for item in cutlass.range(tid, matched[0] * self.packets, self.threads, unroll=1):
             n, c = item // self.packets, item % self.packets
-            copy_async(xs + item * 4, latent.iterator + matched[1 + n] * self.latent + c * 8)
+            copy_async(xs + item * 4, latent.iterator + matched[1 + n] * self.latent + part * self.slice + c * 8)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
@@ -227,14 +261,21 @@ class RoutedExperts(Release):
                 parts[n, chunk * GATE_ROWS + r, tid // 32] = total
 
     @cute.jit
-    def activate(self, parts, hidden, acts, tid):
-        """Steps 1-2's ends for the TOKENS token slots (unused slots: values never stored)."""
+    def activate(self, parts, received, hidden, acts, part, tid):
+        """Steps 1-2's ends for the TOKENS token slots (unused slots: values never stored):
+        our slice's sums (the warps in order) to every CTA of the cluster, their sum in rank
+        order."""
         double = 2 * self.intermediate
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
         for item in cutlass.range(tid, TOKENS * double, self.threads, unroll=1):
             total = Float64(0.0)
             for w in cutlass.range_constexpr(self.warps):
                 total += parts[item // double, item % double, w]
-            hidden[item // double, item % double] = Float32(total)
+            send_to_cluster(received, item, total, part, self.cluster)
+        cluster_barrier(self.cluster)
+        for item in cutlass.range(tid, TOKENS * double, self.threads, unroll=1):
+            hidden[item // double, item % double] = Float32(cluster_total(received, item, self.cluster))
         cute.arch.sync_threads()
         for item in cutlass.range(tid, TOKENS * self.intermediate, self.threads, unroll=1):
             n, j = item // self.intermediate, item % self.intermediate
@@ -244,11 +285,12 @@ class RoutedExperts(Release):
         cute.arch.sync_threads()
 
     @cute.jit
-    def down_chunk(self, out, words, acts, masks, matched, part, tid):
-        """Step 3 on down chunk ``part`` (rows part·4L/I …) for the matched tokens."""
+    def down_chunk(self, out, words, acts, masks, matched, part, chunk, tid):
+        """Step 3 on down chunk ``chunk`` of slice ``part`` (its rows chunk·4L/(C·I) …) for
+        the matched tokens."""
         if tid < self.packets:
             values = [v for m in range(4) for v in unpack_words(load_shared(words + (4 * tid + m) * 4))]
-            column = part * (4 * self.latent // self.intermediate) + tid * self.down_rows
+            column = part * self.slice + chunk * (4 * self.slice // self.intermediate) + tid * self.down_rows
             for n in cutlass.range(matched[0], unroll=1):
                 b = matched[1 + n]
                 mask = masks[b]
@@ -266,10 +308,10 @@ class RoutedExperts(Release):
 
     @cute.jit
     def allocate(self):
-        """(the ring (words), its full barriers, the matched tokens' latent rows (words), parts
-        [TOKENS, 2I, warps] FP64, hidden
-        [TOKENS, 2I] FP32, acts [TOKENS, I] FP32, masks [MAX_BATCH], the matched tokens
-        (count, then the list), the warps' token counts)."""
+        """(the ring (words), its full barriers, the matched tokens' latent slices (words),
+        parts [TOKENS, 2I, warps] FP64, received [TOKENS·2I, C] FP64 (the cluster's slice
+        sums), hidden [TOKENS, 2I] FP32, acts [TOKENS, I] FP32, masks [MAX_BATCH], the
+        matched tokens (count, then the list), the warps' token counts)."""
         smem = SmemAllocator()
         double = 2 * self.intermediate
         ring = smem.allocate_tensor(Uint32, cute.make_layout(self.depth * self.slot_words), 16).iterator
@@ -277,13 +319,15 @@ class RoutedExperts(Release):
         xs = smem.allocate_tensor(Uint32, cute.make_layout(4 * TOKENS * self.packets), 16).iterator
         parts = smem.allocate_tensor(
             Float64, cute.make_layout((TOKENS, double, self.warps), stride=(double * self.warps, self.warps, 1)), 16)
+        received = smem.allocate_tensor(
+            Float64, cute.make_layout((TOKENS * double, self.cluster), stride=(self.cluster, 1)), 16)
         hidden = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, double), stride=(double, 1)), 16)
         acts = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, self.intermediate), stride=(self.intermediate, 1)),
                                     16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
         counts = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
-        return ring, full, xs, parts, hidden, acts, masks, matched, counts
+        return ring, full, xs, parts, received, hidden, acts, masks, matched, counts
 
 
 @cute.jit
@@ -299,10 +343,11 @@ def slot_mask(ids, token, expert) -> Int32:
 
 
 @compiled
-def compile_routed_experts(latent: int, intermediate: int):
+def compile_routed_experts(latent: int, intermediate: int, cluster: int | None = None):
+    """``cluster``: C instead of :func:`cluster_size`'s (benchmark sweeps)."""
     tokens, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
-        RoutedExperts(latent, intermediate), fake(BFloat16, (tokens, latent)),
+        RoutedExperts(latent, intermediate, cluster), fake(BFloat16, (tokens, latent)),
         fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
         fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), fake_stream(),
         options=compile_options(),

@@ -1,0 +1,68 @@
+"""The routed experts' stand-in kernel (kernels/experts.py) by cluster size: median µs per
+call of ``kimi::routed_experts``'s kernel, CUDA-graph replayed, each call on its own
+routing (16 distinct experts a token, so the experts a call reads are mostly not in L2),
+against the floor of the distinct experts' bytes. The torch forms of the stand-in are in
+benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the floor.
+
+    python benchmarks/bench_experts.py [--batches 1 8 64] [--clusters 1 8]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+import kimi_ops  # noqa: F401
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import floor_us, graph_us, print_table  # noqa: E402
+
+SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): a TP8 rank's E/8 experts
+CALLS = 20
+
+
+def measure(batches, clusters) -> list[tuple]:
+    from kimi_ops.kernels import experts
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows = []
+    for name, (width, intermediate, count) in SHAPES.items():
+        gate_up = (torch.randn(count, 2 * intermediate, width, device="cuda", generator=gen) * width**-0.5).bfloat16()
+        down = (torch.randn(count, width, intermediate, device="cuda", generator=gen) * intermediate**-0.5).bfloat16()
+        per_expert = (gate_up[0].numel() + down[0].numel()) * 2
+        sizes = [experts.cluster_size(width) if c == 0 else c for c in clusters]
+        for batch in batches:
+            latent = torch.randn(batch, width, device="cuda", generator=gen).bfloat16()
+            routings = [torch.stack([torch.randperm(count, device="cuda", generator=gen)[:16] for _ in range(batch)])
+                        .int().view(-1) for _ in range(CALLS)]
+            out = latent.new_empty((batch * 16, width))
+            floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
+            times = []
+            for cluster in sizes:
+                launch = experts.compile_routed_experts(width, intermediate, cluster)
+                turn = [0]
+
+                def call():
+                    launch(latent, routings[turn[0] % CALLS], gate_up.view(-1, width), down.view(-1, intermediate),
+                           out, batch, 0, count, count)
+                    turn[0] += 1
+
+                times.append(graph_us(call, calls=CALLS))
+            rows.append((name, batch, *times, floor))
+    print_table(rows, ("shape", "B", *(f"C = {c}" for c in sizes), "floor"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--clusters", type=int, nargs="+", default=[1, 0],
+                        help="cluster sizes to time (0: the kernel's own, cluster_size)")
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")
+    measure(args.batches, args.clusters)
+
+
+if __name__ == "__main__":
+    main()
