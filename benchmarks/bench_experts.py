@@ -4,7 +4,7 @@ routing (16 distinct experts a token, so the experts a call reads are mostly not
 against the floor of the distinct experts' bytes. The torch forms of the stand-in are in
 benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the floor.
 
-    python benchmarks/bench_experts.py [--batches 1 8 64] [--clusters 1 8]
+    python benchmarks/bench_experts.py [--batches 1 8 64] [--clusters 1 8] [--shapes kimi_k3 tp8_rank]
 """
 
 import argparse
@@ -22,12 +22,13 @@ SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): 
 CALLS = 20
 
 
-def measure(batches, clusters) -> list[tuple]:
+def measure(batches, clusters, shapes) -> list[tuple]:
     from kimi_ops.kernels import experts
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     rows = []
-    for name, (width, intermediate, count) in SHAPES.items():
+    for name in shapes:
+        width, intermediate, count = SHAPES[name]
         gate_up = (torch.randn(count, 2 * intermediate, width, device="cuda", generator=gen) * width**-0.5).bfloat16()
         down = (torch.randn(count, width, intermediate, device="cuda", generator=gen) * intermediate**-0.5).bfloat16()
         per_expert = (gate_up[0].numel() + down[0].numel()) * 2
@@ -59,9 +60,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--clusters", type=int, nargs="+", default=[1, 0],
                         help="cluster sizes to time (0: the kernel's own, cluster_size)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")
-    measure(args.batches, args.clusters)
+    measure(args.batches, args.clusters, args.shapes)
 
 
 if __name__ == "__main__":
