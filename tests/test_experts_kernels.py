@@ -31,8 +31,11 @@ def test_routed_experts_compiles(latent, intermediate, cluster, clean_ptxas):
     clean_ptxas()
 
 
-def test_cluster_size():
-    """kimi_k3 (L = 3584) and a TP8 rank (512): clusters of 8; C · P/8 = L and whole chunks always."""
+def test_cluster_size(monkeypatch):
+    """kimi_k3 (L = 3584) and a TP8 rank (512): clusters of 8 while 16·B·C CTAs fit the
+    SMs; C · P/8 = L and whole chunks always."""
+    monkeypatch.setattr(experts, "multiprocessors", lambda device: 132)
+    assert [experts.cluster_for(3584, batch, 0) for batch in (1, 2, 8)] == [8, 1, 1]
     assert experts.cluster_size(3584) == 8 and experts.cluster_size(512) == 8
     assert experts.cluster_size(320) == 5 and experts.cluster_size(64) == 2
     for latent in range(64, 4097, 64):

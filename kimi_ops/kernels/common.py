@@ -192,6 +192,11 @@ class Release:
             cute.arch.griddepcontrol_launch_dependents()
 
 
+@functools.cache
+def multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:
     """One element of ``tensor`` viewed as ``dtype`` (``dims`` dimensions) for an argument
     the kernel's mode never touches (no allocation: nothing outlives the call, e.g. in a

@@ -10,8 +10,9 @@ once a step per TOKENS of its tokens, with no gather and no sort, and a popular 
 tokens spread over clusters. CTA r of a cluster takes 1/C of L (:func:`cluster_size`):
 gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 sums (about
 6 µs on one SM at L = 3584: the FP32 → FP64 conversions, benchmarks/NOTES.md) and the
-expert's bytes spread over C SMs; the gate/up partial sums meet over DSMEM, added in rank
-order in every CTA (the same bits in each). A pair of another rank's expert (or an id
+expert's bytes spread over C SMs while the SMs would otherwise idle (:func:`cluster_for`:
+B = 1), and a CTA takes the whole expert (C = 1) past that; the gate/up partial sums meet
+over DSMEM, added in rank order in every CTA (the same bits in each). A pair of another rank's expert (or an id
 outside [0, E)) gets a zero row, each CTA its slice. A CTA streams its slice of the
 expert (2I rows of L/C gate/up values, L/C down rows of I) by bulk copies (TMA, no tensor
 map) through a ring of chunks of 8·L/C bytes, the whole slice in flight where shared
@@ -46,7 +47,7 @@ from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .common import (
     PDL, SMEM_BYTES, Release, aligned, butterfly, clamp, cluster_barrier, cluster_total, compile_options, compiled,
-    exact_dot, fake, fake_stream, hopper, send_to_cluster, situ_value, unpack_words,
+    exact_dot, fake, fake_stream, hopper, multiprocessors, send_to_cluster, situ_value, unpack_words,
 )
 from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_values, store_word, store_words
 
@@ -69,6 +70,15 @@ def cluster_size(latent: int) -> int:
         return c * share / (-(-share // 32) * 32)
 
     return max((c for c in range(1, MAX_CLUSTER + 1) if packets % (GATE_ROWS * c) == 0), key=lambda c: (lanes(c), c))
+
+
+def cluster_for(latent: int, batch: int, device: int) -> int:
+    """A call's C: :func:`cluster_size`'s while its grid fits the SMs at a CTA each (B = 1
+    at L = 3584: 16 pairs × 8), else 1 — then the SMs have other pairs to serve, and each
+    CTA of a cluster repeats the pair's prologue (H200, L = 3584, C = 1 against 8: B = 1
+    16.5 / 10.7 µs, B = 8 30.4 / 37.1, B = 64 117 / 199; benchmarks/NOTES.md)."""
+    cluster = cluster_size(latent)
+    return cluster if batch * TOP_K * cluster <= multiprocessors(device) else 1
 
 
 class RoutedExperts(Release):
@@ -344,7 +354,7 @@ def slot_mask(ids, token, expert) -> Int32:
 
 @compiled
 def compile_routed_experts(latent: int, intermediate: int, cluster: int | None = None):
-    """``cluster``: C instead of :func:`cluster_size`'s (benchmark sweeps)."""
+    """``cluster``: C (:func:`cluster_for`; None: :func:`cluster_size`'s)."""
     tokens, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
         RoutedExperts(latent, intermediate, cluster), fake(BFloat16, (tokens, latent)),
@@ -373,7 +383,8 @@ class RoutedExpertsKernel:
 
     def prepare(self, latent: int, intermediate: int) -> None:
         if unsupported_shape(latent, intermediate, 0) is None:
-            compile_routed_experts(latent, intermediate)
+            for cluster in sorted({1, cluster_size(latent)}):
+                compile_routed_experts(latent, intermediate, cluster)
 
     def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
         reason = unsupported_shape(latent.shape[1], down.shape[2], latent.shape[0])
@@ -386,7 +397,7 @@ class RoutedExpertsKernel:
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
-            compile_routed_experts(width, intermediate)(
+            compile_routed_experts(width, intermediate, cluster_for(width, batch, latent.device.index))(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
                 rank, experts // tp, experts)
         return out

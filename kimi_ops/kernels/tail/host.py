@@ -13,7 +13,8 @@ from ... import backend
 from ...ops import mailbox_ops
 from ...ops import tail as tail_op
 from ..common import (
-    addresses, aligned, compile_options, compiled, fake, fake_stream, hopper, placeholder, register_addresses,
+    addresses, aligned, compile_options, compiled, fake, fake_stream, hopper, multiprocessors, placeholder,
+    register_addresses,
 )
 from ..ring import CHUNK
 from .common import TOP_K
@@ -148,11 +149,6 @@ def compile_poll_front(latent: int, tp: int, shard: int):
         fake(BFloat16, (latent,)), fake(BFloat16, (cute.sym_int(), latent)), fake(Int32, (1,), align=4),
         Float32(1e-6), Int32(0), Int32(1), Int32(1), fake_stream(), options=compile_options(),
     )
-
-
-@functools.cache
-def multiprocessors(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def front_per_sm(shard: int, latent: int, batch: int, device: int) -> int:
