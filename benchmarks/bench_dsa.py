@@ -25,7 +25,7 @@ import torch
 import kimi_ops  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import floor_us, graph_us, print_table  # noqa: E402
+from timing import floor_us, graph_us, print_table, rotating  # noqa: E402
 
 BATCHES = (1, 4, 8, 16, 32, 64)
 HEADS, DIM, K = 32, 128, 1536
@@ -75,17 +75,6 @@ def inputs(batch, device="cuda", seed=0):
     norm_w = (1 + 0.1 * torch.randn(DIM, device=device, generator=gen)).bfloat16()
     norm_b = (0.1 * torch.randn(DIM, device=device, generator=gen)).bfloat16()
     return rows, head_in, q_norm_w, k_in, norm_w, norm_b
-
-
-def rotating(fn, weights):
-    """A call of ``fn(w)`` on the next weight copy (the graph captures the rotation)."""
-    turn = [0]
-
-    def call():
-        fn(weights[turn[0] % len(weights)])
-        turn[0] += 1
-
-    return call
 
 
 def measure(batches, ours_only=False) -> list[tuple]:

@@ -16,7 +16,7 @@ import torch
 import kimi_ops  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import floor_us, graph_us, print_table  # noqa: E402
+from timing import floor_us, graph_us, print_table, rotating  # noqa: E402
 
 SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): a TP8 rank's E/8 experts
 CALLS = 20
@@ -42,14 +42,9 @@ def measure(batches, clusters, shapes) -> list[tuple]:
             times = []
             for cluster in sizes:
                 launch = experts.compile_routed_experts(width, intermediate, cluster)
-                turn = [0]
-
-                def call():
-                    launch(latent, routings[turn[0] % CALLS], gate_up.view(-1, width), down.view(-1, intermediate),
-                           out, batch, 0, count, count)
-                    turn[0] += 1
-
-                times.append(graph_us(call, calls=CALLS))
+                times.append(graph_us(rotating(lambda ids: launch(
+                    latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, batch, 0, count, count),
+                    routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
     print_table(rows, ("shape", "B", *(f"C = {c}" for c in sizes), "floor"))
     return rows

@@ -50,7 +50,7 @@ from kimi_ops import KimiConfig, KimiDecoder
 
 sys.path.insert(0, os.path.dirname(__file__))
 from composite import CompositeDecoder  # noqa: E402
-from timing import capture, graph_us, print_table  # noqa: E402
+from timing import capture, graph_us, print_table, rotating  # noqa: E402
 
 BATCHES = (1, 8, 64)
 LAYERS = 2
@@ -183,7 +183,7 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     return units
 
 
-def rotating(unit: Unit):
+def rotating_unit(unit: Unit):
     """A call of the unit on the next copy of its weights (copies > L2; the graph captures
     the rotation), and how many calls a graph should hold."""
     if not unit.weights:
@@ -193,13 +193,7 @@ def rotating(unit: Unit):
     copies = max(2, int(L2_BYTES // max(read, 1)) + 1)
     copies = min(copies, max(2, int(8e9 // nbytes)))  # the experts' whole arrays: bounded memory
     sets = [unit.weights] + [tuple(w.clone() for w in unit.weights) for _ in range(copies - 1)]
-    turn = [0]
-
-    def call():
-        unit.call(*sets[turn[0] % copies])
-        turn[0] += 1
-
-    return call, max(20, copies)
+    return rotating(lambda weights: unit.call(*weights), sets), max(20, copies)
 
 
 def rel_l2(got, want) -> torch.Tensor:
@@ -304,10 +298,10 @@ def measure(decoder, composite, batch, smoke, replays) -> dict:
     breakdown = []
     for unit in layer_units(decoder, hidden, slots):
         if cuda and not smoke:
-            call, calls = rotating(unit)
+            call, calls = rotating_unit(unit)
             us = graph_us(call, calls=calls)
         else:  # the timed path's call (weights rotated), once
-            rotating(unit)[0]()
+            rotating_unit(unit)[0]()
             us = None
         breakdown.append({"op": unit.name, "us": us, "floor_us": unit.floor_bytes / HBM_BYTES_PER_US,
                           "weight_bytes": unit.floor_bytes, "in_layer": unit.in_layer})

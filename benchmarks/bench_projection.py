@@ -15,6 +15,7 @@ call of a graph reading its own weight copy (the copies exceed the H200's L2):
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -26,7 +27,7 @@ from kimi_ops.mailbox import no_neg_zero
 from kimi_ops.ops.dsa import DIM, HEADS
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import graph_us, print_table  # noqa: E402
+from timing import graph_us, print_table, rotating  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
@@ -132,17 +133,6 @@ def copier(op: str, n_logits: int, boxes, rank: int = 0):
     return call
 
 
-def rotating(fn, x, weights):
-    """A call of ``fn(x, w)`` on the next weight copy (the graph captures the rotation)."""
-    turn = [0]
-
-    def call():
-        fn(x, weights[turn[0] % len(weights)])
-        turn[0] += 1
-
-    return call
-
-
 def measure(name, op, n, k, n_logits, tp, batches, autotune) -> list[tuple]:
     gen = torch.Generator(device="cuda").manual_seed(n * k)
     copies = max(2, int(L2_BYTES // (n * k * 2)) + 1)
@@ -154,14 +144,14 @@ def measure(name, op, n, k, n_logits, tp, batches, autotune) -> list[tuple]:
     for batch in batches:
         x = torch.randn(batch, k, device="cuda", generator=gen).bfloat16()
         row = [f"{name}/TP{tp}", batch,
-               graph_us(rotating(functional(op, n_logits), x, weights), calls=calls),
-               graph_us(rotating(matmul, x, weights), calls=calls),
-               graph_us(rotating(compiled, x, weights), calls=calls) if autotune else "-",
+               graph_us(rotating(functools.partial(functional(op, n_logits), x), weights), calls=calls),
+               graph_us(rotating(functools.partial(matmul, x), weights), calls=calls),
+               graph_us(rotating(functools.partial(compiled, x), weights), calls=calls) if autotune else "-",
                n * k * 2 / HBM_BYTES_PER_US]
         if op != "oproj":
             boxes = boxes_for(op, n, n_logits, tp)
-            row += [graph_us(rotating(publisher(op, n_logits, boxes), x, weights), calls=calls),
-                    graph_us(rotating(copier(op, n_logits, boxes), x, weights), calls=calls)]
+            row += [graph_us(rotating(functools.partial(publisher(op, n_logits, boxes), x), weights), calls=calls),
+                    graph_us(rotating(functools.partial(copier(op, n_logits, boxes), x), weights), calls=calls)]
         else:
             row += ["-", "-"]
         rows.append(tuple(row))

@@ -36,6 +36,18 @@ def graph_us(fn, calls: int = 20, replays: int = 30) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def rotating(fn, items):
+    """A call of ``fn(item)`` on the next of ``items`` (weight copies past L2, routings):
+    the graph captures the rotation."""
+    turn = [0]
+
+    def call():
+        fn(items[turn[0] % len(items)])
+        turn[0] += 1
+
+    return call
+
+
 def floor_us(nbytes: int) -> float:
     return nbytes / HBM_READ_BYTES_PER_US
 

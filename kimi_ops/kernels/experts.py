@@ -12,8 +12,8 @@ gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 s
 6 µs on one SM at L = 3584: the FP32 → FP64 conversions, benchmarks/NOTES.md) and the
 expert's bytes spread over C SMs while the SMs would otherwise idle (:func:`cluster_for`:
 B = 1), and a CTA takes the whole expert (C = 1) past that; the gate/up partial sums meet
-over DSMEM, added in rank order in every CTA (the same bits in each). A pair of another rank's expert (or an id
-outside [0, E)) gets a zero row, each CTA its slice. A CTA streams its slice of the
+over DSMEM, added in rank order in every CTA (the same bits in each). A pair of another
+rank's expert (or an id outside [0, E)) gets a zero row, each CTA its slice. A CTA streams its slice of the
 expert (2I rows of L/C gate/up values, L/C down rows of I) by bulk copies (TMA, no tensor
 map) through a ring of chunks of 8·L/C bytes, the whole slice in flight where shared
 memory allows (the version with plain loads kept few in flight: benchmarks/NOTES.md).
@@ -37,6 +37,8 @@ tokens in order, up to TOKENS) and copies their latent rows into shared memory o
 (cp.async): every gate/up chunk reads them there, not from L2.
 """
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
@@ -59,6 +61,7 @@ MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
 
 
+@functools.cache
 def cluster_size(latent: int) -> int:
     """C, the CTAs of a pair: whole 4-row chunks a CTA (L/8 % 4C == 0), the most busy lanes
     over the cluster's warps (C · P / P rounded up to warps: SMs and their conversion
