@@ -32,16 +32,16 @@ def composite(expanded, weights, shared, gamma, w_up, eps):
     return (F.linear(xn, w_up).float() + shared.float()).bfloat16()
 
 
-def mailbox_chain(expanded, weights, shared, gamma, w_ups, calls, serve=False):
-    """The mailbox tail (push, publish, polled tail; ``serve``: push, moe_tail_serve: the
-    decoder's at TP1) over TP1 boxes, ``calls`` MoE layers with rotating parities; returns
-    one call per layer."""
+def mailbox_chain(expanded, weights, shared, gamma, w_ups, calls):
+    """The serving path (push, then moe_tail_serve: publish and polled tail, the decoder's
+    at TP1) over TP1 boxes, ``calls`` MoE layers with rotating parities; returns one call
+    per layer."""
     boxes, turn = TailBoxes(64, LATENT, HIDDEN, "cuda"), [0]
 
     def call():
         parity, rearm = parities(turn[0] % calls, calls)
         boxes.tail(expanded, weights, shared, gamma, w_ups[turn[0] % COPIES], 1e-6, parity, rearm, expanded.shape[0],
-                   serve)
+                   serve=True)
         turn[0] += 1
 
     return call
@@ -87,16 +87,14 @@ def main() -> None:
             batch,
             graph_us(rotating(torch.ops.kimi.moe_tail), calls=COPIES * 4),
             graph_us(mailbox_chain(expanded, weights, shared, gamma, w_ups, COPIES * 4), calls=COPIES * 4),
-            graph_us(mailbox_chain(expanded, weights, shared, gamma, w_ups, COPIES * 4, True), calls=COPIES * 4),
             graph_us(rotating(composite), calls=COPIES * 4),
             graph_us(rotating(compiled), calls=COPIES * 4),
             graph_us(rotating(lambda e, w, s, g, w_up, eps: F.linear(s[:, : w_up.shape[1]], w_up)), calls=COPIES * 4),
             floor_us(nbytes),
         ))
     print(f"{torch.cuda.get_device_name()}, moe_tail TP1, median µs per call, CUDA-graph replay, L2-cold w_up")
-    print("ours: kimi::moe_tail; ours boxes: moe_tail_push + moe_tail_publish + moe_tail_poll (TP1 mailboxes); "
-          "ours serve: moe_tail_push + moe_tail_serve (one launch up to 8 tokens)")
-    print_table(rows, ("B", "ours", "ours boxes", "ours serve", "eager", "compiled", "cuBLAS", "floor"))
+    print("ours: kimi::moe_tail; ours serve: moe_tail_push + moe_tail_serve (publish, then poll; TP1 mailboxes)")
+    print_table(rows, ("B", "ours", "ours serve", "eager", "compiled", "cuBLAS", "floor"))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 WaveMoeTail at TP1, CUDA-graph replayed with the weights L2-cold as in bench_tail.py. Per phase,
 µs from the call's first CTA start: earliest / median / latest CTA (median over the
 graph's calls), and the CTAs' median by their own SM clock from their own start.
+``--boxes``: the serving path's (moe_tail_push, moe_tail_publish, then moe_tail_poll's
+MoeTail at TP1 mailboxes); B <= 8.
 
-    python benchmarks/profile_tail.py [B ...]
+    python benchmarks/profile_tail.py [--boxes] [B ...]
 """
 
 import os
@@ -12,8 +14,11 @@ import sys
 import torch
 
 import kimi_ops  # noqa: F401
+from kimi_ops.kernels.common import placeholder
 from kimi_ops.kernels.tail import host
 from kimi_ops.kernels.tail.common import PHASES
+from kimi_ops.mailbox import parities
+from kimi_ops.runtime.boxes import TailBoxes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_tail import COPIES, HIDDEN, LATENT, activations, layer_weights  # noqa: E402
@@ -22,24 +27,55 @@ from timing import graph_us  # noqa: E402
 CALLS = COPIES * 4
 
 
-def profile(batch: int, w_ups, gamma) -> None:
-    ctas = host.functional_ctas(HIDDEN, LATENT, batch)
-    phases = len(PHASES)
-    buffers = torch.zeros(CALLS, ctas * phases * 2, dtype=torch.int64, device="cuda")
+def functional(batch: int, w_ups, gamma, buffers):
+    """kimi::moe_tail's launches, each captured call stamping its own row of ``buffers``."""
     kernel = host.TailKernel()
     expanded, weights, shared = activations(batch)
     turn = [0]
 
     def call():
-        kernel.stamps = buffers[turn[0] % CALLS]  # each captured call stamps its own row
+        kernel.stamps = buffers[turn[0] % CALLS]
         kernel(expanded, weights, shared, gamma, w_ups[turn[0] % COPIES], 1e-6)
         turn[0] += 1
 
+    return call
+
+
+def mailboxes(batch: int, w_ups, gamma, buffers):
+    """The mailbox path at TP1 over rotating parities (bench_tail.mailbox_chain's), its
+    MoeTail stamping after the error word (the first 16 bytes of its row of ``buffers``)."""
+    boxes, turn, kimi = TailBoxes(64, LATENT, HIDDEN, "cuda"), [0], torch.ops.kimi
+    expanded, weights, shared = activations(batch)
+    groups = host.groups_of(batch)
+    variant = host.poll_variant(1, HIDDEN, LATENT, groups, 1, True)
+
+    def call():
+        parity, rearm = parities(turn[0] % CALLS, CALLS)
+        error = placeholder(buffers[turn[0] % CALLS], torch.int32)
+        w_up = w_ups[turn[0] % COPIES]
+        kimi.moe_tail_push(shared, [boxes.rs], parity, 0)
+        kimi.moe_tail_publish(expanded, weights, [boxes.latent], parity, 0)
+        for launch in variant.launches(boxes.latent, boxes.rs, gamma, w_up, 1e-6, [boxes.out], error, parity, rearm,
+                                       batch, 0, batch):
+            launch()
+        turn[0] += 1
+
+    return call
+
+
+def profile(batch: int, w_ups, gamma, mode: str) -> None:
+    ctas = host.functional_ctas(HIDDEN, LATENT, batch)
+    phases, first = len(PHASES), 0 if mode == "functional" else 2  # int64 words before the stamps
+    buffers = torch.zeros(CALLS, first + ctas * phases * 2, dtype=torch.int64, device="cuda")
+    call = (functional(batch, w_ups, gamma, buffers) if mode == "functional"
+            else mailboxes(batch, w_ups, gamma, buffers))
     us = graph_us(call, calls=CALLS)
-    stamps = buffers.view(CALLS, ctas, phases, 2).cpu()
-    stamped = stamps[..., 0].ne(0).any(1).all(0).tolist()  # publish mode's phases stay out of functional runs
+    if buffers[:, 0].ne(0).any() and first:
+        print(f"B={batch}: the error word was set: {buffers[:, 0].view(torch.int32)[::2].tolist()}")
+    stamps = buffers[:, first:].view(CALLS, ctas, phases, 2).cpu()
+    stamped = stamps[..., 0].ne(0).any(1).all(0).tolist()  # the phases a mode passes
     table, overlap, ghz = phase_table(stamps[:, :, [i for i, s in enumerate(stamped) if s]])
-    print(f"B={batch}: {us:.2f} µs per call; the next call starts {overlap:.2f} µs before the last CTA "
+    print(f"{mode} B={batch}: {us:.2f} µs per call; the next call starts {overlap:.2f} µs before the last CTA "
           f"ends; SM clock {ghz:.2f} GHz")
     print(f"{'phase':>14s} {'first':>7s} {'median':>7s} {'last':>7s} {'own clock':>9s}")
     for name, row in zip([n for n, s in zip(PHASES, stamped) if s], table):
@@ -66,9 +102,11 @@ def phase_table(stamps: torch.Tensor):
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    mode = "boxes" if "--boxes" in args else "functional"
     w_ups, gamma = layer_weights()
-    for batch in [int(b) for b in sys.argv[1:]] or [1, 8, 64]:
-        profile(batch, w_ups, gamma)
+    for batch in [int(b) for b in args if not b.startswith("--")] or ([1, 8, 64] if mode == "functional" else [1, 8]):
+        profile(batch, w_ups, gamma, mode)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_decoder_cuda_graph_replays_equal_eager(tp):
 
 
 def test_decoder_serving_tail_equals_the_split_tail():
-    """TP1 serves the tail with moe_tail_serve (one launch up to 8 tokens); the same decoder
+    """TP1 serves the tail with moe_tail_serve (publish and poll in one op); the same decoder
     with publish and poll apart gives the same bits, at 1, 5 and 8 tokens and past 8."""
     serving = KimiDecoder(CONFIG, 6, tp=1, seed=16, device="cuda")
     split = KimiDecoder(CONFIG, 6, tp=1, seed=16, device="cuda")

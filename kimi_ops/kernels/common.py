@@ -234,18 +234,19 @@ class Values:
 class Stamps(Values):
     """A kernel's phase clock for benchmarks (compiled out unless ``on``): thread 0 of each
     CTA stores (%globaltimer, %clock64) of phase k of ``phases`` at int64 pair [cta][k] of
-    ``buffer`` (benchmarks/profile_tail.py reads the tail's, kernels.tail.common.PHASES)."""
+    ``buffer`` from its 16-byte piece ``first`` on (a mailbox kernel keeps its error word
+    in the first; benchmarks/profile_tail.py reads the tail's, kernels.tail.common.PHASES)."""
 
     DYNAMIC = ("buffer", "cta", "tid")
 
-    def __init__(self, phases: tuple, on: bool, buffer: cute.Tensor, cta, tid):
-        self.phases, self.on, self.buffer, self.cta, self.tid = phases, on, buffer, cta, tid
+    def __init__(self, phases: tuple, on: bool, buffer: cute.Tensor, cta, tid, first: int = 0):
+        self.phases, self.on, self.buffer, self.cta, self.tid, self.first = phases, on, buffer, cta, tid, first
 
     @cute.jit
     def at(self, phase: cutlass.Constexpr):
         if cutlass.const_expr(self.on):
             if self.tid == 0:
-                address = self.buffer.iterator + (self.cta * len(self.phases) + self.phases.index(phase)) * 4
+                address = self.buffer.iterator + (self.first + self.cta * len(self.phases) + self.phases.index(phase)) * 4
                 cute.arch.inline_ptx("st.global.v2.b64 [{$r0}], { {$r1}, {$r2} };",
                                      read_only_args=[address, cute.arch.globaltimer(), cute.arch.clock64()])
 
@@ -405,18 +406,23 @@ PDL = os.environ.get("KIMI_OPS_PDL", "1") != "0"
 
 
 @cute.jit
-def store_to_peers(peers: cute.Tensor, count: cutlass.Constexpr[int], offset: Int64, words,
-                   fp32: cutlass.Constexpr[bool] = False):
+def peer_bases(peers: cute.Tensor, count: cutlass.Constexpr[int]):
+    """The first ``count`` peers' box base addresses of ``peers``, for :func:`store_to_peers`:
+    loaded once, before a kernel's first mailbox store (a load after a system-scope store
+    waits for it: ptxas keeps the order, and per packet that was a round trip each)."""
+    return [Int64(peers[peer]) for peer in range(count)]
+
+
+@cute.jit
+def store_to_peers(bases, offset: Int64, words, fp32: cutlass.Constexpr[bool] = False):
     """One mailbox packet (four words; eight: two packets, 16 bytes apart) to byte
-    ``offset`` of each of ``count`` peers' boxes (base addresses ``peers``), made unable
-    to equal the sentinel: BF16 pairs by :func:`no_neg_zero`, ``fp32`` words (logits) by
+    ``offset`` of each peer's box (``bases``: :func:`peer_bases`), made unable to equal
+    the sentinel: BF16 pairs by :func:`no_neg_zero`, ``fp32`` words (logits) by
     :func:`no_neg_zero_f32`."""
     clean = [no_neg_zero_f32(w) if fp32 else no_neg_zero(w) for w in words]
-    # Every base first: a load after a system-scope store waits for it (ptxas keeps the order).
-    bases = [Int64(peers[peer]) for peer in range(count)]
-    for peer in cutlass.range_constexpr(count):
+    for base in bases:
         for first in cutlass.range_constexpr(0, len(clean), 4):
-            store_words(bases[peer] + offset + 4 * first, clean[first:first + 4], mailbox=True)
+            store_words(base + offset + 4 * first, clean[first:first + 4], mailbox=True)
 
 
 @cute.jit

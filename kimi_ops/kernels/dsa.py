@@ -169,6 +169,9 @@ class IndexFront(DecodeGemm):
                head_w: cute.Tensor, head_in: cute.Tensor, eps: Float32):
         self.body(w_copy, w_boxes, x, (q, head_w, head_in), (gamma, eps) if self.norm else None)
 
+    def prefetched(self, outs):
+        return outs  # no mailbox: nothing to load before the epilogue
+
     @cute.jit
     def finish(self, receive, batch, block, part, tid, q, head_w, head_in):
         """Thread ``tid`` = channel of head ``block`` for our tokens [part·P, (part+1)·P):

@@ -220,11 +220,13 @@ class RoutedExperts(Release):
                 self.gate_chunk(xs, words, parts, matched, chunk, tid)
             else:
                 self.down_chunk(out, words, acts, masks, matched, part, chunk - self.gate_chunks, tid)
-            cute.arch.sync_threads()  # the slot is read (and the chunk's partials are in)
             if cutlass.const_expr(self.depth < self.chunks):
+                cute.arch.sync_threads()  # the slot is read (and the chunk's partials are in)
                 if tid == 0:
                     if chunk + self.depth < self.chunks:
                         self.issue(gate_up, down, expert, part, chunk + self.depth, words, full + slot, policy)
+            elif chunk == self.gate_chunks - 1:
+                cute.arch.sync_threads()  # the whole slice in flight: only the partials need one
             if chunk == self.gate_chunks - 1:
                 self.activate(parts, received, hidden, acts, part, tid)
 

@@ -66,7 +66,7 @@ from ..ops import mailbox_ops
 from ..ops import oproj as oproj_op
 from .common import (
     PDL, SMEM_BYTES, addresses, aligned, butterfly_sum, clamp, compile_options, compiled, fake, fake_stream, hopper,
-    placeholder, register_addresses, store_to_peers, unpack_words,
+    peer_bases, placeholder, register_addresses, store_to_peers, unpack_words,
 )
 from .ptx import (
     copy_async, divide, double_words, float_bits, l2_evict_first, load_shared, load_words, pack_values, pinned,
@@ -207,31 +207,35 @@ class Outputs:
         self.n, self.front, self.n_logits, self.tp = n, front, n_logits, tp
         self.width = tp * (n + n_logits) if front else n
 
+    def bases(self, peers: cute.Tensor):
+        """The peers' box bases (none to tensors), loaded before the epilogue's stores."""
+        return peer_bases(peers, self.tp) if self.tp else []  # self.tp: a Python int
+
     @cute.jit
-    def store(self, values, token, n0, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor, row0: Int32,
-              col0: Int32, col1: Int32):
+    def store(self, values, token, n0, first: cute.Tensor, second: cute.Tensor, bases, row0: Int32, col0: Int32,
+              col1: Int32):
         """The packet of rows [n0, n0 + 8) of ``token`` (8 FP32 values). Tensors: ``first``
-        BF16 rows (out, or the front's latent), ``second`` the front's FP32 logits; boxes:
-        row ``row0 + token``, latent at column ``col0``, logits at ``col1``."""
+        BF16 rows (out, or the front's latent), ``second`` the front's FP32 logits; boxes
+        (``bases``): row ``row0 + token``, latent at column ``col0``, logits at ``col1``."""
         bf16 = pack_values(values)
         box_row = Int64(row0 + token) * self.width
         if cutlass.const_expr(not self.front):
             if cutlass.const_expr(self.tp):
-                store_to_peers(peers, self.tp, (box_row + n0) * 2, bf16)
+                store_to_peers(bases, (box_row + n0) * 2, bf16)
             else:
                 store_words(first.iterator + token * first.stride[0] + n0, bf16)
         else:
             if n0 < self.n_logits:
                 words = [float_bits(v) for v in values]
                 if cutlass.const_expr(self.tp):
-                    store_to_peers(peers, self.tp, (box_row + col1 + 2 * n0) * 2, words, fp32=True)
+                    store_to_peers(bases, (box_row + col1 + 2 * n0) * 2, words, fp32=True)
                 else:
                     logits = second.iterator + token * second.stride[0] + n0
                     store_words(logits, words[:4])
                     store_words(logits + 4, words[4:])
             else:
                 if cutlass.const_expr(self.tp):
-                    store_to_peers(peers, self.tp, (box_row + col0 + n0 - self.n_logits) * 2, bf16)
+                    store_to_peers(bases, (box_row + col0 + n0 - self.n_logits) * 2, bf16)
                 else:
                     store_words(first.iterator + token * first.stride[0] + n0 - self.n_logits, bf16)
 
@@ -309,13 +313,14 @@ class DecodeGemm:
                 cute.arch.cluster_wait()
             cute.arch.griddepcontrol_wait()  # before our stores (x arrives after the producers')
             acc = self.consume(ring, full, empty, warp, lane)
+            prefetched = self.prefetched(outs)
             cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer
             cute.arch.cluster_wait()
             self.scatter(acc, cute.recast_ptr(ring, dtype=Float32), part, warp, lane)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             self.finish(cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(plan.receive_bytes // 4)),
-                        x.shape[0], block, part, tid, *outs)
+                        x.shape[0], block, part, tid, *prefetched)
 
     @cute.jit
     def produce(self, w_copy, w_boxes, x, ring, full, empty, block, part, producer):
@@ -527,7 +532,14 @@ class DecodeGemm:
                                       owner)
 
     @cute.jit
-    def finish(self, receive, batch, block, part, tid, first, second, peers, row0, col0, col1):
+    def prefetched(self, outs):
+        """:meth:`finish`'s arguments with the peers' bases loaded: issued before the cluster
+        barriers, they are back by the first store."""
+        first, second, peers, *rest = outs
+        return (first, second, self.outputs.bases(peers), *rest)
+
+    @cute.jit
+    def finish(self, receive, batch, block, part, tid, first, second, bases, row0, col0, col1):
         """Owner epilogue: per 8-row packet of a token, Σ of the K parts in order, stored."""
         plan = self.plan
         per_token = plan.owned // 8
@@ -535,7 +547,7 @@ class DecodeGemm:
             token, packet = item // per_token, item % per_token
             n0 = block * plan.rows + part * plan.owned + 8 * packet
             if n0 < plan.n:
-                self.outputs.store(self.reduced(receive, packet, token), token, n0, first, second, peers, row0, col0,
+                self.outputs.store(self.reduced(receive, packet, token), token, n0, first, second, bases, row0, col0,
                                    col1)
 
     @cute.jit

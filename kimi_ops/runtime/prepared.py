@@ -138,7 +138,7 @@ class PreparedTail(Prepared):
         )
 
     def serve(self, expanded, weights, boxes: DecodeBoxes):
-        """publish and run in one op (one launch up to 8 tokens): for groups whose ranks
+        """publish and run in one op: for groups whose ranks
         run concurrently (TP1, one process a rank)."""
         rank, config, batch = self.rank, self.config, expanded.shape[0]
         kimi.moe_tail_serve(

@@ -72,10 +72,10 @@ def rank_sums(polled, tp: cutlass.Constexpr[int]):
 
 
 @cute.jit
-def publish_out(peers, tp: cutlass.Constexpr[int], shard: cutlass.Constexpr[int], rank, token, row, words):
+def publish_out(bases, shard: cutlass.Constexpr[int], rank, token, row, words):
     """An output packet (``row`` of our shard) to columns [rank · shard, …) of ``token``'s
-    row in every rank's output box [1, CAP, H]."""
-    store_to_peers(peers, tp, (Int64(token) * shard * tp + rank * shard + row) * 2, words)
+    row in every rank's output box [1, CAP, H] (``bases``: theirs, kernels.common.peer_bases)."""
+    store_to_peers(bases, (Int64(token) * shard * len(bases) + rank * shard + row) * 2, words)
 
 
 @cute.jit

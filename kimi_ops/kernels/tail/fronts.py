@@ -29,7 +29,9 @@ our latent chunk sums its TP polled sources in rank order (as the tails do) and 
 the BF16 sum into every rank's gathered box, which the tail then polls as one source.
 
 ``ShardPush``: the shared expert's rows into the reduce-scatter boxes (it waits for its
-predecessor, then releases).
+predecessor, then releases: the tail's re-arms of the previous layer's rows rely on that,
+and released at entry its waiting CTAs held SMs the next tail's clusters needed, 2-5 µs
+slower a call at B = 4-16 on the H200: benchmarks/NOTES.md).
 """
 
 import cutlass
@@ -38,7 +40,7 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (
-    PDL, THREADS, butterfly_sum, clamp, inverse_rms, launch, normalized, poll_all, store_to_peers,
+    PDL, THREADS, butterfly_sum, clamp, inverse_rms, launch, normalized, peer_bases, poll_all, store_to_peers,
     unpack_words,
 )
 from ..ptx import load_words, pack_values, store_words
@@ -217,13 +219,13 @@ class LatentReduce:
                        batch * self.parts * THREADS)
         if packet < self.packets:
             capacity = recv_box.shape[2]
+            bases = peer_bases(peers, self.tp)  # in flight with the polls
             polled = poll_all([recv_box.iterator + ((parity * self.tp + source) * capacity + token) * self.chunk
                                + packet * 8 for source in range(self.tp)], error, TWO_SHOT_POLL)
             total = rank_sums(polled, self.tp)[0]
             words = pack_values(total)
             column = rank * self.chunk + packet * 8
-            store_to_peers(peers, self.tp, (Int64(parity * capacity + token) * self.chunk * self.tp + column) * 2,
-                           words)
+            store_to_peers(bases, (Int64(parity * capacity + token) * self.chunk * self.tp + column) * 2, words)
 
 
 class ShardPush:
@@ -260,7 +262,7 @@ def publish_partial(expanded, weights, peers, tp: cutlass.Constexpr[int], latent
     if cutlass.const_expr(chunk):
         store_to_owner(peers, chunk, row0 + token, packet * 8, words)
     else:
-        store_to_peers(peers, tp, (Int64(row0 + token) * latent + packet * 8) * 2, words)
+        store_to_peers(peer_bases(peers, tp), (Int64(row0 + token) * latent + packet * 8) * 2, words)
 
 
 @cute.jit

@@ -79,9 +79,8 @@ def plan_for(tp: int, shard: int, latent: int, groups: int, sources: int = 0) ->
 
 @compiled
 def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, stamps: bool = False,
-                 front: bool = False, sources: int = 0):
-    """MoeTail; ``front`` (publish mode): with the partial latent's publish first (moe_tail_serve);
-    ``sources``: the latent box's (publish mode; 0: TP)."""
+                 sources: int = 0):
+    """MoeTail; ``sources``: the latent box's (publish mode; 0: TP)."""
     plan = plan_for(tp, shard, latent, groups, sources)
     batch, capacity, peers = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if publish:
@@ -89,25 +88,12 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, s
         shared_in = fake(BFloat16, (3, tp, capacity, shard))
     else:
         latent_in, shared_in = fake(BFloat16, (batch, latent)), fake(BFloat16, (batch, shard))
-    if front:
-        rows = cute.sym_int()
-        expert_rows = (fake(BFloat16, (rows, TOP_K, latent)), fake(BFloat16, (rows, TOP_K), align=2),
-                       fake(Int64, (cute.sym_int(),), align=8), Int32(0))
-    else:  # no_expert_rows' placeholders: the launcher checks fixed sizes
-        expert_rows = fake(BFloat16, (1, 1, 1)), fake(BFloat16, (1, 1), align=2), fake(Int64, (1,), align=8), Int32(0)
     return cute.compile(
-        MoeTail(plan, publish, stamps, front), latent_in, shared_in,
+        MoeTail(plan, publish, stamps), latent_in, shared_in,
         fake(BFloat16, (latent,)), fake(BFloat16, (shard, latent)), fake(BFloat16, (batch, shard)),
         fake(Int64, (peers,), align=8), fake(Int32, (1,), align=4), Int32(0), Int32(0),
-        Float32(1e-6), Int32(1), Int32(1), Int32(1), *expert_rows, fake_stream(), options=compile_options(),
+        Float32(1e-6), Int32(1), Int32(1), Int32(1), fake_stream(), options=compile_options(),
     )
-
-
-def no_expert_rows(tensor: torch.Tensor) -> tuple:
-    """MoeTail's front arguments where it publishes nothing (placeholders of the shapes
-    compile_tail compiles for them)."""
-    return (placeholder(tensor, torch.bfloat16, 3), placeholder(tensor, torch.bfloat16, 2),
-            placeholder(tensor, torch.int64), 0)
 
 
 @functools.cache
@@ -198,19 +184,20 @@ def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = Fal
 
     def arguments(normed, shared, gamma, w_up, out, stamped, eps, batch):
         unpublished = placeholder(out, torch.int64), stamped, 0, 0  # MoeTail stamps through the error word
-        return ((normed, shared, gamma, w_up, out, *unpublished, eps, batch, 0, 1, *no_expert_rows(out)),)
+        return ((normed, shared, gamma, w_up, out, *unpublished, eps, batch, 0, 1),)
 
     return Variant(plan_for(1, hidden, latent, groups),
                    lambda: (compile_tail(1, hidden, latent, groups, False, stamps),), arguments)
 
 
 @functools.cache
-def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int) -> Variant:
+def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, stamps: bool = False) -> Variant:
     """``kimi::moe_tail_poll``: PollNormFront and WaveMoeTail from MIN_WAVE_GROUPS token
     groups on at TP <= MAX_WAVE_TP, else MoeTail (which alone takes two-shot's one-source
     gathered box, ``sources`` 1); ``arguments`` takes the op's. ValueError (why) where
-    neither takes the shape."""
-    wave = poll_wave_plan(tp, shard, latent, groups) if sources == tp else None
+    neither takes the shape. ``stamps`` (MoeTail, benchmarks/profile_tail.py): the error
+    word's buffer holds the Stamps after its first 16 bytes."""
+    wave = poll_wave_plan(tp, shard, latent, groups) if sources == tp and not stamps else None
     if wave:
         def arguments(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
                       rank, batch):
@@ -228,33 +215,11 @@ def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int) ->
     def arguments(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank,
                   batch):
         return ((latent_box, rs_box, gamma, w_up, rs_box[parity, rank], addresses(out_boxes), error, parity, rank, eps,
-                 batch, rearm_parity, rearm_batch, *no_expert_rows(rs_box)),)
+                 batch, rearm_parity, rearm_batch),)
 
-    gathered = () if sources == tp else (False, False, sources)  # the one-shot compile keys as they were
-    return Variant(plan_for(tp, shard, latent, groups, *gathered[2:]),
+    gathered = () if sources == tp and not stamps else (stamps, sources)  # the one-shot compile keys as they were
+    return Variant(plan_for(tp, shard, latent, groups, *gathered[1:]),
                    lambda: (compile_tail(tp, shard, latent, groups, True, *gathered),), arguments)
-
-
-SERVE_GROUPS = 1  # moe_tail_serve's one launch up to 8 tokens (beyond: publish, then moe_tail_poll's kernels)
-
-
-@functools.cache
-def serve_variant(tp: int, shard: int, latent: int, groups: int) -> Variant | None:
-    """``kimi::moe_tail_serve`` in one launch (MoeTail publishing its partial latent first),
-    or None where it runs as moe_tail_publish's and moe_tail_poll's kernels; ValueError
-    (why) where MoeTail does not take the shape."""
-    if groups > SERVE_GROUPS:
-        return None
-    plan = plan_for(tp, shard, latent, groups)
-
-    def arguments(expanded, weights, latent_boxes, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
-                  rearm_batch, rank):
-        row0 = (parity * tp + rank) * latent_boxes[0].shape[2]
-        return ((latent_boxes[rank], rs_box, gamma, w_up, rs_box[parity, rank], addresses(out_boxes), error, parity,
-                 rank, eps, expanded.shape[0], rearm_parity, rearm_batch, expanded, weights, addresses(latent_boxes),
-                 row0),)
-
-    return Variant(plan, lambda: (compile_tail(tp, shard, latent, groups, True, False, True),), arguments)
 
 
 class TailKernel:
@@ -403,8 +368,10 @@ class TailPollKernel:
 
 
 class TailServeKernel:
-    """``kimi::moe_tail_serve`` on CUDA: :func:`serve_variant`'s one launch up to 8 tokens,
-    else the publish and the poll kernels in turn."""
+    """``kimi::moe_tail_serve`` on CUDA: the publish kernel, then the poll's. (MoeTail
+    publishing its partial latent itself, one launch, was 3-7 µs slower at B <= 8 on the
+    H200: its CTAs' loads and polls queue behind their own weight stream, where
+    TailFront's run on SMs the tail leaves free; benchmarks/NOTES.md.)"""
 
     check = staticmethod(mailbox_ops.check_moe_tail_serve)
     publish, poll = TailPublishKernel(), TailPollKernel()
@@ -412,13 +379,6 @@ class TailServeKernel:
     def prepare(self, tp: int, shard: int, latent: int, batches, latent_peers=(), out_peers=()) -> None:
         self.publish.prepare(latent, tp, latent_peers)
         self.poll.prepare(tp, shard, latent, batches, out_peers)
-        for groups in sorted({groups_of(b) for b in batches}):
-            try:
-                variant = serve_variant(tp, shard, latent, groups)
-            except ValueError:
-                continue
-            if variant:
-                variant.kernels()
 
     def unsupported(self, expanded, weights, latent_boxes, rs_box, gamma, w_up, eps, out_boxes, error, parity,
                     rearm_parity, rearm_batch, rank):
@@ -428,17 +388,9 @@ class TailServeKernel:
 
     def __call__(self, expanded, weights, latent_boxes, rs_box, gamma, w_up, eps, out_boxes, error, parity,
                  rearm_parity, rearm_batch, rank):
-        batch = expanded.shape[0]
-        call = (expanded, weights, latent_boxes, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
-                rearm_batch, rank)
-        variant = serve_variant(len(latent_boxes), rs_box.shape[3], expanded.shape[2], groups_of(batch))
-        if variant:
-            for launch in variant.launches(*call):
-                launch()
-        else:
-            self.publish(expanded, weights, latent_boxes, parity, rank)
-            self.poll(latent_boxes[rank], rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
-                      rearm_batch, rank, batch)
+        self.publish(expanded, weights, latent_boxes, parity, rank)
+        self.poll(latent_boxes[rank], rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
+                  rank, expanded.shape[0])
 
 
 def register() -> None:

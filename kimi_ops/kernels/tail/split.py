@@ -48,7 +48,9 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import PDL, SMEM_BYTES, Stamps, butterfly_sum, clamp, inverse_rms, normalized, poll_all, unpack_words
+from ..common import (
+    PDL, SMEM_BYTES, Stamps, butterfly_sum, clamp, inverse_rms, normalized, peer_bases, poll_all, unpack_words,
+)
 from ..ptx import (
     bits_float, copy_async, l2_evict_first, load_matrices, load_shared, load_words, mma_bf16, pack_values,
     store_cluster, store_shared, store_words,
@@ -57,7 +59,6 @@ from ..ring import CHUNK, expect, landed, paced, release, released, swizzled, sw
 from .common import (
     LATENT_POLL, PHASES, Outbox, output_packet, publish_out, rank_sums, rearm_previous, reduced_shared, sum_of_squares,
 )
-from .fronts import publish_partial
 
 CLUSTER = 4  # CTAs per cluster, each owning 1/CLUSTER of K
 # Co-resident clusters of 4 on an H200 at one CTA per SM (cuOccupancyMaxActiveClusters:
@@ -172,8 +173,8 @@ class Plan:
 class MoeTail:
     """latent → RMSNorm → up projection + shared, one rank's N rows (see the module doc)."""
 
-    def __init__(self, plan: Plan, publish: bool, stamps: bool = False, front: bool = False):
-        self.plan, self.publish, self.stamps, self.front = plan, publish, stamps, front
+    def __init__(self, plan: Plan, publish: bool, stamps: bool = False):
+        self.plan, self.publish, self.stamps = plan, publish, stamps
         # chunks held in registers (MoeTail.stash): functional mode only, publish mode's polls
         # already take the registers (162-168 per lane at TP1-2)
         self.stashed = 0 if publish else plan.stash
@@ -181,22 +182,18 @@ class MoeTail:
     @cute.jit
     def __call__(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, w_up: cute.Tensor,
                  out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, parity: Int32, rank: Int32, eps: Float32,
-                 batch: Int32, rearm_parity: Int32, rearm_batch: Int32, expanded: cute.Tensor, weights: cute.Tensor,
-                 latent_peers: cute.Tensor, row0: Int32, stream):
+                 batch: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
         """Functional: ``latent`` NormFront's normalized rows [B, L], ``shared`` and ``out``
         [B, N], ``error`` the stamps (Stamps). Publish mode: ``latent`` and ``shared`` are
         the boxes [3, TP, CAP, L or N]; (``peers``, ``error``, ``parity``, ``rank``) the
-        publish side (Outbox). ``front`` (publish mode): the grid first publishes this
-        rank's partial latent from ``expanded`` [B, 16, L] and ``weights`` [B, 16] into
-        every rank's latent box (``latent_peers``, at row ``row0 + token``), as TailFront
-        would; unused otherwise."""
+        publish side (Outbox)."""
         plan = self.plan
         # w_up's TMA descriptor (a kernel parameter): boxes of a cluster's rows × CHUNK columns
         weight_copy, weight_boxes = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), w_up, self.ring_layout(1), (plan.rows, CHUNK)
         )
         self.kernel(latent, shared, gamma, weight_copy, weight_boxes, out, peers, error, eps, batch, parity,
-                    rank, rearm_parity, rearm_batch, expanded, weights, latent_peers, row0).launch(
+                    rank, rearm_parity, rearm_batch).launch(
             grid=[plan.ctas, 1, 1], block=[plan.threads + 32, 1, 1], cluster=[plan.cluster, 1, 1],
             stream=stream, use_pdl=PDL,
         )
@@ -208,8 +205,7 @@ class MoeTail:
     @cute.kernel
     def kernel(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, weight_copy: cute.CopyAtom,
                weight_boxes: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32,
-               batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32,
-               expanded: cute.Tensor, weights: cute.Tensor, latent_peers: cute.Tensor, row0: Int32):
+               batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -268,13 +264,6 @@ class MoeTail:
                 for box, sources in ((latent, plan.sources), (shared, plan.tp)):
                     rearm_previous(box, sources, rearm_parity, rearm_batch, cta * plan.threads + tid,
                                    plan.ctas * plan.threads)
-                if cutlass.const_expr(self.front):
-                    cute.arch.griddepcontrol_wait()  # the expert rows: our predecessor's
-                    packets = plan.latent // 8
-                    for item in cutlass.range(cta * plan.threads + tid, batch * packets, plan.ctas * plan.threads,
-                                              unroll=1):
-                        publish_partial(expanded, weights, latent_peers, plan.tp, plan.latent, row0, item // packets,
-                                        item % packets)
             else:
                 cute.arch.griddepcontrol_wait()
             stamp.at("waited")
@@ -300,6 +289,9 @@ class MoeTail:
 
             acc = self.project(stashed, xn, ring, full, empty, row_group, sub, lane, stamp)
             stamp.at("projected")
+            bases = []
+            if cutlass.const_expr(self.publish):
+                bases = peer_bases(outbox.peers, plan.tp)  # back by the time the scatter's barriers are through
 
             if cutlass.const_expr(not plan.receive_words):
                 cute.arch.cluster_arrive()  # every CTA is done with its ring: it becomes the receive buffer
@@ -309,7 +301,7 @@ class MoeTail:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             stamp.at("scattered")
-            self.finish(received, shared, shared_rows, out, outbox, batch, cluster, k_slice, tid)
+            self.finish(received, shared, shared_rows, out, bases, outbox, batch, cluster, k_slice, tid)
             stamp.at("end")
 
     @cute.jit
@@ -518,10 +510,10 @@ class MoeTail:
         return packets
 
     @cute.jit
-    def finish(self, received, shared, shared_rows, out, outbox, batch, cluster, k_slice, tid):
+    def finish(self, received, shared, shared_rows, out, bases, outbox, batch, cluster, k_slice, tid):
         """Owner epilogue, 8 rows per packet: up = BF16(Σ parts in K order); out =
         BF16(up + shared), shared = ``shared_rows`` (functional) or BF16(Σ reduce-scatter
-        sources) (publish mode)."""
+        sources) (publish mode: into every rank's output box, ``bases``)."""
         plan = self.plan
         parts = plan.cluster * plan.split
         for r in cutlass.range_constexpr(plan.finish_rounds):
@@ -535,7 +527,7 @@ class MoeTail:
                 up = [Float32(BFloat16(a)) for a in acc]
                 if cutlass.const_expr(self.publish):
                     extra = reduced_shared(shared, plan.tp, outbox.parity, [(token, row)], outbox.error)[0]
-                    publish_out(outbox.peers, plan.tp, plan.shard, outbox.rank, token, row, output_packet(up, extra))
+                    publish_out(bases, plan.shard, outbox.rank, token, row, output_packet(up, extra))
                 else:
                     store_words(out.iterator + token * out.stride[0] + row,
                                 output_packet(up, unpack_words(shared_rows[r])))

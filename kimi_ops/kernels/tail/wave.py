@@ -12,7 +12,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from ..common import PDL, SMEM_BYTES, Stamps, Values, clamp, unpack_words
+from ..common import PDL, SMEM_BYTES, Stamps, Values, clamp, peer_bases, unpack_words
 from ..ptx import l2_evict_first, load_matrices, load_shared, load_words, pack_values, pinned, store_words, wgmma_bf16
 from ..ring import CHUNK, descriptor, expect, landed, paced, release, released, swizzled, swizzled_stages
 from .common import PHASES, Outbox, output_packet, publish_out, reduced_shared
@@ -263,6 +263,9 @@ class WaveMoeTail:
         cute.arch.cluster_wait()
         acc = self.project(group, stashed, xn, ring, barriers, warp, lane, stamp)
         stamp.at("projected")
+        bases = []
+        if cutlass.const_expr(self.tp):
+            bases = peer_bases(outbox.peers, self.tp)  # back by the stores
         # Both warpgroups' wgmmas are done: the ring is free for the epilogue. Each warpgroup
         # owns half the tokens: it hands the other half of its sums over, adds the other's
         # sums of its half, stages up = BF16(Σ) and stores its half.
@@ -291,7 +294,7 @@ class WaveMoeTail:
                 up = unpack_words(load_shared(staging.iterator.toint() + (token * WAVE_ROWS + row) * 2))
                 words, column = output_packet(up, unpack_words(shared_rows[q])), cta * WAVE_ROWS + row
                 if cutlass.const_expr(self.tp):
-                    publish_out(outbox.peers, self.tp, plan.shard, outbox.rank, token, column, words)
+                    publish_out(bases, plan.shard, outbox.rank, token, column, words)
                 else:
                     store_words(out.iterator + token * out.stride[0] + column, words)
         stamp.at("end")
