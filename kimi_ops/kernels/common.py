@@ -246,7 +246,8 @@ class Stamps(Values):
     def at(self, phase: cutlass.Constexpr):
         if cutlass.const_expr(self.on):
             if self.tid == 0:
-                address = self.buffer.iterator + (self.first + self.cta * len(self.phases) + self.phases.index(phase)) * 4
+                pair = self.first + self.cta * len(self.phases) + self.phases.index(phase)
+                address = self.buffer.iterator + pair * 4
                 cute.arch.inline_ptx("st.global.v2.b64 [{$r0}], { {$r1}, {$r2} };",
                                      read_only_args=[address, cute.arch.globaltimer(), cute.arch.clock64()])
 
