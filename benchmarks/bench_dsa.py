@@ -25,11 +25,10 @@ import torch
 import kimi_ops  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import floor_us, graph_us, print_table, rotating  # noqa: E402
+from timing import L2_BYTES, floor_us, graph_us, print_table, rotating  # noqa: E402
 
 BATCHES = (1, 4, 8, 16, 32, 64)
 HEADS, DIM, K = 32, 128, 1536
-L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
 EPS = 1e-6
 kimi = torch.ops.kimi
 

@@ -50,11 +50,10 @@ from kimi_ops import KimiConfig, KimiDecoder
 
 sys.path.insert(0, os.path.dirname(__file__))
 from composite import CompositeDecoder  # noqa: E402
-from timing import capture, graph_us, print_table, rotating  # noqa: E402
+from timing import L2_BYTES, capture, graph_us, print_table, rotating  # noqa: E402
 
 BATCHES = (1, 8, 64)
 LAYERS = 2
-L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
 HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (issue 21, issue 25)
 TP8_RANK = dict(attn_out=1536, shared_intermediate=768, experts=112, latent=512)
 kimi = torch.ops.kimi

@@ -27,10 +27,9 @@ from kimi_ops.mailbox import no_neg_zero
 from kimi_ops.ops.dsa import DIM, HEADS
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import graph_us, print_table, rotating  # noqa: E402
+from timing import L2_BYTES, graph_us, print_table, rotating  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
 HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (issue 21)
 kimi = torch.ops.kimi
 

@@ -11,6 +11,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import kimi_ops  # noqa: F401
@@ -24,12 +25,26 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 LATENT, HIDDEN, COPIES = 3584, 7168, 5  # 5 × 51.4 MB > the H200's L2
 
 
-def composite(expanded, weights, shared, gamma, w_up, eps):
-    """What a serving engineer writes in PyTorch: the same rounding points, BF16 GEMM."""
+def composite(expanded, weights, shared, gamma, w_up, eps, group=None):
+    """What a serving engineer writes in PyTorch: the same rounding points, BF16 GEMM.
+    ``group`` (bench_tp.py: an NCCL group of the TP ranks, ``w_up`` this rank's rows): the
+    partial latent all-reduced, the shared rows [B, H] reduce-scattered to this rank's
+    columns, the output rows all-gathered, as every rank's output box ends."""
     partial = (expanded.float() * weights.float().unsqueeze(-1)).sum(1).bfloat16()
+    if group is not None:
+        dist.all_reduce(partial, group=group)
     ss = partial.float().square().bfloat16().float().sum(-1, keepdim=True)
     xn = (partial.float() * torch.rsqrt(ss / partial.shape[-1] + eps) * gamma.float()).bfloat16()
-    return (F.linear(xn, w_up).float() + shared.float()).bfloat16()
+    if group is None:
+        return (F.linear(xn, w_up).float() + shared.float()).bfloat16()
+    tp, (batch, shard) = dist.get_world_size(group), (shared.shape[0], w_up.shape[0])
+    # flat buffers, rank-major: gloo checks dim 0 (output × TP = input), NCCL only sizes
+    mine = shared.new_empty((batch * shard,))
+    dist.reduce_scatter_tensor(mine, shared.view(batch, tp, shard).transpose(0, 1).reshape(-1), group=group)
+    out = (F.linear(xn, w_up).float() + mine.view(batch, shard).float()).bfloat16()
+    rows = shared.new_empty((tp * batch * shard,))
+    dist.all_gather_into_tensor(rows, out.view(-1), group=group)
+    return rows.view(tp, batch, shard).permute(1, 0, 2).reshape(batch, tp * shard)
 
 
 def mailbox_chain(expanded, weights, shared, gamma, w_ups, calls):

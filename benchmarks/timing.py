@@ -3,6 +3,7 @@
 import torch
 
 HBM_READ_BYTES_PER_US = 4.26e6  # 4.26 TB/s, measured on the H200
+L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
 
 
 def capture(fn, calls: int = 1, warmups: int = 3):
@@ -24,10 +25,17 @@ def capture(fn, calls: int = 1, warmups: int = 3):
 def graph_us(fn, calls: int = 20, replays: int = 30) -> float:
     """Median µs per call of ``fn`` replayed from a CUDA graph of ``calls`` back-to-back
     calls (launch gaps included, host cost excluded)."""
-    graph, _ = capture(fn, calls)
+    return replay_us(capture(fn, calls)[0], calls, replays)
+
+
+def replay_us(graph, calls: int, replays: int, before=None) -> float:
+    """Median µs per call of ``replays`` replays of ``graph`` (``calls`` calls); ``before()``
+    runs ahead of each, untimed (bench_tp.py: the group's device barrier)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
+        if before is not None:
+            before()
         start.record()
         graph.replay()
         end.record()
