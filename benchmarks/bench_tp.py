@@ -1,6 +1,8 @@
 """The MoE tail and the whole layer at TP2 / TP8, one process a rank (issues 26, 27):
 
-    python -m kimi_ops.launch --tp 2 benchmarks/bench_tp.py [--batches 1 8 64] [--json tp2.json]
+    python -m kimi_ops.launch --tp 2 --timeout 1800 benchmarks/bench_tp.py [--batches 1 8 64] [--json tp2.json]
+
+(the first run compiles every kernel variant on every rank: --timeout past the default)
 
 Per batch, µs per call, each column a CUDA graph replayed by every rank; each replay starts
 after the group's device barrier (kimi::group_barrier, its own graph), so the ranks start
@@ -12,7 +14,8 @@ together, and a row is the slowest rank's median:
   of the output rows (attn_res_take), parities rotating as over MoE layers;
 - composite: the same tail as a serving engineer writes it on NCCL (bench_tail.composite:
   weighted sum, all-reduce, RMSNorm, the up projection shard through cuBLAS,
-  reduce-scatter of the shared rows, all-gather of the output rows);
+  reduce-scatter of the shared rows, all-gather of the output rows), then the same
+  AttnRes (the decoder's, on the gathered rows) as ours;
 - all-reduce alone, of the [B, L] partial latent: NCCL's, and torch symmetric memory's
   one-shot (torch.ops.symm_mem.one_shot_all_reduce);
 - layer: KimiDecoder's whole layer at this TP (a step of ``--layers`` layers / layers);
@@ -25,6 +28,7 @@ hang), so with fewer GPUs than ranks its columns are left out; ranks sharing a G
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -60,18 +64,26 @@ class Group:
         self.nccl = dist.new_group(backend="nccl") if own_gpus else None
 
     def sync(self) -> None:
+        """The device barrier, then ~25 µs of sleep: every rank's timed graph is queued
+        before its start event fires (else the last rank's launch counts as its time)."""
         boxes, rank = self.decoder.boxes, self.rank
         kimi.group_barrier(boxes.peers("sync", rank), boxes.ticket(rank), boxes.error(rank), rank)
+        torch.cuda._sleep(50_000)
+
+    def everyone(self, value) -> list:
+        values = [None] * self.tp
+        dist.all_gather_object(values, value)
+        return values
 
     def timed_us(self, fn, calls: int) -> float:
         """The slowest rank's median µs per call of ``fn`` (module doc)."""
         self.group.host_barrier()  # the warm-ups' polls find their peers running
         start_graph, _ = capture(self.sync, 1, warmups=1)
         mine = replay_us(capture(fn, calls)[0], calls, REPLAYS, start_graph.replay)
-        everyone = [None] * self.tp
-        dist.all_gather_object(everyone, mine)
-        self.decoder.check()  # every poll found its rows
-        return max(everyone)
+        reports = self.everyone((mine, int(self.decoder.boxes.error(self.rank))))
+        if any(error for _, error in reports):  # on every rank: a lone raise would leave the others waiting
+            raise RuntimeError(f"bench_tp: a poll found nothing (error words by rank: {[e for _, e in reports]})")
+        return max(us for us, _ in reports)
 
 
 def tail_inputs(config: KimiConfig, batch: int, rank: int, device):
@@ -116,42 +128,46 @@ def symm_one_shot(bench: Group, batch: int, latent: int):
     torch or this placement does not run it)."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    name, why = dist.group.WORLD.group_name, None
     try:
         buffer = symm_mem.empty((batch, latent), dtype=torch.bfloat16, device=bench.device)
-        symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
-        buffer.normal_()
-        call = lambda: torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", dist.group.WORLD.group_name)  # noqa: E731
-        call()
-        torch.cuda.synchronize()
-        return call
-    except (RuntimeError, NotImplementedError) as why:
-        if bench.rank == 0:
-            print(f"symm_mem one-shot all-reduce left out: {why}", file=sys.stderr)
+        symm_mem.rendezvous(buffer, name)
+        buffer.zero_()
+    except Exception as error:  # noqa: BLE001 (any failure: the column is left out on every rank)
+        why = error
+    if any(bench.everyone(why is not None)):  # agreed before any rank enters the op's barrier
         return None
+    call = lambda: torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", name)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    return call
 
 
 def measure(bench: Group, batch: int) -> dict:
     decoder, config = bench.decoder, bench.decoder.config
     decoder.reset()  # the last step's rows (another batch's, another parity sequence) re-armed
-    tail = decoder.layers[0][0].tail
-    copies = max(2, int(L2_BYTES // tail.w_up.nbytes) + 1)
+    tail, moe_res = decoder.layers[0][0].tail, decoder.attn_res[0][1]
+    copies = max(2, math.ceil(L2_BYTES / tail.w_up.nbytes) + 1)
     w_ups = [tail.w_up] + [tail.w_up.clone() for _ in range(copies - 1)]
-    calls = 4 * copies + (1 if (4 * copies) % 3 == 1 else 0)  # parities: counts ≡ 1 mod 3 collide
+    # whole rotations (each replay reads every copy once in turn), a count of MoE layers
+    # whose parities do not collide (≡ 1 mod 3)
+    calls = next(k * copies for k in range(4, 8) if k * copies % 3 != 1)
     inputs = tail_inputs(config, batch, bench.rank, bench.device)
     row = dict.fromkeys(COLUMNS)
     row["B"], row["floor"] = batch, floor_us(tail.w_up.nbytes)
     row["ours"] = bench.timed_us(ours_chain(bench, batch, inputs, w_ups, calls), calls)
     if bench.nccl is not None:
-        expanded, weights, shared, _ = inputs
-        turn = [0]
+        expanded, weights, shared, partial = inputs
+        blocks, turn = partial.new_empty((0, batch, config.hidden)), [0]
 
         def composite_call():
-            composite(expanded, weights, shared, tail.gamma, w_ups[turn[0] % copies], config.eps, bench.nccl)
+            rows = composite(expanded, weights, shared, tail.gamma, w_ups[turn[0] % copies], config.eps, bench.nccl)
+            decoder.residual(moe_res, blocks, partial, rows[None])
             turn[0] += 1
 
         row["composite"] = bench.timed_us(composite_call, calls)
-        partial = torch.randn(batch, config.latent, device=bench.device).bfloat16()
-        row["nccl_all_reduce"] = bench.timed_us(lambda: dist.all_reduce(partial, group=bench.nccl), 20)
+        zeros = torch.zeros(batch, config.latent, device=bench.device).bfloat16()  # in place: stays finite
+        row["nccl_all_reduce"] = bench.timed_us(lambda: dist.all_reduce(zeros, group=bench.nccl), 20)
     one_shot = symm_one_shot(bench, batch, config.latent)
     if one_shot is not None:
         row["symm_one_shot"] = bench.timed_us(one_shot, 20)
