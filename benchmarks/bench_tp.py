@@ -57,7 +57,8 @@ class Group:
     def __init__(self, config: KimiConfig, layers: int):
         self.group = launch.group_from_env()
         if self.group is None:
-            raise SystemExit("bench_tp.py runs one process a rank: python -m kimi_ops.launch --tp N benchmarks/bench_tp.py")
+            raise SystemExit("bench_tp.py runs one process a rank: "
+                             "python -m kimi_ops.launch --tp N benchmarks/bench_tp.py")
         self.tp, self.rank, self.device = self.group.tp, self.group.rank, self.group.device
         self.decoder = KimiDecoder(config, layers, tp=self.group, seed=0)
         own_gpus = torch.cuda.device_count() >= self.tp  # the same on every rank: new_group is collective

@@ -70,8 +70,9 @@ def profile(batch: int, w_ups, gamma, mode: str) -> None:
     call = (functional(batch, w_ups, gamma, buffers) if mode == "functional"
             else mailboxes(batch, w_ups, gamma, buffers))
     us = graph_us(call, calls=CALLS)
-    if buffers[:, 0].ne(0).any() and first:
-        print(f"B={batch}: the error word was set: {buffers[:, 0].view(torch.int32)[::2].tolist()}")
+    errors = buffers[:, :1].view(torch.int32)[:, 0]  # each row's first int32 (mailbox modes: the error word)
+    if first and errors.ne(0).any():
+        print(f"B={batch}: the error word was set: {errors.tolist()}")
     stamps = buffers[:, first:].view(CALLS, ctas, phases, 2).cpu()
     stamped = stamps[..., 0].ne(0).any(1).all(0).tolist()  # the phases a mode passes
     table, overlap, ghz = phase_table(stamps[:, :, [i for i, s in enumerate(stamped) if s]])

@@ -6,7 +6,6 @@ of rank 0's inputs (up to the CPU GEMM's blocking over the row shards: BF16 tole
 wrong reduce-scatter layout or all-gather order moves whole column blocks."""
 
 import pathlib
-import sys
 
 import torch
 

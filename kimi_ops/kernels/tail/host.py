@@ -217,9 +217,10 @@ def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, st
         return ((latent_box, rs_box, gamma, w_up, rs_box[parity, rank], addresses(out_boxes), error, parity, rank, eps,
                  batch, rearm_parity, rearm_batch),)
 
-    gathered = () if sources == tp and not stamps else (stamps, sources)  # the one-shot compile keys as they were
-    return Variant(plan_for(tp, shard, latent, groups, *gathered[1:]),
-                   lambda: (compile_tail(tp, shard, latent, groups, True, *gathered),), arguments)
+    # compile_tail's key: the plain one-shot call's stays (tp, shard, latent, groups, True), one object file
+    extra = () if sources == tp and not stamps else (stamps, sources)
+    return Variant(plan_for(tp, shard, latent, groups, sources),
+                   lambda: (compile_tail(tp, shard, latent, groups, True, *extra),), arguments)
 
 
 class TailKernel:
