@@ -47,6 +47,7 @@ import torch
 
 import kimi_ops  # noqa: F401
 from kimi_ops import KimiConfig, KimiDecoder
+from kimi_ops.testing import guard
 
 sys.path.insert(0, os.path.dirname(__file__))
 from composite import CompositeDecoder  # noqa: E402
@@ -266,6 +267,16 @@ def without_pdl(args) -> dict:
             return {int(b): us for b, us in json.load(f).items()}
 
 
+def guard_row(decoder, batch, row) -> None:
+    """The decoder guard (kimi_ops.testing.guard): three steps of ours against the same
+    decoder under the reference backend, inside the reference's spread under nudges."""
+    gen = torch.Generator().manual_seed(100 + batch)
+    device = decoder.boxes.error(0).device
+    steps = [torch.randn(batch, decoder.config.hidden, generator=gen).bfloat16().to(device) for _ in range(3)]
+    verdict = guard.guard(decoder, steps)
+    row.update(guard_drift=verdict.drift, guard_spread=verdict.spread, guard_margin=verdict.margin)
+
+
 def measure(decoder, composite, batch, smoke, replays) -> dict:
     """One batch: the layer row and the breakdown (timings None in smoke mode)."""
     config, layers = decoder.config, decoder.num_layers
@@ -281,6 +292,7 @@ def measure(decoder, composite, batch, smoke, replays) -> dict:
     row = {"B": batch, "eager_us": None, "eager_graph_us": None, "compiled_us": None, "ours_us": None,
            "ours_no_pdl_us": None, "floor_us": floor, "cudagraph_skips": None, "replays": 0, "replays_equal": None,
            "rel_l2_max": float(err.max()), "rel_l2_mean": float(err.mean()), "compiled_rel_l2_max": None}
+    guard_row(decoder, batch, row)
     cuda = hidden.is_cuda
     if cuda and not smoke:
         row["ours_us"] = ours_us(decoder, hidden, slots)
@@ -318,6 +330,8 @@ NOTES = [
     "against ours",
     "floor: weight bytes (routed experts: the distinct experts routed to) at 4.3 TB/s; activations not counted",
     "= eager: graph replays on fresh inputs equal to eager steps, bit for bit",
+    "guard: ours against the reference backend on the same decoder (3 steps), per-token relative L2 at q50 / q90, "
+    "inside FACTOR x the reference's own spread under one-ulp nudges of 0.1 % of the inputs (margin <= 1 passes)",
     "breakdown: each op of layer 0 graph-replayed alone on its real arguments, weights rotated past L2; "
     "a poll runs with its producer ('+' rows)",
 ]
@@ -366,6 +380,10 @@ def main(argv=None) -> dict:
             ratio, speedup, r["cudagraph_skips"], f"{r['replays_equal']}/{r['replays']}" if r["replays"] else None,
             f"{r['rel_l2_max']:.2e}", None if r["compiled_rel_l2_max"] is None else f"{r['compiled_rel_l2_max']:.2e}")))
     print_table(rows, columns)
+    print("\nguard: drift of ours from the reference backend vs the reference's spread (per-token relative L2)")
+    print_table([(b, *(f"{v:.4f}" for v in r["row"]["guard_drift"] + r["row"]["guard_spread"]),
+                  f"{r['row']['guard_margin']:.2f}") for b, r in results.items()],
+                ("B", "drift q50", "drift q90", "spread q50", "spread q90", "margin"))
     for b, result in results.items():
         ops = result["breakdown"]
         width = max(len(op["op"]) for op in ops)

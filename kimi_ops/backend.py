@@ -6,6 +6,7 @@ device or shape falls back to the reference with a one-time warning, never silen
 fallback into an error.
 """
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable
@@ -36,6 +37,22 @@ def selected() -> str:
     if backend not in BACKENDS:
         raise ValueError(f"KIMI_OPS_BACKEND must be one of {BACKENDS}, got {backend!r}")
     return backend
+
+
+@contextlib.contextmanager
+def forced(backend: str):
+    """``KIMI_OPS_BACKEND=backend`` within the block (eager calls: the choice is made per call)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    before = os.environ.get("KIMI_OPS_BACKEND")
+    os.environ["KIMI_OPS_BACKEND"] = backend
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KIMI_OPS_BACKEND"]
+        else:
+            os.environ["KIMI_OPS_BACKEND"] = before
 
 
 def prepare(name: str, *key) -> None:

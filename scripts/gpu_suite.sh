@@ -6,7 +6,7 @@
 #   bash scripts/gpu_suite.sh            # per-file limit: T=540 seconds
 set -u
 OUT=${OUT:-/tmp/gpu_suite}; T=${T:-540}; mkdir -p "$OUT"; : > "$OUT/rc.txt"
-heavy=(experts_kernels attn_res_kernels tail_kernels gpu gemm_kernels dsa_kernels)
+heavy=(experts_kernels attn_res_kernels tail_kernels gpu gpu_guard gemm_kernels dsa_kernels)
 run() {
   name=$1; shift
   timeout "$T" python3 -m pytest -q --tb=short -rf -p no:cacheprovider "$@" --durations=8 > "$OUT/$name.log" 2>&1

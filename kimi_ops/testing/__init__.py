@@ -1,0 +1,1 @@
+"""Scaffolding that tests and benchmarks share (not used by the decoder itself)."""
