@@ -59,6 +59,13 @@ def flag_missing(error: torch.Tensor, rows: torch.Tensor, code: int) -> None:
     error.bitwise_or_(missing)
 
 
+def box_row(parity, source, token, sources: int, capacity: int):
+    """The row of ``box.view(-1, width)`` holding (parity, source, token) of a box
+    [parities, sources, capacity, width] (ints, or tensors of them). The kernels' side of
+    this layout is :func:`kimi_ops.kernels.mailbox.box_row`."""
+    return (parity * sources + source) * capacity + token
+
+
 def raise_if_error(error: torch.Tensor) -> None:
     """The host check of a device error word (syncs)."""
     code = int(error.max())
