@@ -18,7 +18,7 @@ import torch
 from cutlass import Int64
 from cutlass.memory import SmemAllocator
 
-from kimi_ops.kernels.common import fake, fake_stream
+from kimi_ops.kernels.compile import fake, fake_stream
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import graph_us, print_table  # noqa: E402

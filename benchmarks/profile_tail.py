@@ -1,4 +1,4 @@
-"""Where the time of kimi::moe_tail goes: the phase clock (kernels.common.Stamps) of MoeTail or
+"""Where the time of kimi::moe_tail goes: the phase clock (kernels.Stamps) of MoeTail or
 WaveMoeTail at TP1, CUDA-graph replayed with the weights L2-cold as in bench_tail.py. Per phase,
 µs from the call's first CTA start: earliest / median / latest CTA (median over the
 graph's calls), and the CTAs' median by their own SM clock from their own start.
@@ -14,7 +14,7 @@ import sys
 import torch
 
 import kimi_ops  # noqa: F401
-from kimi_ops.kernels.common import placeholder
+from kimi_ops.kernels.arguments import placeholder
 from kimi_ops.kernels.tail import host
 from kimi_ops.kernels.tail.common import PHASES
 from kimi_ops.mailbox import parities

@@ -10,7 +10,8 @@ import torch
 from cutlass import Uint32
 from cutlass.memory import SmemAllocator
 
-from kimi_ops.kernels.common import SMEM_BYTES, THREADS, fake, fake_stream
+from kimi_ops.kernels.compile import fake, fake_stream
+from kimi_ops.kernels.launch import SMEM_BYTES, THREADS
 
 WORDS = SMEM_BYTES // 4  # sm_90's opt-in shared memory per CTA: one CTA fills an SM
 

@@ -12,7 +12,7 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 
 from kimi_ops import backend  # noqa: E402
 from kimi_ops.kernels import experts  # noqa: E402
-from kimi_ops.kernels.common import SMEM_BYTES  # noqa: E402
+from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 
 from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
 

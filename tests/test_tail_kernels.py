@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
 from kimi_ops import backend  # noqa: E402
-from kimi_ops.kernels.common import SMEM_BYTES  # noqa: E402
+from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
 from kimi_ops.kernels.tail import host, split, wave  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402

@@ -40,7 +40,7 @@ CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 C
 SM) while the stash bucket is ≤ 24 rows (N ≤ 24); deeper stacks run in two (not measured).
 
 PDL: dependents are released late (once the outputs are written), early in the ``early``
-variant (:class:`~kimi_ops.kernels.common.Release`).
+variant (:class:`~kimi_ops.kernels.launch.PdlTrigger`).
 """
 
 import cutlass
@@ -50,12 +50,24 @@ from cutlass.memory import SmemAllocator
 
 from .. import backend
 from ..mailbox import TAKE_POLL
+from ..mailbox import box_row as host_box_row
 from ..ops import attn_res as attn_res_op
 from ..ops import mailbox_ops
-from .common import (
-    PDL, SMEM_BYTES, Release, aligned, butterfly, butterfly_sum, clamp, cluster_barrier, cluster_total,
-    compile_options, compiled, exact_dot, fake, fake_stream, hopper, inverse_rms, normalized, poll_all, rearm,
-    send_to_cluster, unpack_words,
+from .arguments import aligned
+from .compile import compile_options, compiled, fake, fake_stream, hopper
+from .launch import PDL, SMEM_BYTES, PdlTrigger
+from .mailbox import box_row, poll_all, rearm
+from .packets import (
+    butterfly,
+    butterfly_sum,
+    clamp,
+    cluster_barrier,
+    cluster_total,
+    exact_dot,
+    inverse_rms,
+    normalized,
+    send_to_cluster,
+    unpack_words,
 )
 from .ptx import copy_async, divide, load_shared, load_words, pack_values, store_words
 
@@ -84,7 +96,7 @@ def stash_rows(count: int) -> int | None:
     return next((rows for rows in ROW_BUCKETS if rows >= count), None)
 
 
-class AttnRes(Release):
+class AttnRes(PdlTrigger):
     """One token per cluster of ``cluster`` CTAs (see the module doc); N ≤ ``rows``
     completed blocks (a runtime count), ``tp`` sublayer sources."""
 
@@ -128,7 +140,7 @@ class AttnRes(Release):
                        for s in range(self.tp)]
             rows.append([load_words(address) for address in own + sources])
         self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
-        self.release_late()
+        self.trigger_when_written()
 
     @cute.jit
     def start(self, blocks, partial, query, key_norm_w, out_norm_w, count, eps):
@@ -138,7 +150,7 @@ class AttnRes(Release):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         token, part = cta // self.cluster, cta % self.cluster
-        self.release_early()
+        self.trigger_at_entry()
         space = self.allocate()
         columns = self.columns(part, tid)
         weights = (self.weights(query, columns), self.weights(key_norm_w, columns), self.weights(out_norm_w, columns))
@@ -372,7 +384,7 @@ class AttnResTake(AttnRes):
         polled = cute.make_rmem_tensor((self.rounds, max(self.tp, 1), 4), Uint32)
         for q in cutlass.range_constexpr(self.rounds):
             if valid[q]:
-                packets = [box.iterator + (first_row + source * capacity + token) * self.hidden + columns[q]
+                packets = [box.iterator + (first_row + box_row(0, source, token, self.tp, capacity)) * self.hidden + columns[q]
                            for source in range(self.tp)]
                 words = poll_all(packets, error, TAKE_POLL)
                 for source in cutlass.range_constexpr(self.tp):
@@ -383,7 +395,7 @@ class AttnResTake(AttnRes):
         rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
                 + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
         self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
-        self.release_late()
+        self.trigger_when_written()
 
 
 @cute.jit
@@ -480,7 +492,7 @@ class AttnResTakeKernel(AttnResKernel):
         outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
         variant(hidden, tp, blocks.shape[0], True)(
             block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
-            *outputs, blocks.shape[0], parity * tp * capacity, capacity, eps)
+            *outputs, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
         return tuple(outputs)
 
 

@@ -50,17 +50,36 @@ from cutlass.memory import SmemAllocator
 
 from .. import backend
 from ..ops import dsa as dsa_op
-from .common import (
-    SMEM_BYTES, aligned, butterfly, butterfly_sum, clamp, compile_options, compiled, fake, fake_stream, hopper, launch,
-    placeholder, unpack_words,
-)
+from .arguments import aligned, placeholder
+from .compile import compile_options, compiled, fake, fake_stream, hopper
 from .gemm import (
-    CONSUMER_WARPS, MAX_BATCH, PRODUCERS, RESIDENT, RESIDENT_3, TILE, DecodeGemm, GemmPlan, cta_cost, token_tile,
+    CONSUMER_WARPS,
+    MAX_BATCH,
+    PRODUCERS,
+    RESIDENT,
+    RESIDENT_3,
+    TILE,
+    DecodeGemm,
+    GemmPlan,
+    cta_cost,
+    token_tile,
     tokens_of,
 )
+from .launch import SMEM_BYTES, launch
+from .packets import butterfly, butterfly_sum, clamp, unpack_words
 from .ptx import (
-    abs_f32, add_rn, bits_float, divide, e4m3_pair, float_bits, load_pair, max_nan, mul_rn, reciprocal,
-    rsqrt_like_torch, store_word,
+    abs_f32,
+    add_rn,
+    bits_float,
+    divide,
+    e4m3_pair,
+    float_bits,
+    load_pair,
+    max_nan,
+    mul_rn,
+    reciprocal,
+    rsqrt_like_torch,
+    store_word,
 )
 from .ring import CHUNK
 

@@ -47,9 +47,18 @@ from cutlass.memory import SmemAllocator
 from .. import backend
 from ..ops import experts as experts_op
 from ..ops.route import TOP_K
-from .common import (
-    PDL, SMEM_BYTES, Release, aligned, butterfly, clamp, cluster_barrier, cluster_total, compile_options, compiled,
-    exact_dot, fake, fake_stream, hopper, multiprocessors, send_to_cluster, situ_value, unpack_words,
+from .arguments import aligned
+from .compile import compile_options, compiled, fake, fake_stream, hopper
+from .launch import PDL, SMEM_BYTES, PdlTrigger, multiprocessors
+from .packets import (
+    butterfly,
+    clamp,
+    cluster_barrier,
+    cluster_total,
+    exact_dot,
+    send_to_cluster,
+    situ_value,
+    unpack_words,
 )
 from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_values, store_word, store_words
 
@@ -84,7 +93,7 @@ def cluster_for(latent: int, batch: int, device: int) -> int:
     return cluster if batch * TOP_K * cluster <= multiprocessors(device) else 1
 
 
-class RoutedExperts(Release):
+class RoutedExperts(PdlTrigger):
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
     def __init__(self, latent: int, intermediate: int, cluster: int | None = None):
@@ -128,7 +137,7 @@ class RoutedExperts(Release):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         pair, part = cta // self.cluster, cta % self.cluster
-        self.release_early()
+        self.trigger_at_entry()
         space = self.allocate()
         full = space[1]
         if tid == 0:
@@ -154,7 +163,7 @@ class RoutedExperts(Release):
         if cutlass.const_expr(self.cluster > 1):
             if served != 2:
                 cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
-        self.release_late()
+        self.trigger_when_written()
 
     @cute.jit
     def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:

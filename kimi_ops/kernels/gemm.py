@@ -61,18 +61,32 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .. import backend
+from ..mailbox import box_row
 from ..ops import front as front_op
 from ..ops import mailbox_ops
 from ..ops import oproj as oproj_op
-from .common import (
-    PDL, SMEM_BYTES, addresses, aligned, butterfly_sum, clamp, compile_options, compiled, fake, fake_stream, hopper,
-    peer_bases, placeholder, register_addresses, store_to_peers, unpack_words,
-)
+from .arguments import addresses, aligned, placeholder, register_addresses
+from .compile import compile_options, compiled, fake, fake_stream, hopper
+from .launch import PDL, SMEM_BYTES
+from .mailbox import peer_bases, store_to_peers
+from .packets import butterfly_sum, clamp, unpack_words
 from .ptx import (
-    copy_async, divide, double_words, float_bits, l2_evict_first, load_shared, load_words, pack_values, pinned,
-    rsqrt_like_torch, store_cluster, store_shared, store_words, wgmma_bf16,
+    copy_async,
+    divide,
+    double_words,
+    float_bits,
+    l2_evict_first,
+    load_shared,
+    load_words,
+    pack_values,
+    pinned,
+    rsqrt_like_torch,
+    store_cluster,
+    store_shared,
+    store_words,
+    wgmma_bf16,
 )
-from .ring import CHUNK, descriptor, expect, landed, paced, release, released, swizzled, swizzled_stages
+from .ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
 
 TILE = 64  # rows per wgmma (its M)
 MAX_TILES = 3  # tiles per CTA (one TMA box of 192 rows; four, 256 rows, never ran on a GPU)
@@ -339,7 +353,7 @@ class DecodeGemm:
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(plan.chunks, unroll=1):
             slot = i % plan.depth
-            released(empty, i, plan.depth)
+            wait_handed_back(empty, i, plan.depth)
             if streamer:
                 if i >= pace:
                     paced(i, pace, plan.depth, full, full)
@@ -501,7 +515,7 @@ class DecodeGemm:
                 for k in cutlass.range_constexpr(count):
                     chunk_sums[s, k] = done[k]
                     sums[k] = sums[k] + done[k]
-                release(empty + (first + s) % plan.depth, lane)
+                hand_back(empty + (first + s) % plan.depth, lane)
         return [sums[k] for k in range(count)]
 
     @cute.jit
@@ -561,7 +575,7 @@ class DecodeGemm:
 
 
 # Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are
-# one-element placeholders (kernels.common.placeholder).
+# one-element placeholders (kernels.arguments.placeholder).
 
 
 @compiled
@@ -671,7 +685,7 @@ class OprojPublishKernel:
         batch, n = x.shape[0], w.shape[0]
         compile_gemm(n, w.shape[1], token_tile(batch), False, 0, len(boxes))(
             x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
-            rank * boxes[0].shape[2], 0, 0,
+            box_row(0, rank, 0, len(boxes), boxes[0].shape[2]), 0, 0,
         )
 
 
@@ -697,7 +711,7 @@ class FrontPublishKernel:
         tp, latent_shard = len(boxes), n - n_logits
         compile_gemm(n, w.shape[1], token_tile(batch), True, n_logits, tp)(
             x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
-            parity * boxes[0].shape[2], rank * latent_shard, tp * latent_shard + 2 * rank * n_logits,
+            box_row(parity, 0, 0, 1, boxes[0].shape[2]), rank * latent_shard, tp * latent_shard + 2 * rank * n_logits,
         )
 
 

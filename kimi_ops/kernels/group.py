@@ -18,9 +18,10 @@ from cutlass import Int32, Int64, Uint32
 from .. import backend
 from ..mailbox import BARRIER_POLL
 from ..ops import mailbox_ops
-from .common import (
-    BARRIER_TIMEOUT_NS, addresses, compile_options, compiled, fake, fake_stream, hopper, launch, register_addresses,
-)
+from .arguments import addresses, register_addresses
+from .compile import compile_options, compiled, fake, fake_stream, hopper
+from .launch import launch
+from .mailbox import BARRIER_TIMEOUT_NS
 from .ptx import fence_system, load_words, nap, store_words
 
 SLOT_BYTES = 16  # one packet per rank in a sync box

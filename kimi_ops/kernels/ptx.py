@@ -9,7 +9,6 @@ from cutlass import Float32, Float64, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-
 # Bit casts and rounding.
 
 @cute.jit

@@ -33,7 +33,7 @@ def landed(full, i, depth: cutlass.Constexpr[int]):
 
 
 @cute.jit
-def released(empty, i, depth: cutlass.Constexpr[int]):
+def wait_handed_back(empty, i, depth: cutlass.Constexpr[int]):
     """Before chunk ``i`` goes into a ring of ``depth`` slots: wait until the readers of the
     slot's previous chunk have handed it back."""
     if i >= depth:
@@ -50,7 +50,7 @@ def expect(full, slot, size: cutlass.Constexpr[int], lane):
 
 
 @cute.jit
-def release(empty, lane):
+def hand_back(empty, lane):
     """The warp is done with its part of a slot: the producer may refill it."""
     cute.arch.sync_warp()
     if lane == 0:

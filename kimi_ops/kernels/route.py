@@ -15,7 +15,7 @@ BF16 out; 16-byte packets, 256 of them of one token per CTA.
 
 PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; dependents are released
 late (once outputs are written) by the ops, early (at entry) in the ``early`` variants
-(:class:`~kimi_ops.kernels.common.Release`).
+(:class:`~kimi_ops.kernels.launch.PdlTrigger`).
 """
 
 import cutlass
@@ -25,20 +25,20 @@ from cutlass import BFloat16, Float32, Int32, Uint32, Uint64
 from cutlass.memory import SmemAllocator
 
 from .. import backend
+from ..mailbox import ROUTE_POLL, box_row
 from ..ops import mailbox_ops
 from ..ops import route as route_op
-from ..mailbox import ROUTE_POLL
-from .common import (
-    THREADS, Release, butterfly_sum, compile_options, compiled, fake, fake_stream, hopper, launch, ordered, poll, rearm,
-    sigmoid, situ_value, unpack_words,
-)
+from .compile import compile_options, compiled, fake, fake_stream, hopper
+from .launch import THREADS, PdlTrigger, launch
+from .mailbox import poll, rearm
+from .packets import butterfly_sum, ordered, sigmoid, situ_value, unpack_words
 from .ptx import bits_float, load_words, pack_values, store_words
 
 TOP_K = route_op.TOP_K
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
 
 
-class Route(Release):
+class Route(PdlTrigger):
     """``lean`` (B > 8): candidates rank with 8 threads each (4 past 32 candidates), so
     few registers stay live; else one thread per candidate. Either falls back to one
     thread per candidate, looping over all of them, past 64 candidates (ties).
@@ -60,7 +60,7 @@ class Route(Release):
     def kernel(self, logits: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, scale: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
-        self.release_early()
+        self.trigger_at_entry()
         offsets = self.load_bias(bias, tid)
         cute.arch.griddepcontrol_wait()
         raw = cute.make_rmem_tensor(self.slots, Float32)
@@ -69,7 +69,7 @@ class Route(Release):
             if self.expert(tid, i) < self.experts:
                 raw[i] = logits[token, self.expert(tid, i)]
         self.route(raw, offsets, ids, weights, scale, token, tid)
-        self.release_late()
+        self.trigger_when_written()
 
     @cute.jit
     def load_bias(self, bias: cute.Tensor, tid):
@@ -214,7 +214,7 @@ class RoutePoll(Route):
                latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        self.release_early()
+        self.trigger_at_entry()
         batch = ids.shape[0]
         token = cta % batch
         row = rows.iterator + (first_row + token) * rows.stride[0]
@@ -240,10 +240,10 @@ class RoutePoll(Route):
                     rearm(packet)
                     cute.arch.griddepcontrol_wait()
                     store_words(latent.iterator + token * latent.stride[0] + packet_index * 8, words)
-        self.release_late()
+        self.trigger_when_written()
 
 
-class Situ(Release):
+class Situ(PdlTrigger):
     """Grid (B, chunks): each thread reads one 16-byte packet of gate and one of up
     (4 FP32 or 8 BF16 columns), so a CTA covers 256 packets of one token and a small batch
     still spreads over many SMs. The BF16 outputs leave as one 8- or 16-byte store."""
@@ -262,7 +262,7 @@ class Situ(Release):
     def kernel(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, chunk, _ = cute.arch.block_idx()
-        self.release_early()
+        self.trigger_at_entry()
         first = (chunk * THREADS + tid) * self.columns
         cute.arch.griddepcontrol_wait()
         if first < self.width:
@@ -271,7 +271,7 @@ class Situ(Release):
             values = [situ_value(g, u, beta, linear_beta) for g, u in zip(gate, up)]
             words = pack_values(values)
             store_words(out.iterator + token * out.stride[0] + first, words)
-        self.release_late()
+        self.trigger_when_written()
 
     @cute.jit
     def unpack(self, words):
@@ -387,7 +387,7 @@ class RoutePollKernel:
         latent = box.new_empty((batch, latent_width))
         kernel = compile_route_poll(bias.shape[0], latent_width, bool(renorm), batch > LEAN_ABOVE)
         capacity = box.shape[2]
-        kernel(box.view(-1, box.shape[3]), bias, ids, weights, latent, error, scale, parity * capacity)
+        kernel(box.view(-1, box.shape[3]), bias, ids, weights, latent, error, scale, box_row(parity, 0, 0, 1, capacity))
         return ids, weights, latent
 
 

@@ -12,11 +12,13 @@ from ...mailbox import TAIL_LATENT_POLL as LATENT_POLL  # noqa: F401  (the error
 from ...mailbox import TAIL_SHARED_POLL as SHARED_POLL
 from ...mailbox import TWO_SHOT_POLL  # noqa: F401
 from ...ops import tail as tail_op
-from ..common import Values, no_neg_zero, poll_all, rearm, store_to_peers, unpack_words
+from ..mailbox import box_row, canonical_pair, poll_all, rearm, store_to_peers
+from ..packets import unpack_words
 from ..ptx import pack_values, store_words
+from ..values import Values
 
 TOP_K = tail_op.TOP_K
-# The functional tails' phases (kernels.common.Stamps, for benchmarks/profile_tail.py),
+# The functional tails' phases (kernels.Stamps, for benchmarks/profile_tail.py),
 # stamped into the buffer that comes in as the error word (MoeTail) or stamps (WaveMoeTail:
 # "latent" is its first xn chunk in, the slots its warpgroup 0's).
 PHASES = ("start", "waited", "latent", "clustered", "normed", "first slot", "refilled slot", "last slot",
@@ -42,7 +44,7 @@ def rearm_previous(box, sources: cutlass.Constexpr[int], rearm_parity, rearm_bat
     for item in cutlass.range(first, sources * rearm_batch * per_row, threads, unroll=1):
         source, rest = item // (rearm_batch * per_row), item % (rearm_batch * per_row)
         token, packet = rest // per_row, rest % per_row
-        row = (rearm_parity * sources + source) * box.shape[2] + token
+        row = box_row(rearm_parity, source, token, sources, box.shape[2])
         rearm(box.iterator + row * box.shape[3] + packet * 8)
 
 
@@ -50,9 +52,8 @@ def rearm_previous(box, sources: cutlass.Constexpr[int], rearm_parity, rearm_bat
 def reduced_shared(shared_box, tp: cutlass.Constexpr[int], parity, items, error):
     """BF16(Σ of the TP sources' shared reduce-scatter packets, rank order) at each (token,
     row) of ``items``, all polled at once (bounded, into the error word): 8 values each."""
-    first = parity * tp * shared_box.shape[2]
-    return rank_sums(poll_all([shared_box.iterator + (first + source * shared_box.shape[2] + token)
-                               * shared_box.shape[3] + row for token, row in items for source in range(tp)],
+    capacity = shared_box.shape[2]
+    return rank_sums(poll_all([shared_box.iterator + box_row(parity, source, token, tp, capacity) * shared_box.shape[3] + row for token, row in items for source in range(tp)],
                               error, SHARED_POLL), tp)
 
 
@@ -74,7 +75,7 @@ def rank_sums(polled, tp: cutlass.Constexpr[int]):
 @cute.jit
 def publish_out(bases, shard: cutlass.Constexpr[int], rank, token, row, words):
     """An output packet (``row`` of our shard) to columns [rank · shard, …) of ``token``'s
-    row in every rank's output box [1, CAP, H] (``bases``: theirs, kernels.common.peer_bases)."""
+    row in every rank's output box [1, CAP, H] (``bases``: theirs, kernels.peer_bases)."""
     store_to_peers(bases, (Int64(token) * shard * len(bases) + rank * shard + row) * 2, words)
 
 
@@ -84,7 +85,7 @@ def store_to_owner(peers, width: cutlass.Constexpr[int], row, column, words):
     reduce-scatter and two-shot receive boxes): into the chunk owner's box (``peers``: the
     bases), row ``row`` of rows of ``width``, made unable to equal the sentinel."""
     offset = (Int64(row) * width + column % width) * 2
-    store_words(Int64(peers[column // width]) + offset, [no_neg_zero(w) for w in words], mailbox=True)
+    store_words(Int64(peers[column // width]) + offset, [canonical_pair(w) for w in words], mailbox=True)
 
 
 @cute.jit

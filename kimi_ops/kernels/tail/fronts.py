@@ -39,10 +39,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (
-    PDL, THREADS, butterfly_sum, clamp, inverse_rms, launch, normalized, peer_bases, poll_all, store_to_peers,
-    unpack_words,
-)
+from ..launch import PDL, THREADS, launch
+from ..mailbox import box_row, peer_bases, poll_all, store_to_peers
+from ..packets import butterfly_sum, clamp, inverse_rms, normalized, unpack_words
 from ..ptx import load_words, pack_values, store_words
 from .common import LATENT_POLL, TOP_K, TWO_SHOT_POLL, rank_sums, rearm_previous, store_to_owner, sum_of_squares
 
@@ -70,7 +69,7 @@ class TailFront:
         tid, _, _ = cute.arch.thread_idx()
         token, part, _ = cute.arch.block_idx()
         packet = part * FRONT_PACKETS + tid
-        # Release at once: our dependent (MoeTail) only prefetches weights before it waits
+        # Trigger the dependents at once: our dependent (MoeTail) only prefetches weights before it waits
         # for us, and we wait for our predecessor before anything else.
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
@@ -111,7 +110,7 @@ class NormFront:
                eps: Float32):
         token, _, _ = cute.arch.block_idx()
         columns, scale = self.gamma_packets(gamma)
-        # Release at once: our dependent (MoeTail) only prefetches weights before it waits.
+        # Trigger the dependents at once: our dependent (MoeTail) only prefetches weights before it waits.
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
         latents = [[Float32(BFloat16(a)) for a in weighted_rows(expanded, weights, token, columns[q])]
@@ -177,13 +176,13 @@ class PollNormFront(NormFront):
         tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
         columns, scale = self.gamma_packets(gamma)
-        # Release at once: the wave only streams weights before it waits for us.
+        # Trigger the dependents at once: the wave only streams weights before it waits for us.
         cute.arch.griddepcontrol_launch_dependents()
         for box in (latent_box, shared_box):
             rearm_previous(box, self.tp, rearm_parity, rearm_batch, token * self.threads + tid,
                            rows.shape[0] * self.threads)
-        first_row = (parity * self.tp) * latent_box.shape[2] + token
-        polled = poll_all([latent_box.iterator + (first_row + source * latent_box.shape[2]) * self.latent + column
+        capacity = latent_box.shape[2]
+        polled = poll_all([latent_box.iterator + box_row(parity, source, token, self.tp, capacity) * self.latent + column
                            for column in columns for source in range(self.tp)], error, LATENT_POLL)
         self.store_normed(rank_sums(polled, self.tp), scale, rows, token, eps)
 
@@ -220,12 +219,12 @@ class LatentReduce:
         if packet < self.packets:
             capacity = recv_box.shape[2]
             bases = peer_bases(peers, self.tp)  # in flight with the polls
-            polled = poll_all([recv_box.iterator + ((parity * self.tp + source) * capacity + token) * self.chunk
+            polled = poll_all([recv_box.iterator + box_row(parity, source, token, self.tp, capacity) * self.chunk
                                + packet * 8 for source in range(self.tp)], error, TWO_SHOT_POLL)
             total = rank_sums(polled, self.tp)[0]
             words = pack_values(total)
             column = rank * self.chunk + packet * 8
-            store_to_peers(bases, (Int64(parity * capacity + token) * self.chunk * self.tp + column) * 2, words)
+            store_to_peers(bases, (Int64(box_row(parity, 0, token, 1, capacity)) * self.chunk * self.tp + column) * 2, words)
 
 
 class ShardPush:

@@ -10,12 +10,12 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ... import backend
+from ...mailbox import box_row
 from ...ops import mailbox_ops
 from ...ops import tail as tail_op
-from ..common import (
-    addresses, aligned, compile_options, compiled, fake, fake_stream, hopper, multiprocessors, placeholder,
-    register_addresses,
-)
+from ..arguments import addresses, aligned, placeholder, register_addresses
+from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from ..launch import multiprocessors
 from ..ring import CHUNK
 from .common import TOP_K
 from .fronts import LatentReduce, NormFront, PollNormFront, ShardPush, TailFront
@@ -293,7 +293,7 @@ class TailPublishKernel:
         latent, width = expanded.shape[2], latent_boxes[0].shape[3]
         tp, capacity = len(latent_boxes), latent_boxes[0].shape[2]
         compile_front(latent, tp, 0 if width == latent else width)(
-            expanded, weights, addresses(latent_boxes), (parity * tp + rank) * capacity)
+            expanded, weights, addresses(latent_boxes), box_row(parity, rank, 0, tp, capacity))
 
 
 class LatentReduceKernel:
@@ -331,7 +331,7 @@ class TailPushKernel:
 
     def __call__(self, shared, rs_boxes, parity, rank):
         tp, capacity = len(rs_boxes), rs_boxes[0].shape[2]
-        compile_push(shared.shape[1], tp)(shared, addresses(rs_boxes), (parity * tp + rank) * capacity)
+        compile_push(shared.shape[1], tp)(shared, addresses(rs_boxes), box_row(parity, rank, 0, tp, capacity))
 
 
 class TailPollKernel:

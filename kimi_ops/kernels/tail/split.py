@@ -48,16 +48,34 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (
-    PDL, SMEM_BYTES, Stamps, butterfly_sum, clamp, inverse_rms, normalized, peer_bases, poll_all, unpack_words,
-)
+from ..launch import PDL, SMEM_BYTES
+from ..mailbox import box_row, peer_bases, poll_all
+from ..packets import butterfly_sum, clamp, inverse_rms, normalized, unpack_words
 from ..ptx import (
-    bits_float, copy_async, l2_evict_first, load_matrices, load_shared, load_words, mma_bf16, pack_values,
-    store_cluster, store_shared, store_words,
+    bits_float,
+    copy_async,
+    l2_evict_first,
+    load_matrices,
+    load_shared,
+    load_words,
+    mma_bf16,
+    pack_values,
+    store_cluster,
+    store_shared,
+    store_words,
 )
-from ..ring import CHUNK, expect, landed, paced, release, released, swizzled, swizzled_stages
+from ..ring import CHUNK, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
+from ..values import Stamps
 from .common import (
-    LATENT_POLL, PHASES, Outbox, output_packet, publish_out, rank_sums, rearm_previous, reduced_shared, sum_of_squares,
+    LATENT_POLL,
+    PHASES,
+    Outbox,
+    output_packet,
+    publish_out,
+    rank_sums,
+    rearm_previous,
+    reduced_shared,
+    sum_of_squares,
 )
 
 CLUSTER = 4  # CTAs per cluster, each owning 1/CLUSTER of K
@@ -321,7 +339,7 @@ class MoeTail:
         evict_first = l2_evict_first()
         for i in cutlass.range(plan.warp_chunks, unroll=1):
             slot = i % plan.depth
-            released(empty, i, plan.depth)
+            wait_handed_back(empty, i, plan.depth)
             if i >= PACE:
                 self.pace(i, full, fronted)
             expect(full, slot, plan.slot_bytes, lane)
@@ -360,7 +378,7 @@ class MoeTail:
                     for q in cutlass.range_constexpr(first, first + pass_rounds):
                         column = k_slice * plan.cols + clamp(lane + 32 * q, packets - 1) * 8
                         for source in cutlass.range_constexpr(sources):
-                            row = (outbox.parity * sources + source) * latent.shape[2] + token
+                            row = box_row(outbox.parity, source, token, sources, latent.shape[2])
                             addresses.append(latent.iterator + row * plan.latent + column)
                 packets_in = poll_all(addresses, outbox.error, LATENT_POLL)
                 for u in cutlass.range_constexpr(per_pass):
@@ -425,7 +443,7 @@ class MoeTail:
         for i in cutlass.range_constexpr(self.stashed):
             landed(full, i, self.plan.depth)
             stashed.append(self.a_fragments(ring, i, sub, row_group, lane))
-            release(empty + i, lane)
+            hand_back(empty + i, lane)
         return stashed
 
     @cute.jit
@@ -447,7 +465,7 @@ class MoeTail:
             landed(full, i, plan.depth)
             stamp.slot(i, self.stashed, plan.depth, plan.warp_chunks)
             self.multiply(acc, self.a_fragments(ring, slot, sub, row_group, lane), xn, sub * plan.warp_chunks + i, lane)
-            release(empty + slot, lane)
+            hand_back(empty + slot, lane)
         return acc
 
     @cute.jit

@@ -12,9 +12,12 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from ..common import PDL, SMEM_BYTES, Stamps, Values, clamp, peer_bases, unpack_words
+from ..launch import PDL, SMEM_BYTES
+from ..mailbox import peer_bases
+from ..packets import clamp, unpack_words
 from ..ptx import l2_evict_first, load_matrices, load_shared, load_words, pack_values, pinned, store_words, wgmma_bf16
-from ..ring import CHUNK, descriptor, expect, landed, paced, release, released, swizzled, swizzled_stages
+from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
+from ..values import Stamps, Values
 from .common import PHASES, Outbox, output_packet, publish_out, reduced_shared
 
 WAVE_ROWS = 64  # rows per WaveMoeTail CTA: wgmma's M
@@ -217,7 +220,7 @@ class WaveMoeTail:
         evict_first = l2_evict_first()
         for i in cutlass.range(plan.chunks, unroll=1):
             slot = i % plan.depth
-            released(barriers.empty, i, plan.depth)
+            wait_handed_back(barriers.empty, i, plan.depth)
             if i >= WAVE_PACE:
                 paced(i, WAVE_PACE, plan.depth, barriers.full, barriers.fronted, barriers.waited)
             expect(barriers.full, slot, plan.slot_bytes, lane)
@@ -238,7 +241,7 @@ class WaveMoeTail:
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(plan.chunks, unroll=1):
             slot = i % plan.xn_depth
-            released(barriers.xn_empty, i, plan.xn_depth)
+            wait_handed_back(barriers.xn_empty, i, plan.xn_depth)
             expect(barriers.xn_full, slot, plan.xn_bytes, lane)
             cute.copy(xn_copy, box_out[(None, 0, i)], box_in[(None, slot)], tma_bar_ptr=barriers.xn_full + slot,
                       mcast_mask=Int32((1 << WAVE_CLUSTER) - 1))
@@ -254,7 +257,7 @@ class WaveMoeTail:
             slot = (2 * j + group) % plan.depth
             landed(barriers.full, 2 * j + group, plan.depth)
             stashed.append(self.a_fragments(ring, slot, warp, lane))
-            release(barriers.empty + slot, lane)
+            hand_back(barriers.empty + slot, lane)
         cute.arch.griddepcontrol_wait()
         if tid == 0:
             cute.arch.mbarrier_arrive(barriers.waited)  # after the stash: the stream's pace lets it land

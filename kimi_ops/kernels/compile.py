@@ -1,0 +1,113 @@
+"""Compiling the kernels: compile-time fakes, the target arch, and the on-disk compile
+cache keyed by the kernels' sources, the toolchain and the compiled-in settings."""
+
+import functools
+import hashlib
+import os
+import pathlib
+import tempfile
+
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from .launch import PDL
+from .mailbox import BARRIER_TIMEOUT_NS, POLL_TIMEOUT_NS
+
+EXPORT_NAME = "func"
+
+
+def fake(dtype, shape, align=16):
+    """A row-major fake tensor (last stride 1, the others symbolic)."""
+    divisibility = max(align * 8 // dtype.width, 1)
+    stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in shape[:-1]) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def fake_stream():
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def arch() -> str:
+    """The target: CUTE_DSL_ARCH if set (compile-only CI: sm_90a), else the current GPU's
+    (asked once per device: every op call looks its compiled kernel up by it)."""
+    if "CUTE_DSL_ARCH" in os.environ:
+        return os.environ["CUTE_DSL_ARCH"]
+    return device_arch(torch.cuda.current_device())
+
+
+@functools.cache
+def device_arch(device: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a"
+
+
+@functools.cache
+def source_fingerprint() -> str:
+    """The kernels' sources, subpackages' included, and the toolchain: a changed kernel
+    never loads a stale .o."""
+    digest = hashlib.sha256(
+        f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS} pdl={PDL}".encode())
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("KIMI_OPS_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "kimi_ops_cache")
+    path = pathlib.Path(root) / source_fingerprint()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def compile_options() -> str:
+    """``cute.compile``'s options: TVM-FFI calls on the env stream; with KIMI_OPS_PTXAS_REMARKS
+    set, also ptxas's report on stderr (registers, spills, C75xx performance notes such as
+    C7512, wgmma serialized for want of registers), which the compile tests read. The code
+    compiled is the same either way."""
+    remarks = " remarks{ptx}" if os.environ.get("KIMI_OPS_PTXAS_REMARKS") else ""
+    return "--enable-tvm-ffi" + remarks
+
+
+def compiled(build):
+    """Decorator: ``build(*key)`` returns a ``cute.compile`` result; cache it in memory and
+    as an exported object file keyed by (source, arch, build name, key)."""
+    memory = {}
+
+    @functools.wraps(build)
+    def get(*key):
+        key = (arch(), *key)
+        if key in memory:
+            return memory[key]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{build.__name__}{key[1:]} was not compiled before CUDA-graph capture: "
+                "prepare the kernels first (kimi_ops.backend.prepare, or run once outside capture)"
+            )
+        name = hashlib.sha256(repr((build.__qualname__, key)).encode()).hexdigest()[:24]
+        path = cache_dir() / f"{name}.o"
+        if path.exists():
+            function = cute.runtime.load_module(str(path), enable_tvm_ffi=True)[EXPORT_NAME]
+        else:
+            function = build(*key[1:])
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            function.export_to_c(object_file_path=str(partial), function_name=EXPORT_NAME)
+            os.replace(partial, path)  # atomic: no reader sees half a file
+        memory[key] = function
+        return function
+
+    get.build = build  # compile only, no cache (CI compiles every variant on the CPU)
+    return get
+
+
+def hopper(tensor: torch.Tensor) -> str | None:
+    return not_hopper(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def not_hopper(device: int) -> str | None:
+    """Why the kernels cannot run on ``device``, or None (asked once per device)."""
+    if not device_arch(device).startswith("sm_9"):
+        return f"the CuTe kernels target sm_90, not {torch.cuda.get_device_name(device)}"
+    return None

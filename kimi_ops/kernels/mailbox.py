@@ -1,0 +1,131 @@
+"""The mailbox protocol on the device (:mod:`kimi_ops.mailbox` is the host's): Lamport
+polls of 16-byte packets against the sentinel, bounded by the global timer, re-arms,
+stores to every peer's box in the writers' canonical form, and a box row's layout."""
+
+import os
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int64, Uint32
+
+from .ptx import load_words, nap, store_words
+
+SENTINEL = 0x80000000  # the armed word (kimi_ops.mailbox.SENTINEL as uint32)
+
+
+def box_row(parity, source, token, sources, capacity):
+    """The row of a box [parities, sources, CAP, width] viewed as rows that holds (parity,
+    source, token), for DSL values or constants (:func:`kimi_ops.mailbox.box_row`, the
+    host's side of this layout, gives the first rows that the host passes in)."""
+    return (parity * sources + source) * capacity + token
+
+
+def bound_ns(variable: str, default_ms: float) -> int:
+    return int(float(os.environ.get(variable, default_ms)) * 1_000_000)
+
+
+# How long a poll that sees nothing waits before it gives up and reports (compiled in, so
+# the kernel cache is keyed by them). A mailbox poll's data is one phase away: 50 ms. The
+# group barrier (kernels/group.py) also absorbs the ranks' host-side skew between steps
+# (first calls, lazy module loads), so it waits 1 s: a dead peer is still reported within
+# 2 s, since polls after a recorded fault do not wait.
+POLL_TIMEOUT_NS = bound_ns("KIMI_OPS_POLL_TIMEOUT_MS", 50)
+
+
+BARRIER_TIMEOUT_NS = bound_ns("KIMI_OPS_BARRIER_TIMEOUT_MS", 1000)
+
+
+@cute.jit
+def peer_bases(peers: cute.Tensor, count: cutlass.Constexpr[int]):
+    """The first ``count`` peers' box base addresses of ``peers``, for :func:`store_to_peers`:
+    loaded once, before a kernel's first mailbox store (a load after a system-scope store
+    waits for it: ptxas keeps the order, and per packet that was a round trip each)."""
+    return [Int64(peers[peer]) for peer in range(count)]
+
+
+@cute.jit
+def store_to_peers(bases, offset: Int64, words, fp32: cutlass.Constexpr[bool] = False):
+    """One mailbox packet (four words; eight: two packets, 16 bytes apart) to byte
+    ``offset`` of each peer's box (``bases``: :func:`peer_bases`), made unable to equal
+    the sentinel: BF16 pairs by :func:`canonical_pair`, ``fp32`` words (logits) by
+    :func:`canonical_word`."""
+    clean = [canonical_word(w) if fp32 else canonical_pair(w) for w in words]
+    for base in bases:
+        for first in cutlass.range_constexpr(0, len(clean), 4):
+            store_words(base + offset + 4 * first, clean[first:first + 4], mailbox=True)
+
+
+@cute.jit
+def canonical_pair(word: Uint32) -> Uint32:
+    """A BF16 pair made unable to equal the sentinel: −0 halves become +0 and NaN halves
+    the canonical NaN (kimi_ops.mailbox.no_neg_zero)."""
+    return canonical_half(word & Uint32(0xFFFF)) | (canonical_half(word >> Uint32(16)) << Uint32(16))
+
+
+@cute.jit
+def canonical_word(word: Uint32) -> Uint32:
+    """An FP32 word made unable to equal the sentinel: −0 becomes +0 and NaN the canonical
+    NaN (kimi_ops.mailbox.no_neg_zero on float32)."""
+    result = word
+    if word == Uint32(SENTINEL):
+        result = Uint32(0)
+    if (word & Uint32(0x7FFFFFFF)) > Uint32(0x7F800000):
+        result = Uint32(0x7FC00000)
+    return result
+
+
+@cute.jit
+def canonical_half(half: Uint32) -> Uint32:
+    result = half
+    if half == Uint32(0x8000):
+        result = Uint32(0)
+    if (half & Uint32(0x7FFF)) > Uint32(0x7F80):
+        result = Uint32(0x7FC0)
+    return result
+
+
+@cute.jit
+def rearm(address):
+    """Write the sentinel over a consumed packet (relaxed, system scope)."""
+    armed = Uint32(SENTINEL)
+    store_words(address, [armed] * 4, mailbox=True)
+
+
+@cute.jit
+def poll(address, error: cute.Tensor, code: cutlass.Constexpr[int]):
+    """Lamport poll of one packet (see :func:`poll_all`)."""
+    return poll_all([address], error, code)[0]
+
+
+@cute.jit
+def poll_all(addresses, error: cute.Tensor, code: cutlass.Constexpr[int]):
+    """Lamport poll of several packets at once (their loads in flight together) until no
+    word holds the sentinel, bounded by the global timer: past POLL_TIMEOUT_NS it sets
+    ``code`` in the error word and returns what it read (the wrapper raises on its next
+    host check). Returns each packet's four words."""
+    count = len(addresses)
+    values = cute.make_rmem_tensor((count, 4), Uint32)
+    start = cute.arch.globaltimer()
+    waiting = cutlass.Boolean(True)
+    first = cutlass.Boolean(True)
+    faulted = error[0] != cutlass.Int32(0)  # a fault is recorded: one look, no wait (the step is lost)
+    while waiting:
+        if not first:
+            nap()
+        first = cutlass.Boolean(False)
+        waiting = cutlass.Boolean(False)
+        for i in cutlass.range_constexpr(count):
+            words = load_words(addresses[i], polled=True)
+            for k in cutlass.range_constexpr(4):
+                values[i, k] = words[k]
+            waiting = waiting | (arrived(words) == cutlass.Boolean(False))
+        if waiting & (faulted | (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS)):
+            cute.arch.atomic_or(error.iterator, cutlass.Int32(code))
+            waiting = cutlass.Boolean(False)
+    return [[values[i, k] for k in range(4)] for i in range(count)]
+
+
+@cute.jit
+def arrived(words):
+    sentinel = Uint32(SENTINEL)
+    return (words[0] != sentinel) & (words[1] != sentinel) & (words[2] != sentinel) & (words[3] != sentinel)

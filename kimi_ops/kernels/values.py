@@ -1,0 +1,57 @@
+"""DSL values of several fields: :class:`Values`, and the :class:`Stamps` phase clock."""
+
+import copy
+
+import cutlass
+import cutlass.cute as cute
+
+
+class Values:
+    """A DSL value made of the attributes named in ``DYNAMIC`` (their runtime parts travel
+    through dynamic ifs and loops); the other attributes ride along as Python values."""
+
+    DYNAMIC: tuple = ()
+
+    def __extract_mlir_values__(self):
+        return [v for name in self.DYNAMIC for v in cutlass.extract_mlir_values(getattr(self, name))]
+
+    def __new_from_mlir_values__(self, values):
+        new, at = copy.copy(self), 0
+        for name in self.DYNAMIC:
+            n = len(cutlass.extract_mlir_values(getattr(self, name)))
+            setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name), values[at:at + n]))
+            at += n
+        return new
+
+
+class Stamps(Values):
+    """A kernel's phase clock for benchmarks (compiled out unless ``on``): thread 0 of each
+    CTA stores (%globaltimer, %clock64) of phase k of ``phases`` at int64 pair [cta][k] of
+    ``buffer`` from its 16-byte piece ``first`` on (a mailbox kernel keeps its error word
+    in the first; benchmarks/profile_tail.py reads the tail's, kernels.tail.common.PHASES)."""
+
+    DYNAMIC = ("buffer", "cta", "tid")
+
+    def __init__(self, phases: tuple, on: bool, buffer: cute.Tensor, cta, tid, first: int = 0):
+        self.phases, self.on, self.buffer, self.cta, self.tid, self.first = phases, on, buffer, cta, tid, first
+
+    @cute.jit
+    def at(self, phase: cutlass.Constexpr):
+        if cutlass.const_expr(self.on):
+            if self.tid == 0:
+                pair = self.first + self.cta * len(self.phases) + self.phases.index(phase)
+                address = self.buffer.iterator + pair * 4
+                cute.arch.inline_ptx("st.global.v2.b64 [{$r0}], { {$r1}, {$r2} };",
+                                     read_only_args=[address, cute.arch.globaltimer(), cute.arch.clock64()])
+
+    @cute.jit
+    def slot(self, i, first: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], chunks: cutlass.Constexpr[int]):
+        """Ring slots (phases "first slot", "refilled slot", "last slot"): the projection's
+        first (past the stash), the first refilled one and the last, once they landed."""
+        if cutlass.const_expr(self.on):
+            if i == first:
+                self.at("first slot")
+            if i == depth:
+                self.at("refilled slot")
+            if i == chunks - 1:
+                self.at("last slot")
