@@ -22,7 +22,6 @@ from ..checks import fail_setting, is_int
 from ..config import PACKED, KimiConfig
 from ..mailbox import KimiMailboxError, parities, raise_if_error
 from ..moe import MoeWeights
-from ..ops.dsa import DIM, HEADS
 from .boxes import DecodeBoxes
 from .groups import make_group
 from .prepared import PreparedFront, PreparedIndexFront, PreparedOproj, PreparedTail
@@ -165,44 +164,26 @@ class KimiDecoder(nn.Module):
         # unsupported shape) its polls would not wait for peers publishing concurrently.
         self.serving = group.tp == 1
         if device.type == "cuda":  # compile kernels now, not in a capture
-            tp, hidden = group.tp, config.hidden
-            backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
-            backend.prepare("situ", config.shared_intermediate // tp, "bfloat16")
-            backend.prepare("routed_experts", config.latent, config.expert_intermediate)
-            batches = self.buckets()
-            # The peers' address tables too: built in a cudagraph-tree warm-up, they would
-            # live in its pool untracked.
-            peers = {kind: [self.boxes.peers(kind, r) for r in group.ranks]
-                     for kind in self.boxes.kinds if kind != "sync"}
-            gathered = [b for b in batches if self.boxes.two_shot(b)]
-            for n, k in ((config.q_lora + HEADS + DIM, hidden),  # the DSA helpers (wq_a, w_head, wk) as one GEMM
-                         (config.attn_out // tp, config.q_lora),  # the stand-in core
-                         (2 * config.shared_intermediate // tp, hidden), (hidden, config.shared_intermediate // tp)):
-                backend.prepare("oproj", n, k, batches)
-            backend.prepare("dsa_index_front", config.q_lora, batches, (True,))  # raw rows: q_norm_w given
-            backend.prepare("dsa_index_key_insert")
-            backend.prepare("oproj_publish", hidden, config.attn_out // tp, tp, batches, peers["attn"])
-            backend.prepare("moe_front_publish", (config.experts + config.latent) // tp, hidden, config.experts // tp,
-                            tp, batches, peers["front"])
-            backend.prepare("moe_tail_publish", config.latent, tp, peers["latent"] + peers.get("recv", []),
-                            (0, config.latent // tp) if gathered else (0,))
-            if gathered:
-                backend.prepare("moe_latent_reduce", config.latent // tp, tp, peers["gathered"])
-            backend.prepare("moe_tail_push", hidden, tp, peers["rs"])
-            backend.prepare("moe_tail_poll", tp, hidden // tp, config.latent, batches, peers["out"], gathered)
-            if self.serving:
-                backend.prepare("moe_tail_serve", tp, hidden // tp, config.latent, batches, peers["latent"],
-                                peers["out"])
-            counts = range((num_layers - 1) // config.attn_res_block + 1)  # the completed blocks a residual sees
-            backend.prepare("attn_res", hidden, (1,), counts)  # the embedding's
-            backend.prepare("attn_res_take", hidden, (tp, 1), counts)  # o-proj rows (TP sources), tail rows
-            if group.barrier:
-                backend.prepare("group_barrier", tp, [self.boxes.peers("sync", r) for r in group.ranks])
+            self.prepare()
         # Every rank built, its kernels compiled or loaded: the first step starts together (a
         # kernel loaded inside a step delays its rank past the group barrier's bound).
         group.host_barrier()
         if device.type == "cuda" and group.barrier:
             self.warm_up()
+
+    def prepare(self) -> None:
+        """Every kernel of every batch bucket compiled or loaded: each part's own calls,
+        then the residuals' and the barrier's."""
+        batches, boxes, tp = self.buckets(), self.boxes, self.group.tp
+        for layer in self.layers:
+            for part in layer:
+                for prepared in (part.index, part.oproj, part.front, part.tail):
+                    prepared.prepare(batches, boxes)
+        counts = range((self.num_layers - 1) // self.config.attn_res_block + 1)  # the completed blocks a residual sees
+        backend.prepare("attn_res", self.config.hidden, (1,), counts)  # the embedding's
+        backend.prepare("attn_res_take", self.config.hidden, (tp, 1), counts)  # o-proj rows (TP sources), tail rows
+        if self.group.barrier:
+            backend.prepare("group_barrier", tp, [boxes.peers("sync", r) for r in self.group.ranks])
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:

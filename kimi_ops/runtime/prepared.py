@@ -5,6 +5,7 @@ CuTe kernels slot in under the ops; the parts stay as they are."""
 import torch
 from torch import nn
 
+from .. import backend
 from ..config import KimiConfig
 from .boxes import DecodeBoxes
 
@@ -16,11 +17,18 @@ def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
 
 
 class Prepared(nn.Module):
+    """A part's ``prepare(batches, boxes)`` compiles (or loads) the kernels of every call its
+    ``run`` makes at those batches, from its own weights' shapes and boxes: at the
+    decoder's construction, never inside a capture."""
+
     def __init__(self, config: KimiConfig, tp: int, rank: int, **buffers: torch.Tensor):
         super().__init__()
         self.config, self.tp, self.rank = config, tp, rank
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor)
+
+    def prepare(self, batches: list[int], boxes: DecodeBoxes) -> None:
+        raise NotImplementedError
 
 
 class PreparedIndexFront(Prepared):
@@ -43,6 +51,11 @@ class PreparedIndexFront(Prepared):
         """One projection's rows of ``w_in`` (a view)."""
         return self.w_in.split(self.sizes)[self.SPLITS.index(name)]
 
+    def prepare(self, batches, boxes):
+        backend.prepare("oproj", *self.w_in.shape, batches)
+        backend.prepare("dsa_index_front", self.wq_b.shape[1], batches, (True,))  # raw rows: q_norm_w given
+        backend.prepare("dsa_index_key_insert")
+
     def run(self, x, slots):
         """q_c (the raw rows the front normalizes), the FP8 query and head weights; the
         keys go into the cache at ``slots``."""
@@ -61,6 +74,10 @@ class PreparedOproj(Prepared):
         super().__init__(
             config, tp, rank, w_core=shard(attention.w_core, tp, rank), w_o=shard(attention.w_o, tp, rank, dim=1)
         )
+
+    def prepare(self, batches, boxes):
+        backend.prepare("oproj", *self.w_core.shape, batches)
+        backend.prepare("oproj_publish", *self.w_o.shape, self.tp, batches, [boxes.peers("attn", self.rank)])
 
     def run(self, q_c, boxes: DecodeBoxes):
         kimi.oproj_publish(kimi.oproj(q_c, self.w_core), self.w_o, boxes.peers("attn", self.rank), self.rank)
@@ -82,6 +99,17 @@ class PreparedFront(Prepared):
             expert_gate_up=moe.expert_gate_up, expert_down=moe.expert_down,
         )
         self.parity = parity
+
+    def prepare(self, batches, boxes):
+        config, tp, rank = self.config, self.tp, self.rank
+        backend.prepare("moe_front_publish", *self.front.shape, config.experts // tp, tp, batches,
+                        [boxes.peers("front", rank)])
+        backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
+        backend.prepare("oproj", *self.shared_gate_up.shape, batches)
+        backend.prepare("situ", self.shared_gate_up.shape[0] // 2, "bfloat16")
+        backend.prepare("oproj", *self.shared_down.shape, batches)
+        backend.prepare("moe_tail_push", config.hidden, tp, [boxes.peers("rs", rank)])
+        backend.prepare("routed_experts", config.latent, self.expert_down.shape[2])
 
     def publish(self, x, boxes: DecodeBoxes):
         n_logits = self.config.experts // self.tp
@@ -113,6 +141,19 @@ class PreparedTail(Prepared):
     def __init__(self, config, tp, rank, moe, parity, rearm, wrap):
         super().__init__(config, tp, rank, w_up=shard(moe.w_up, tp, rank), gamma=moe.gamma)
         self.parity, self.rearm, self.wrap = parity, rearm, wrap
+
+    def prepare(self, batches, boxes):
+        latent, tp, rank, (shard, _) = self.config.latent, self.tp, self.rank, self.w_up.shape
+        gathered = [b for b in batches if boxes.two_shot(b)]
+        receivers = [boxes.peers("recv", rank)] if gathered else []
+        backend.prepare("moe_tail_publish", latent, tp, [boxes.peers("latent", rank)] + receivers,
+                        (0, latent // tp) if gathered else (0,))
+        if gathered:
+            backend.prepare("moe_latent_reduce", latent // tp, tp, [boxes.peers("gathered", rank)])
+        backend.prepare("moe_tail_poll", tp, shard, latent, batches, [boxes.peers("out", rank)], gathered)
+        if tp == 1:  # the decoder serves the tail (KimiDecoder.serving)
+            backend.prepare("moe_tail_serve", tp, shard, latent, batches, [boxes.peers("latent", rank)],
+                            [boxes.peers("out", rank)])
 
     def publish(self, expanded, weights, boxes: DecodeBoxes):
         """The partial latent into every rank's latent box, or (two-shot) its column chunks
