@@ -1,4 +1,4 @@
-"""The decode projections on one GPU (kernels/gemm.py), at every (N, K) the decoder runs
+"""The decode projections on one GPU (kernels/gemm/), at every (N, K) the decoder runs
 per rank at TP 1 / 2 / 8 (Kimi-K3), B in BATCHES: µs per call, CUDA-graph replayed, each
 call of a graph reading its own weight copy (the copies exceed the H200's L2):
 
@@ -64,14 +64,14 @@ def variants(tps=(1, 2, 8)) -> list[tuple[str, int, int, int, int]]:
 
 
 def compile_key(op: str, n: int, k: int, n_logits: int, tp: int, tokens: int) -> tuple:
-    """kernels.gemm.compile_gemm's key of a variant at ``tokens``."""
+    """kernels.gemm.host.compile_gemm's key of a variant at ``tokens``."""
     return n, k, tokens, op in ("moe_front", "moe_front_publish"), n_logits, tp
 
 
 def compile_one(key: tuple) -> None:
-    from kimi_ops.kernels import gemm
+    from kimi_ops.kernels.gemm import host
 
-    gemm.compile_gemm(*key)
+    host.compile_gemm(*key)
 
 
 def prepare(jobs: int) -> None:
@@ -80,9 +80,9 @@ def prepare(jobs: int) -> None:
     import concurrent.futures
     import multiprocessing
 
-    from kimi_ops.kernels import gemm
+    from kimi_ops.kernels.gemm.plan import TOKEN_TILES
 
-    keys = [compile_key(*v, t) for v in variants() for t in gemm.TOKEN_TILES]
+    keys = [compile_key(*v, t) for v in variants() for t in TOKEN_TILES]
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(compile_one, keys))
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import kimi_ops  # noqa: F401
 from kimi_ops.mailbox import parities
-from kimi_ops.runtime.boxes import TailBoxes
+from kimi_ops.testing.tail_boxes import TailBoxes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import floor_us, graph_us, print_table  # noqa: E402

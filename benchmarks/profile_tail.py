@@ -18,7 +18,7 @@ from kimi_ops.kernels.arguments import placeholder
 from kimi_ops.kernels.tail import host
 from kimi_ops.kernels.tail.common import PHASES
 from kimi_ops.mailbox import parities
-from kimi_ops.runtime.boxes import TailBoxes
+from kimi_ops.testing.tail_boxes import TailBoxes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_tail import COPIES, HIDDEN, LATENT, activations, layer_weights  # noqa: E402

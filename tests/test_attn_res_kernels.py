@@ -1,4 +1,4 @@
-"""The CuTe AttnRes kernels (kernels/attn_res.py): their variants compile for sm_90a without
+"""The CuTe AttnRes kernels (kernels/attn_res/): their variants compile for sm_90a without
 a GPU, with no spills and no ptxas performance note; the work split and stash buckets hold
 on the CPU; on a Hopper GPU ``kimi::attn_res`` and the fused ``kimi::attn_res_take`` match
 the reference backend on the same device (outputs poisoned first, fresh inputs) at every
@@ -11,7 +11,9 @@ import torch
 
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
-from kimi_ops.kernels import attn_res  # noqa: E402
+from kimi_ops.kernels.attn_res import host as attn_res  # noqa: E402
+from kimi_ops.kernels.attn_res import kernels as attn_res_kernels  # noqa: E402
+from kimi_ops.kernels.attn_res import plan as attn_res_plan  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, TAKE_POLL, KimiMailboxError, no_neg_zero, raise_if_error  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
@@ -28,41 +30,41 @@ CAPACITY = 64
     (TINY, 1, 0), (TINY, 2, 3),
 ])
 def test_attn_res_compiles(hidden, tp, rows, clean_ptxas):
-    assert attn_res.compile_attn_res.build(hidden, tp, attn_res.cluster_for(hidden), rows) is not None
+    assert attn_res.compile_attn_res.build(hidden, tp, attn_res_plan.cluster_for(hidden), rows) is not None
     clean_ptxas()
 
 
 @pytest.mark.parametrize("hidden, tp, rows", [(HIDDEN, 1, 0), (HIDDEN, 8, 4), (TINY, 2, 3)])
 def test_attn_res_take_compiles(hidden, tp, rows, clean_ptxas):
-    assert attn_res.compile_attn_res.build(hidden, tp, attn_res.cluster_for(hidden), rows, True) is not None
+    assert attn_res.compile_attn_res.build(hidden, tp, attn_res_plan.cluster_for(hidden), rows, True) is not None
     clean_ptxas()
 
 
 def test_one_token_per_cluster_each_cta_a_slice_of_whole_packets():
     """H = 7168: 8 CTAs of 112 packets (128 threads); tiny H: one CTA; every packet of H
     once, no CTA past CTA_PACKETS where a cluster size allows it."""
-    assert attn_res.cluster_for(HIDDEN) == 8 and attn_res.cluster_for(TINY) == 1
+    assert attn_res_plan.cluster_for(HIDDEN) == 8 and attn_res_plan.cluster_for(TINY) == 1
     for hidden in (64, TINY, 512, 1024, 2048, 4096, HIDDEN, 8192, 1032):
-        cluster = attn_res.cluster_for(hidden)
-        kernel = attn_res.AttnRes(hidden, 1, cluster, 0)
-        assert cluster in attn_res.CLUSTERS and kernel.packets * cluster * 8 == hidden
+        cluster = attn_res_plan.cluster_for(hidden)
+        kernel = attn_res_kernels.AttnRes(hidden, 1, cluster, 0)
+        assert cluster in attn_res_plan.CLUSTERS and kernel.packets * cluster * 8 == hidden
         assert kernel.threads * kernel.rounds >= kernel.packets > kernel.threads * (kernel.rounds - 1)
-        assert kernel.threads % 32 == 0 and kernel.threads <= attn_res.MAX_THREADS
-    assert attn_res.AttnRes(HIDDEN, 1, 8, 0).threads == 128
+        assert kernel.threads % 32 == 0 and kernel.threads <= attn_res_plan.MAX_THREADS
+    assert attn_res_kernels.AttnRes(HIDDEN, 1, 8, 0).threads == 128
 
 
 def test_every_exchange_round_has_slots_of_its_own():
-    kernel = attn_res.AttnRes(HIDDEN, 8, 8, 6)
+    kernel = attn_res_kernels.AttnRes(HIDDEN, 8, 8, 6)
     slots = ([kernel.block_ss + n for n in range(6)] + [kernel.block_dot + n for n in range(6)]
              + [kernel.partial_ss, kernel.partial_dot, kernel.h_ss])
     assert sorted(slots) == list(range(kernel.slots))
 
 
 def test_stash_buckets_take_every_block_count_up_to_64():
-    assert attn_res.stash_rows(0) == 0 and attn_res.stash_rows(5) == 6 and attn_res.stash_rows(64) == 64
-    assert attn_res.stash_rows(65) is None
+    assert attn_res_plan.stash_rows(0) == 0 and attn_res_plan.stash_rows(5) == 6 and attn_res_plan.stash_rows(64) == 64
+    assert attn_res_plan.stash_rows(65) is None
     for count in range(1, 65):
-        rows = attn_res.stash_rows(count)
+        rows = attn_res_plan.stash_rows(count)
         assert count <= rows < 1.5 * count + 1
         assert attn_res.unsupported_shape(HIDDEN, 8, count) is None  # fits a CTA's shared memory
     assert "blocks" in attn_res.unsupported_shape(HIDDEN, 1, 65)
@@ -85,7 +87,7 @@ def kernel_model(blocks, partial, sublayer, query, key_w, out_w, eps, cluster):
     packet of 8, the lanes' butterfly, the warps, the cluster's CTAs), with torch's rsqrt
     and exp in place of the GPU's instructions. For H whose CTAs' packets are whole warps."""
     hidden = partial.shape[1]
-    shape = attn_res.AttnRes(hidden, 1, cluster, 0)
+    shape = attn_res_kernels.AttnRes(hidden, 1, cluster, 0)
     assert shape.packets == shape.threads
 
     def over_h(terms):  # float64 [..., H] -> Σ in the kernel's order, rounded to FP32
@@ -119,7 +121,7 @@ def test_kernel_arithmetic_reproduces_the_reference_rounding_points(count, tp):
     for hidden, batch in ((TINY, 4), (1024, 3)):
         args = args_of(batch, count, tp, seed=count + tp, hidden=hidden, device="cpu")
         want = reference(kimi.attn_res, *args, 1e-6)
-        got = kernel_model(*args, 1e-6, attn_res.cluster_for(hidden))
+        got = kernel_model(*args, 1e-6, attn_res_plan.cluster_for(hidden))
         for g, w in zip(got, want):
             assert torch.equal(g.view(torch.int16), w.view(torch.int16))
 

@@ -16,7 +16,10 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 
 from kimi_ops import backend  # noqa: E402
 from kimi_ops.checks import KimiArgumentError  # noqa: E402
-from kimi_ops.kernels import dsa, gemm  # noqa: E402
+from kimi_ops.kernels import dsa  # noqa: E402
+from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
+from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
+from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
 from kimi_ops.numerics import quantize_e4m3  # noqa: E402
 from kimi_ops.ops import dsa as dsa_op  # noqa: E402
 
@@ -30,7 +33,7 @@ bench = benchmark("bench_dsa")
 
 # The decoder's front runs raw rows (q_norm_w given) at every bucket; normalized rows at the
 # smallest and largest bucket (the op's other mode: CI time).
-FRONT_VARIANTS = [(tokens, True) for tokens in gemm.TOKEN_TILES] + [(8, False), (64, False)]
+FRONT_VARIANTS = [(tokens, True) for tokens in gemm_plans.TOKEN_TILES] + [(8, False), (64, False)]
 
 
 @pytest.mark.parametrize("tokens, norm", FRONT_VARIANTS)
@@ -45,15 +48,15 @@ def test_key_insert_compiles(clean_ptxas):
 
 
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("tokens", gemm.TOKEN_TILES)
+@pytest.mark.parametrize("tokens", gemm_plans.TOKEN_TILES)
 def test_plan_puts_a_head_in_a_cta_and_the_grid_in_one_wave(tokens, norm):
     plan = dsa.index_plan(K, tokens, norm)
     assert (plan.tiles, plan.split) == (2, 3) and plan.rows == dsa.DIM and plan.blocks == dsa.HEADS
-    assert plan.ctas == 96 <= dsa.resident(plan.split) and plan.split * plan.chunks * gemm.CHUNK == K
+    assert plan.ctas == 96 <= dsa.resident(plan.split) and plan.split * plan.chunks * CHUNK == K
     assert plan.by_token and plan.per_owner % 2 == 0 and plan.per_owner * plan.split >= tokens
     assert plan.stride % 2 == 1 and plan.depth == plan.chunks  # the whole K slice in the ring
-    assert plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 + plan.reserve <= gemm.SMEM_BYTES
-    assert plan.chunks % plan.sets == 0 and (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm.ACCUMULATOR_REGISTERS
+    assert plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 + plan.reserve <= SMEM_BYTES
+    assert plan.chunks % plan.sets == 0 and (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm_plans.ACCUMULATOR_REGISTERS
 
 
 def test_partition_rejects_what_the_kernel_cannot_take():
@@ -64,7 +67,7 @@ def test_partition_rejects_what_the_kernel_cannot_take():
     assert dsa.unsupported_front(K, 1, True) is None and dsa.unsupported_front(K, 64, False) is None
 
 
-@pytest.mark.parametrize("tokens", gemm.TOKEN_TILES)
+@pytest.mark.parametrize("tokens", gemm_plans.TOKEN_TILES)
 def test_by_token_exchange_sums_every_part_once_in_order(tokens):
     """CPU model of the K-part exchange in by_token mode: every CTA's m64nT accumulators
     (DecodeGemm.consume's layout) reach their token's owner (scatter) without overlap, and
@@ -101,7 +104,7 @@ def test_by_token_exchange_sums_every_part_once_in_order(tokens):
     assert seen == set(range(tokens))
 
 
-@pytest.mark.parametrize("tokens", gemm.TOKEN_TILES)
+@pytest.mark.parametrize("tokens", gemm_plans.TOKEN_TILES)
 def test_raw_rows_cover_every_packet_once_and_send_every_sum_once(tokens):
     """CPU model of DecodeGemm.produce_normalized's items: producer p holds token
     p // 8 + 16·j, piece p % 8 of every chunk; the (token, piece) packets of a slot are each
@@ -109,20 +112,20 @@ def test_raw_rows_cover_every_packet_once_and_send_every_sum_once(tokens):
     and one lane per token sends its Σ x²: the factored barrier's split · T · 8 bytes."""
     plan = dsa.index_plan(K, tokens, True)
     written, senders = {}, {}
-    for producer in range(gemm.PRODUCERS):
-        piece = producer % (gemm.CHUNK // 8)
+    for producer in range(gemm_plans.PRODUCERS):
+        piece = producer % (CHUNK // 8)
         for j in range(plan.x_items):
-            token = producer // (gemm.CHUNK // 8) + gemm.PRODUCERS // (gemm.CHUNK // 8) * j
+            token = producer // (CHUNK // 8) + gemm_plans.PRODUCERS // (CHUNK // 8) * j
             if token >= tokens:
                 continue
-            word = gemm.swizzled(0, token, piece) * 4
+            word = swizzled(0, token, piece) * 4
             assert word not in written and word + 4 <= plan.x_slot // 4
             written[word] = (token, piece)
             assert producer // 32 == (producer - piece) // 32 == (producer - piece + 7) // 32  # one warp's lanes
             if piece == 0:
                 assert token not in senders
                 senders[token] = producer
-    assert len(written) == tokens * gemm.CHUNK // 8 and sorted(senders) == list(range(tokens))
+    assert len(written) == tokens * CHUNK // 8 and sorted(senders) == list(range(tokens))
     assert plan.split * len(senders) * 8 == plan.split * plan.tokens * 8
 
 
@@ -188,7 +191,7 @@ def test_prepare_compiles_every_bucket_of_both_modes(monkeypatch):
     dsa.IndexFrontKernel().prepare(K, [1, 64], modes=(True,))
     dsa.IndexFrontKernel().prepare(96, [8])  # not the kernel's: nothing to compile
     dsa.KeyInsertKernel().prepare()
-    assert compiled == [(K, t, True) for t in gemm.TOKEN_TILES] + [(K, t, False) for t in gemm.TOKEN_TILES] + [
+    assert compiled == [(K, t, True) for t in gemm_plans.TOKEN_TILES] + [(K, t, False) for t in gemm_plans.TOKEN_TILES] + [
         (K, 8, True), (K, 64, True), "key"]
 
 

@@ -1,4 +1,4 @@
-"""The CuTe decode-GEMM engine (kernels/gemm.py): every variant the decoder runs at TP 1 / 2
+"""The CuTe decode-GEMM engine (kernels/gemm/): every variant the decoder runs at TP 1 / 2
 / 8 compiles for sm_90a without a GPU, with no spills and no ptxas performance note; its
 plans cover every row once in one wave; on a Hopper GPU ``kimi::oproj``, ``kimi::moe_front``
 and their publishing ops match the reference backend (outputs poisoned first, fresh
@@ -12,7 +12,10 @@ import torch
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
 from kimi_ops.checks import KimiArgumentError  # noqa: E402
-from kimi_ops.kernels import gemm  # noqa: E402
+from kimi_ops.kernels.gemm import host as gemm  # noqa: E402
+from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
+from kimi_ops.kernels.ring import CHUNK  # noqa: E402
+from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, no_neg_zero  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, benchmark, on_hopper, reference  # noqa: E402
@@ -45,15 +48,15 @@ def test_gemm_middle_buckets_compile(n, k, tokens, clean_ptxas):
 def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
     _, n, k, n_logits, _ = variant
     assert gemm.unsupported_shape(n, k, 64, n_logits) is None
-    for tokens in gemm.TOKEN_TILES:
-        plan = gemm.gemm_plan(n, k, tokens)
+    for tokens in gemm_plans.TOKEN_TILES:
+        plan = gemm_plans.gemm_plan(n, k, tokens)
         assert plan.blocks * plan.rows >= n > (plan.blocks - 1) * plan.rows
-        assert plan.ctas <= gemm.RESIDENT[plan.split] and plan.split in gemm.SPLITS
-        assert plan.split * plan.chunks * gemm.CHUNK == k and plan.rows <= 256
+        assert plan.ctas <= gemm_plans.RESIDENT[plan.split] and plan.split in gemm_plans.SPLITS
+        assert plan.split * plan.chunks * CHUNK == k and plan.rows <= 256
         assert plan.owned % 8 == 0 and plan.owned * plan.split == plan.rows
-        assert plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 <= gemm.SMEM_BYTES
+        assert plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 <= SMEM_BYTES
         assert plan.depth >= min(plan.chunks, 4) and plan.chunks % plan.sets == 0
-        assert (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm.ACCUMULATOR_REGISTERS
+        assert (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm_plans.ACCUMULATOR_REGISTERS
 
 
 @pytest.mark.parametrize("tiles, split, tokens", [(1, 1, 8), (3, 2, 64), (4, 4, 32), (1, 8, 16), (3, 8, 64)])
@@ -61,9 +64,9 @@ def test_scatter_and_finish_sum_every_part_once_in_order(tiles, split, tokens):
     """CPU model of the K-part exchange through GemmPlan.receive_word: every CTA's m64nT
     accumulators (DecodeGemm.consume's layout) go to their rows' owners (scatter) without
     overlap, and each owner's packets (finish) read back Σ of the parts, each once."""
-    plan = gemm.GemmPlan.__new__(gemm.GemmPlan)
+    plan = gemm_plans.GemmPlan.__new__(gemm_plans.GemmPlan)
     plan.tiles, plan.split, plan.tokens = tiles, split, tokens
-    plan.rows, plan.stride = 64 * tiles, tokens + gemm.RECEIVE_PAD
+    plan.rows, plan.stride = 64 * tiles, tokens + gemm_plans.RECEIVE_PAD
     plan.owned = plan.rows // split
     gen = torch.Generator().manual_seed(tiles * 100 + split)
     sums = torch.randn(split, plan.rows, tokens, generator=gen, dtype=torch.float64)  # [part][row][token]
@@ -94,10 +97,10 @@ def test_partition_trades_weight_bytes_per_cta_for_splits():
     """One wave of whole-K CTAs where it covers the SMs (o-proj at TP8, the shared down);
     K splits where it would leave most idle (the front, the DSA helpers) or where fewer x
     reads pay (o-proj at 64 tokens)."""
-    assert gemm.partition(7168, 1536, 8) == (1, 1) and gemm.partition(7168, 768, 64) == (1, 1)
-    assert gemm.partition(4480, 7168, 8) == (3, 4) and gemm.partition(32, 7168, 8) == (1, 8)
-    assert gemm.partition(7168, 12288, 64) == (2, 2)
-    assert gemm.partition(7168, 100, 8) is None and gemm.partition(100, 7168, 8) is None
+    assert gemm_plans.partition(7168, 1536, 8) == (1, 1) and gemm_plans.partition(7168, 768, 64) == (1, 1)
+    assert gemm_plans.partition(4480, 7168, 8) == (3, 4) and gemm_plans.partition(32, 7168, 8) == (1, 8)
+    assert gemm_plans.partition(7168, 12288, 64) == (2, 2)
+    assert gemm_plans.partition(7168, 100, 8) is None and gemm_plans.partition(100, 7168, 8) is None
 
 
 def test_unsupported_shapes_say_why():

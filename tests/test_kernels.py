@@ -23,13 +23,6 @@ def test_route_compiles(experts, renorm, lean, clean_ptxas):
     clean_ptxas()
 
 
-@pytest.mark.parametrize("build", ["route", "route_poll", "situ"])
-def test_early_release_variants_compile(build, clean_ptxas):
-    args = {"route": (896, True, True), "route_poll": (896, 3584, True, True), "situ": (6144, "bfloat16")}[build]
-    assert getattr(route, f"compile_{build}").build(*args, early=True) is not None
-    clean_ptxas()
-
-
 @pytest.mark.parametrize("experts, latent", [(64, 128), (896, 3584), (1024, 3584)])
 @pytest.mark.parametrize("lean", [True, False])
 def test_route_poll_compiles(experts, latent, lean, clean_ptxas):

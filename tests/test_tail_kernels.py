@@ -11,9 +11,9 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 from kimi_ops import backend  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
-from kimi_ops.kernels.tail import host, split, wave  # noqa: E402
+from kimi_ops.kernels.tail import host, split, split_plan, wave  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
-from kimi_ops.runtime.boxes import TailBoxes  # noqa: E402
+from kimi_ops.testing.tail_boxes import TailBoxes  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, assert_tail_close, benchmark, on_hopper, reference  # noqa: E402
 
@@ -154,15 +154,15 @@ def test_poll_prepare_compiles_the_wave_up_to_max_wave_tp(monkeypatch):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_plan_covers_every_row_once_in_one_wave(tp):
     for groups in range(1, 9):
-        plan = split.Plan(tp, HIDDEN // tp, LATENT, groups)
-        assert plan.clusters * plan.tiles * split.TILE_ROWS >= plan.shard
-        assert (plan.clusters - 1) * plan.tiles * split.TILE_ROWS < plan.shard
-        assert plan.clusters <= split.ONE_WAVE_CLUSTERS and plan.warps <= split.MAX_WARPS
+        plan = split_plan.Plan(tp, HIDDEN // tp, LATENT, groups)
+        assert plan.clusters * plan.tiles * split_plan.TILE_ROWS >= plan.shard
+        assert (plan.clusters - 1) * plan.tiles * split_plan.TILE_ROWS < plan.shard
+        assert plan.clusters <= split_plan.ONE_WAVE_CLUSTERS and plan.warps <= split_plan.MAX_WARPS
         assert (plan.xn_words + plan.ss_words + plan.ring_words) * 4 <= SMEM_BYTES
         assert plan.split * plan.warp_chunks * CHUNK * plan.cluster == plan.latent
         assert plan.rows <= 256 and plan.slot_bytes == plan.split * plan.rows * CHUNK * 2  # one TMA box per part
         # publish mode's polls: every round in some pass, at most LATENT_LOADS packets in flight per lane
-        assert plan.rounds_per_pass * plan.tp * plan.tokens_per_pass <= max(split.LATENT_LOADS, 16)
+        assert plan.rounds_per_pass * plan.tp * plan.tokens_per_pass <= max(split_plan.LATENT_LOADS, 16)
         assert plan.rounds_per_pass >= 1 and plan.rounds % plan.rounds_per_pass == 0
 
 
@@ -174,7 +174,7 @@ def test_wave_plan_covers_every_row_in_one_wave_and_fits():
     for groups in range(wave.MIN_WAVE_GROUPS, wave.MAX_WAVE_GROUPS + 1):
         plan = host.wave_plan_for(HIDDEN, LATENT, groups)
         assert plan.ctas * wave.WAVE_ROWS == HIDDEN and plan.ctas % wave.WAVE_CLUSTER == 0
-        assert plan.ctas <= split.ONE_WAVE_CLUSTERS * split.CLUSTER
+        assert plan.ctas <= split_plan.ONE_WAVE_CLUSTERS * split_plan.CLUSTER
         assert plan.tokens >= 8 * groups and plan.tokens % (8 * wave.WAVE_CLUSTER) == 0
         assert plan.chunks * CHUNK == LATENT and plan.packets * 32 == plan.tokens
         assert 1024 + plan.xn_depth * plan.xn_bytes + plan.depth * plan.slot_bytes <= SMEM_BYTES
@@ -272,7 +272,7 @@ def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
     128-byte swizzled box (Plan.ring_piece), the xn stores (MoeTail.xn_packet), the
     ldmatrix rows (Plan.a_piece, Plan.b_piece) into the PTX m16n8k16 fragment layout; the
     sums must be W · xnᵀ, and every ldmatrix conflict-free."""
-    plan = split.Plan(tp, HIDDEN // tp, LATENT, groups)
+    plan = split_plan.Plan(tp, HIDDEN // tp, LATENT, groups)
     kernel = split.MoeTail(plan, publish=False)
     gen = torch.Generator().manual_seed(tp * 10 + groups)
     warp, i = plan.warps - 1, plan.warp_chunks - 1
@@ -285,18 +285,18 @@ def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
     xn_pieces = {kernel.xn_packet(token, packet): xn[token, 8 * packet : 8 * packet + 8]
                  for token in range(8 * groups) for packet in range(plan.cols // 8)}
     assert len(ring) == plan.rows * CHUNK // 8 and len(xn_pieces) == xn.numel() // 8  # no piece overwritten
-    acc = torch.zeros(split.TILES_PER_WARP, groups, 16, 8, dtype=torch.float64)
+    acc = torch.zeros(split_plan.TILES_PER_WARP, groups, 16, 8, dtype=torch.float64)
     for pair in range(CHUNK // 32):
         for n in range(groups):
             b = ldmatrix_x4(xn_pieces, [plan.b_piece(chunk, n, pair, lane) for lane in range(32)])
             for u in range(2):
-                for p in range(split.TILES_PER_WARP):
+                for p in range(split_plan.TILES_PER_WARP):
                     a_rows = [plan.a_piece(slot, sub, row_group, p, 2 * pair + u, lane) for lane in range(32)]
                     a = ldmatrix_x4(ring, a_rows)
                     acc[p, n] += mma_m16n8k16(a, [(regs[2 * u], regs[2 * u + 1]) for regs in b])
     columns = slice(chunk * CHUNK, (chunk + 1) * CHUNK)
-    for p in range(split.TILES_PER_WARP):
-        rows = box[(row_group * split.TILES_PER_WARP + p) * 16 : (row_group * split.TILES_PER_WARP + p + 1) * 16]
+    for p in range(split_plan.TILES_PER_WARP):
+        rows = box[(row_group * split_plan.TILES_PER_WARP + p) * 16 : (row_group * split_plan.TILES_PER_WARP + p + 1) * 16]
         for n in range(groups):
             want = rows @ xn[n * 8 : n * 8 + 8, columns].T
             torch.testing.assert_close(acc[p, n], want, rtol=1e-12, atol=1e-12)

@@ -52,19 +52,9 @@ from .. import backend
 from ..ops import dsa as dsa_op
 from .arguments import aligned, placeholder
 from .compile import compile_options, compiled, fake, fake_stream, hopper
-from .gemm import (
-    CONSUMER_WARPS,
-    MAX_BATCH,
-    PRODUCERS,
-    RESIDENT,
-    RESIDENT_3,
-    TILE,
-    DecodeGemm,
-    GemmPlan,
-    cta_cost,
-    token_tile,
-    tokens_of,
-)
+from .gemm.engine import DecodeGemm
+from .gemm.host import tokens_of
+from .gemm.plan import CONSUMER_WARPS, MAX_BATCH, PRODUCERS, RESIDENT, RESIDENT_3, TILE, GemmPlan, cta_cost, token_tile
 from .launch import SMEM_BYTES, launch
 from .packets import butterfly, butterfly_sum, clamp, unpack_words
 from .ptx import (
@@ -106,7 +96,7 @@ def reserve(tokens: int, split: int) -> int:
 
 def index_partition(k: int, tokens: int, norm: bool) -> tuple[int, int] | None:
     """(tiles, split) of the front at T tokens: a head per row block (TILES tiles), the K
-    split of least :func:`~kimi_ops.kernels.gemm.cta_cost` whose grid is resident at once;
+    split of least :func:`~kimi_ops.kernels.gemm.plan.cta_cost` whose grid is resident at once;
     raw-row mode also needs the whole K slice in the ring (depth = chunks: the producers
     hold every chunk's x until the factors are in) and its packets in registers."""
     if k % CHUNK or k <= 0:

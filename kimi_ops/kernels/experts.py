@@ -49,7 +49,7 @@ from ..ops import experts as experts_op
 from ..ops.route import TOP_K
 from .arguments import aligned
 from .compile import compile_options, compiled, fake, fake_stream, hopper
-from .launch import PDL, SMEM_BYTES, PdlTrigger, multiprocessors
+from .launch import PDL, SMEM_BYTES, multiprocessors
 from .packets import (
     butterfly,
     clamp,
@@ -93,11 +93,10 @@ def cluster_for(latent: int, batch: int, device: int) -> int:
     return cluster if batch * TOP_K * cluster <= multiprocessors(device) else 1
 
 
-class RoutedExperts(PdlTrigger):
+class RoutedExperts:
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
     def __init__(self, latent: int, intermediate: int, cluster: int | None = None):
-        super().__init__(early=False)  # released late: dependents cannot take its SMs
         self.latent, self.intermediate = latent, intermediate
         self.cluster = cluster or cluster_size(latent)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
@@ -137,7 +136,6 @@ class RoutedExperts(PdlTrigger):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         pair, part = cta // self.cluster, cta % self.cluster
-        self.trigger_at_entry()
         space = self.allocate()
         full = space[1]
         if tid == 0:
@@ -163,7 +161,7 @@ class RoutedExperts(PdlTrigger):
         if cutlass.const_expr(self.cluster > 1):
             if served != 2:
                 cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
-        self.trigger_when_written()
+        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
     @cute.jit
     def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:

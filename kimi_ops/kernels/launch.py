@@ -1,11 +1,9 @@
 """Launching the kernels: the CTA shape, the SM budget, programmatic dependent launch
-(PDL) and its trigger."""
+(PDL)."""
 
 import functools
 import os
 
-import cutlass
-import cutlass.cute as cute
 import torch
 
 THREADS = 256  # every kernel's CTA (launch)
@@ -25,26 +23,6 @@ def launch(kernel, grid, stream, min_blocks_per_mp: int = 0) -> None:
     to keep a thread's loads in flight (see tail.fronts.weighted_rows)."""
     kernel.launch(grid=[*grid, *[1] * (3 - len(grid))], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL,
                   min_blocks_per_mp=min_blocks_per_mp)
-
-
-class PdlTrigger:
-    """When a kernel triggers its dependent grid (``griddepcontrol.launch_dependents``):
-    ``early`` at entry (for dependents that must start at once, e.g. persistent ones that
-    first drain other work), else once this grid's outputs are written (dependents cannot
-    take its SMs)."""
-
-    def __init__(self, early: bool):
-        self.early = early
-
-    @cute.jit
-    def trigger_at_entry(self):
-        if cutlass.const_expr(self.early):
-            cute.arch.griddepcontrol_launch_dependents()
-
-    @cute.jit
-    def trigger_when_written(self):
-        if cutlass.const_expr(not self.early):
-            cute.arch.griddepcontrol_launch_dependents()
 
 
 @functools.cache

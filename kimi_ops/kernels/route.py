@@ -13,9 +13,8 @@ butterfly sum of the 16 scores + 1e-20, one BF16 rounding.
 Situ: gate and up each rounded to BF16, g · sigmoid(beta · g) · (u + linear_beta) in FP32,
 BF16 out; 16-byte packets, 256 of them of one token per CTA.
 
-PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; dependents are released
-late (once outputs are written) by the ops, early (at entry) in the ``early`` variants
-(:class:`~kimi_ops.kernels.launch.PdlTrigger`).
+PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; the dependents are
+triggered once the outputs are written.
 """
 
 import cutlass
@@ -29,7 +28,7 @@ from ..mailbox import ROUTE_POLL, box_row
 from ..ops import mailbox_ops
 from ..ops import route as route_op
 from .compile import compile_options, compiled, fake, fake_stream, hopper
-from .launch import THREADS, PdlTrigger, launch
+from .launch import THREADS, launch
 from .mailbox import poll, rearm
 from .packets import butterfly_sum, ordered, sigmoid, situ_value, unpack_words
 from .ptx import bits_float, load_words, pack_values, store_words
@@ -38,14 +37,13 @@ TOP_K = route_op.TOP_K
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
 
 
-class Route(PdlTrigger):
+class Route:
     """``lean`` (B > 8): candidates rank with 8 threads each (4 past 32 candidates), so
     few registers stay live; else one thread per candidate. Either falls back to one
     thread per candidate, looping over all of them, past 64 candidates (ties).
     ``polled``: thread t owns experts 4t..4t+3, one 16-byte packet of FP32 logit words."""
 
-    def __init__(self, experts: int, renorm: bool, lean: bool, polled: bool = False, early: bool = False):
-        super().__init__(early)
+    def __init__(self, experts: int, renorm: bool, lean: bool, polled: bool = False):
         self.experts, self.renorm, self.lean, self.polled = experts, renorm, lean, polled
         self.slots = 4 if polled else (experts + THREADS - 1) // THREADS  # experts per thread
 
@@ -60,7 +58,6 @@ class Route(PdlTrigger):
     def kernel(self, logits: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, scale: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
-        self.trigger_at_entry()
         offsets = self.load_bias(bias, tid)
         cute.arch.griddepcontrol_wait()
         raw = cute.make_rmem_tensor(self.slots, Float32)
@@ -69,7 +66,7 @@ class Route(PdlTrigger):
             if self.expert(tid, i) < self.experts:
                 raw[i] = logits[token, self.expert(tid, i)]
         self.route(raw, offsets, ids, weights, scale, token, tid)
-        self.trigger_when_written()
+        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
     @cute.jit
     def load_bias(self, bias: cute.Tensor, tid):
@@ -199,8 +196,8 @@ class RoutePoll(Route):
     CTAs [B, 2B) copy its latent; both poll their 16-byte packets (Lamport, bounded),
     re-arm them, and wait for the previous grid only before writing outputs."""
 
-    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool, early: bool = False):
-        super().__init__(experts, renorm, lean, polled=True, early=early)
+    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool):
+        super().__init__(experts, renorm, lean, polled=True)
         self.latent = latent
         self.packets = latent // 8  # 16-byte packets of the latent
 
@@ -214,7 +211,6 @@ class RoutePoll(Route):
                latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        self.trigger_at_entry()
         batch = ids.shape[0]
         token = cta % batch
         row = rows.iterator + (first_row + token) * rows.stride[0]
@@ -240,16 +236,15 @@ class RoutePoll(Route):
                     rearm(packet)
                     cute.arch.griddepcontrol_wait()
                     store_words(latent.iterator + token * latent.stride[0] + packet_index * 8, words)
-        self.trigger_when_written()
+        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
 
-class Situ(PdlTrigger):
+class Situ:
     """Grid (B, chunks): each thread reads one 16-byte packet of gate and one of up
     (4 FP32 or 8 BF16 columns), so a CTA covers 256 packets of one token and a small batch
     still spreads over many SMs. The BF16 outputs leave as one 8- or 16-byte store."""
 
-    def __init__(self, width: int, source, early: bool = False):
-        super().__init__(early)
+    def __init__(self, width: int, source):
         self.width, self.source = width, source
         self.columns = 128 // source.width  # per thread: one 16-byte packet
         self.chunks = (width + self.columns * THREADS - 1) // (self.columns * THREADS)
@@ -262,7 +257,6 @@ class Situ(PdlTrigger):
     def kernel(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, chunk, _ = cute.arch.block_idx()
-        self.trigger_at_entry()
         first = (chunk * THREADS + tid) * self.columns
         cute.arch.griddepcontrol_wait()
         if first < self.width:
@@ -271,7 +265,7 @@ class Situ(PdlTrigger):
             values = [situ_value(g, u, beta, linear_beta) for g, u in zip(gate, up)]
             words = pack_values(values)
             store_words(out.iterator + token * out.stride[0] + first, words)
-        self.trigger_when_written()
+        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
     @cute.jit
     def unpack(self, words):
@@ -292,10 +286,10 @@ def larger(a: Uint64, b: Uint64) -> Uint64:
 
 
 @compiled
-def compile_route(experts: int, renorm: bool, lean: bool, early: bool = False):
+def compile_route(experts: int, renorm: bool, lean: bool):
     batch = cute.sym_int()
     return cute.compile(
-        Route(experts, renorm, lean, early=early),
+        Route(experts, renorm, lean),
         fake(Float32, (batch, experts), align=4), fake(Float32, (experts,), align=4),
         fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), Float32(1.0), fake_stream(),
         options=compile_options(),
@@ -303,10 +297,10 @@ def compile_route(experts: int, renorm: bool, lean: bool, early: bool = False):
 
 
 @compiled
-def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool, early: bool = False):
+def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool):
     rows, batch = cute.sym_int(), cute.sym_int()
     return cute.compile(
-        RoutePoll(experts, latent, renorm, lean, early=early),
+        RoutePoll(experts, latent, renorm, lean),
         fake(BFloat16, (rows, latent + 2 * experts)), fake(Float32, (experts,), align=4),
         fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), fake(BFloat16, (batch, latent)),
         fake(Int32, (1,), align=4), Float32(1.0), Int32(0), fake_stream(), options=compile_options(),
@@ -314,11 +308,11 @@ def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool, earl
 
 
 @compiled
-def compile_situ(width: int, dtype: str, early: bool = False):
+def compile_situ(width: int, dtype: str):
     batch = cute.sym_int()
     source = Float32 if dtype == "float32" else BFloat16
     return cute.compile(
-        Situ(width, source, early=early), fake(source, (batch, 2 * width)), fake(BFloat16, (batch, width)),
+        Situ(width, source), fake(source, (batch, 2 * width)), fake(BFloat16, (batch, width)),
         Float32(1.0), Float32(0.0), fake_stream(), options=compile_options(),
     )
 

@@ -2,8 +2,6 @@
 variant choices, and the ``kimi`` ops' adapters."""
 
 import functools
-from collections.abc import Callable
-from typing import NamedTuple
 
 import cutlass.cute as cute
 import torch
@@ -17,9 +15,11 @@ from ..arguments import addresses, aligned, placeholder, register_addresses
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import multiprocessors
 from ..ring import CHUNK
+from ..variant import Unsupported, Variant
 from .common import TOP_K
 from .fronts import LatentReduce, NormFront, PollNormFront, ShardPush, TailFront
-from .split import CLUSTER, TILE_ROWS, MoeTail, Plan
+from .split import MoeTail
+from .split_plan import CLUSTER, TILE_ROWS, Plan
 from .wave import MIN_WAVE_GROUPS, WaveMoeTail, WavePlan
 
 MAX_WAVE_TP = 2  # publish mode's wave (poll_wave_plan)
@@ -70,9 +70,9 @@ def compile_push(hidden: int, tp: int):
 @functools.cache
 def plan_for(tp: int, shard: int, latent: int, groups: int, sources: int = 0) -> Plan:
     """MoeTail's Plan of a shape (planned once: the dispatch asks on every call);
-    ValueError (why) where it does not take the shape."""
+    Unsupported (why) where it does not take the shape."""
     if latent % (CLUSTER * CHUNK) or shard % (TILE_ROWS * 2) or tp > 16:
-        raise ValueError(f"the tail kernel needs L % {CLUSTER * CHUNK} == 0, N % {TILE_ROWS * 2} == 0 and "
+        raise Unsupported(f"the tail kernel needs L % {CLUSTER * CHUNK} == 0, N % {TILE_ROWS * 2} == 0 and "
                          f"TP <= 16 (L={latent}, N={shard}, TP={tp})")
     return Plan(tp, shard, latent, groups, sources)
 
@@ -152,27 +152,11 @@ def functional_ctas(shard: int, latent: int, batch: int) -> int:
     return functional_variant(shard, latent, groups_of(batch)).plan.ctas
 
 
-class Variant(NamedTuple):
-    """A call shape's kernels, chosen once (``prepare``, ``unsupported`` and the call ask
-    :func:`functional_variant` or :func:`poll_variant`): the tail's plan, ``kernels()`` the
-    compiled kernels in launch order (compiled or loaded on first use) and
-    ``arguments(...)`` each one's arguments from the call's. Both tails take the publish
-    side as Outbox's fields (peers, error word, parity, rank) after ``out``."""
-
-    plan: Plan | WavePlan
-    kernels: Callable[[], tuple]
-    arguments: Callable[..., tuple]
-
-    def launches(self, *call) -> list:
-        """The kernels as calls on ``call``'s arguments."""
-        return [functools.partial(kernel, *args) for kernel, args in zip(self.kernels(), self.arguments(*call))]
-
-
 @functools.cache
 def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = False) -> Variant:
     """``kimi::moe_tail``'s tail after NormFront: WaveMoeTail from MIN_WAVE_GROUPS token
     groups on, else MoeTail; ``arguments(normed, shared, gamma, w_up, out, stamped, eps,
-    batch)``, ``stamped`` the Stamps buffer or a placeholder. ValueError (why) where
+    batch)``, ``stamped`` the Stamps buffer or a placeholder. Unsupported (why) where
     neither takes the shape."""
     wave = wave_plan_for(hidden, latent, groups)
     if wave:
@@ -194,7 +178,7 @@ def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = Fal
 def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, stamps: bool = False) -> Variant:
     """``kimi::moe_tail_poll``: PollNormFront and WaveMoeTail from MIN_WAVE_GROUPS token
     groups on at TP <= MAX_WAVE_TP, else MoeTail (which alone takes two-shot's one-source
-    gathered box, ``sources`` 1); ``arguments`` takes the op's. ValueError (why) where
+    gathered box, ``sources`` 1); ``arguments`` takes the op's. Unsupported (why) where
     neither takes the shape. ``stamps`` (MoeTail, benchmarks/profile_tail.py): the error
     word's buffer holds the Stamps after its first 16 bytes."""
     wave = poll_wave_plan(tp, shard, latent, groups) if sources == tp and not stamps else None
@@ -240,7 +224,7 @@ class TailKernel:
         for groups in sorted({groups_of(b) for b in batches}):
             try:
                 variant = functional_variant(hidden, latent, groups, self.stamps is not None)
-            except ValueError:
+            except Unsupported:
                 continue  # the reference runs it: nothing to compile
             variant.kernels()
 
@@ -249,7 +233,7 @@ class TailKernel:
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
         try:
             functional_variant(w_up.shape[0], expanded.shape[2], groups_of(expanded.shape[0]))
-        except ValueError as why:
+        except Unsupported as why:
             return str(why)
         return hopper(expanded)
 
@@ -344,7 +328,7 @@ class TailPollKernel:
         for groups, sources in sorted({(groups_of(b), 1 if b in gathered_batches else tp) for b in batches}):
             try:
                 variant = poll_variant(tp, shard, latent, groups, sources)
-            except ValueError:
+            except Unsupported:
                 continue  # the reference runs it: nothing to compile
             variant.kernels()
         register_addresses(peer_lists)
@@ -355,7 +339,7 @@ class TailPollKernel:
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
         try:
             poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch), latent_box.shape[1])
-        except ValueError as why:
+        except Unsupported as why:
             return str(why)
         return hopper(latent_box)
 

@@ -39,8 +39,7 @@ Shared memory a CTA: the stash (H = 7168: 1.75 KB a row), 8 bytes a slot per war
 CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 CTAs an
 SM) while the stash bucket is ≤ 24 rows (N ≤ 24); deeper stacks run in two (not measured).
 
-PDL: dependents are released late (once the outputs are written), early in the ``early``
-variant (:class:`~kimi_ops.kernels.launch.PdlTrigger`).
+PDL: the dependents are triggered once the outputs are written.
 """
 
 import cutlass
@@ -48,16 +47,10 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
-from .. import backend
-from ..mailbox import TAKE_POLL
-from ..mailbox import box_row as host_box_row
-from ..ops import attn_res as attn_res_op
-from ..ops import mailbox_ops
-from .arguments import aligned
-from .compile import compile_options, compiled, fake, fake_stream, hopper
-from .launch import PDL, SMEM_BYTES, PdlTrigger
-from .mailbox import box_row, poll_all, rearm
-from .packets import (
+from ...mailbox import TAKE_POLL
+from ..launch import PDL
+from ..mailbox import box_row, poll_all, rearm
+from ..packets import (
     butterfly,
     butterfly_sum,
     clamp,
@@ -69,39 +62,18 @@ from .packets import (
     send_to_cluster,
     unpack_words,
 )
-from .ptx import copy_async, divide, load_shared, load_words, pack_values, store_words
-
-CLUSTERS = (1, 2, 4, 8)  # CTAs per token (portable cluster sizes)
-CTA_PACKETS = 128  # packets a CTA takes at most where H allows (H = 7168: 8 CTAs of 112)
-MAX_THREADS = 1024
-# Stash capacities (rows of completed blocks) compiled: a call takes the least ≥ N. Shared
-# memory is rows · P · 16 bytes a CTA (H = 7168: 1.75 KB a row), so a bucket wastes at most
-# a third of it; the decoder prepares those its layers use.
-ROW_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-MAX_TP = 16  # sublayer sources (a thread's TP packets are in flight at once)
-NEG_INF = float("-inf")
+from ..ptx import copy_async, divide, load_shared, load_words, pack_values, store_words
+from .plan import (
+    MAX_THREADS,
+    NEG_INF,
+)
 
 
-def cluster_for(hidden: int) -> int:
-    """CTAs per token: the fewest of CLUSTERS that give each CTA at most CTA_PACKETS packets
-    (more CTAs: more SMs' load bandwidth and stash per token, one cluster barrier a round),
-    else the most that divide H's packets."""
-    packets = hidden // 8
-    dividing = [c for c in CLUSTERS if packets % c == 0]
-    return next((c for c in dividing if packets // c <= CTA_PACKETS), dividing[-1])
-
-
-def stash_rows(count: int) -> int | None:
-    """The stash bucket of N completed blocks (None past the largest)."""
-    return next((rows for rows in ROW_BUCKETS if rows >= count), None)
-
-
-class AttnRes(PdlTrigger):
+class AttnRes:
     """One token per cluster of ``cluster`` CTAs (see the module doc); N ≤ ``rows``
     completed blocks (a runtime count), ``tp`` sublayer sources."""
 
-    def __init__(self, hidden: int, tp: int, cluster: int, rows: int, early: bool = False):
-        super().__init__(early)
+    def __init__(self, hidden: int, tp: int, cluster: int, rows: int):
         self.hidden, self.tp, self.cluster, self.rows = hidden, tp, cluster, rows
         self.packets = hidden // 8 // cluster  # per CTA
         self.threads = min(MAX_THREADS, -(-self.packets // 32) * 32)
@@ -140,7 +112,7 @@ class AttnRes(PdlTrigger):
                        for s in range(self.tp)]
             rows.append([load_words(address) for address in own + sources])
         self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
-        self.trigger_when_written()
+        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
     @cute.jit
     def start(self, blocks, partial, query, key_norm_w, out_norm_w, count, eps):
@@ -150,7 +122,6 @@ class AttnRes(PdlTrigger):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         token, part = cta // self.cluster, cta % self.cluster
-        self.trigger_at_entry()
         space = self.allocate()
         columns = self.columns(part, tid)
         weights = (self.weights(query, columns), self.weights(key_norm_w, columns), self.weights(out_norm_w, columns))
@@ -395,7 +366,7 @@ class AttnResTake(AttnRes):
         rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
                 + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
         self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
-        self.trigger_when_written()
+        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
 
 @cute.jit
@@ -407,101 +378,3 @@ def key_dot(values, inv: Float32, key_w, query_v) -> Float64:
         key = Float32(BFloat16((values[i] * inv) * key_w[i]))
         total += Float64(key * query_v[i])
     return total
-
-
-@compiled
-def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool = False, early: bool = False):
-    """AttnRes, or ``polled`` AttnResTake (the box and the error word after ``sublayer``'s
-    place, the box's first row and CAP after ``count``)."""
-    batch, block_rows, source_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    vectors = [fake(BFloat16, (hidden,)) for _ in range(3)]
-    token_rows = [fake(BFloat16, (batch, hidden)) for _ in range(4)]
-    kernel = (AttnResTake if polled else AttnRes)(hidden, tp, cluster, rows, early=early)
-    box = [fake(BFloat16, (source_rows, hidden))] + [fake(Int32, (1,), align=4)] * polled
-    return cute.compile(
-        kernel, fake(BFloat16, (block_rows, hidden)), token_rows[0], *box, *vectors, *token_rows[1:], Int32(0),
-        *[Int32(0), Int32(1)] * polled, Float32(1e-6), fake_stream(), options=compile_options(),
-    )
-
-
-def unsupported_shape(hidden: int, tp: int, count: int) -> str | None:
-    if hidden <= 0 or hidden % 8:
-        return f"the kernel reads 16-byte packets: H must be a positive multiple of 8, got {hidden}"
-    if tp > MAX_TP:
-        return f"the kernel sums at most {MAX_TP} sublayer sources, got TP = {tp}"
-    rows = stash_rows(count)
-    if rows is None:
-        return f"the kernel stashes at most {ROW_BUCKETS[-1]} completed blocks, got N = {count}"
-    if AttnRes(hidden, tp, cluster_for(hidden), rows).smem_bytes() > SMEM_BYTES:
-        return f"N = {count} blocks of H = {hidden} pass a CTA's shared memory"
-    return None
-
-
-def variant(hidden: int, tp: int, count: int, polled: bool):
-    """The compiled kernel of a call: H, the sources, N's stash bucket."""
-    return compile_attn_res(hidden, tp, cluster_for(hidden), stash_rows(count), polled)
-
-
-class AttnResKernel:
-    """``kimi::attn_res`` on CUDA."""
-
-    check = staticmethod(attn_res_op.check_attn_res)
-    polled = False
-
-    def prepare(self, hidden: int, tps, counts) -> None:
-        """Every variant calls with these source counts (TP, or the box's sources) and
-        block counts take."""
-        for tp in tps:
-            for rows in sorted({stash_rows(count) for count in counts}):  # a bucket is its own bucket
-                if unsupported_shape(hidden, tp, rows) is None:
-                    variant(hidden, tp, rows, self.polled)
-
-    def unsupported_call(self, hidden, tp, count, tensors) -> str | None:
-        reason = unsupported_shape(hidden, tp, count)
-        if reason is None and not aligned(*tensors):
-            reason = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
-        return reason or hopper(tensors[0])
-
-    def unsupported(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
-        return self.unsupported_call(partial.shape[1], sublayer_out.shape[0], blocks.shape[0],
-                                     (partial, blocks, sublayer_out, query, key_norm_w, out_norm_w))
-
-    def __call__(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
-        batch, hidden = partial.shape
-        count, tp = blocks.shape[0], sublayer_out.shape[0]
-        outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
-        if batch:
-            sources = sublayer_out.view(-1, hidden) if tp else partial  # an empty tensor is never read
-            variant(hidden, tp, count, False)(block_rows(blocks, partial), partial, sources, query, key_norm_w,
-                                              out_norm_w, *outputs, count, eps)
-        return tuple(outputs)
-
-
-class AttnResTakeKernel(AttnResKernel):
-    """``kimi::attn_res_take`` on CUDA."""
-
-    check = staticmethod(mailbox_ops.check_attn_res_take)
-    polled = True
-
-    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
-        return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0],
-                                     (box, blocks, partial, query, key_norm_w, out_norm_w))
-
-    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
-        hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
-        outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
-        variant(hidden, tp, blocks.shape[0], True)(
-            block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
-            *outputs, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
-        return tuple(outputs)
-
-
-def block_rows(blocks, partial):
-    """``blocks`` as rows [N · B, H]; at N = 0 ``partial`` stands in (an empty tensor is
-    never read)."""
-    return blocks.view(-1, blocks.shape[2]) if blocks.shape[0] else partial
-
-
-def register() -> None:
-    backend.KERNELS["attn_res"] = AttnResKernel()
-    backend.KERNELS["attn_res_take"] = AttnResTakeKernel()

@@ -51,26 +51,16 @@ before it waits for us, and lands on the SMs our grid leaves free); the weights'
 slots are in flight before our own wait.
 """
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .. import backend
-from ..mailbox import box_row
-from ..ops import front as front_op
-from ..ops import mailbox_ops
-from ..ops import oproj as oproj_op
-from .arguments import addresses, aligned, placeholder, register_addresses
-from .compile import compile_options, compiled, fake, fake_stream, hopper
-from .launch import PDL, SMEM_BYTES
-from .mailbox import peer_bases, store_to_peers
-from .packets import butterfly_sum, clamp, unpack_words
-from .ptx import (
+from ..launch import PDL
+from ..mailbox import peer_bases, store_to_peers
+from ..packets import butterfly_sum, clamp, unpack_words
+from ..ptx import (
     copy_async,
     divide,
     double_words,
@@ -86,129 +76,15 @@ from .ptx import (
     store_words,
     wgmma_bf16,
 )
-from .ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
-
-TILE = 64  # rows per wgmma (its M)
-MAX_TILES = 3  # tiles per CTA (one TMA box of 192 rows; four, 256 rows, never ran on a GPU)
-SPLITS = (1, 2, 4, 8)  # CTAs per cluster, each 1/split of K (portable cluster sizes)
-# CTAs resident at one per SM on an H200 by cluster size (cuOccupancyMaxActiveClusters:
-# 66 clusters of 2, 30 of 4, 15 of 8; clusters stay within a GPC)
-RESIDENT = {1: 132, 2: 132, 4: 120, 8: 120}
-# Clusters of 3 (the DSA front's K split, kernels/dsa.py; not in SPLITS): not measured; a
-# GPC holds at least as many clusters of 3 as of 4, so at least the 32 of that grid
-RESIDENT_3 = 96
-TOKEN_TILES = (8, 16, 32, 64)  # wgmma's N: the compile buckets of the batch
-MAX_BATCH = TOKEN_TILES[-1]
-MAX_DEPTH = 32  # ring slots
-CONSUMER_WARPS = PRODUCER_WARPS = 4  # a warpgroup each
-THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS)  # the consumers, then the producers
-PRODUCERS = 32 * PRODUCER_WARPS
-# FP32 registers per consumer thread for the running sums and the chunks' own sums (wgmma's
-# accumulators): tiles · T/2 each, the running sums and at least one set (ptxas: 205
-# registers, no spills, at three tiles of 64 tokens)
-ACCUMULATOR_REGISTERS = 192
-MAX_SETS = 4  # chunks whose wgmmas are in flight at once
-PACE = 3  # weight chunks in flight before x's first chunk is in (x queues behind the stream)
-# partition's costs, from the H200 (bench_projection, benchmarks/NOTES.md): a one-tile CTA
-# streamed at ~67 % of the HBM floor whatever its K (8 KB chunks: a fixed ~0.3 µs each),
-# two- and three-tile CTAs at 73-95 %
-CHUNK_COST = 48  # a chunk's fixed cost (barriers, fences, the wgmma chain's latency)
-SPLIT_COST = 512  # a K split's (two cluster barriers, the exchange's latency)
-COST_SLACK = 0.03  # partitions this close to the least cost count as ties
-RECEIVE_PAD = 4  # FP32 words after each received row of T tokens (fewer bank conflicts)
-
-
-def token_tile(batch: int) -> int:
-    """wgmma's N for a batch: the compile bucket."""
-    return next(t for t in TOKEN_TILES if batch <= t)
-
-
-def partition(n: int, k: int, tokens: int) -> tuple[int, int] | None:
-    """(tiles, split) of an (N, K) weight at T tokens: among the partitions whose grid is
-    resident at once (RESIDENT), the smallest split, then fewest tiles, of those within
-    COST_SLACK of the least cost per CTA; None if none fits (K % CHUNK, N % 8, or too many
-    rows for one wave).
-
-    Cost, in 128-byte rows of a chunk: per chunk the CTA's weight rows, x's rows at a
-    quarter (L2 hits, read by every block: more tiles per CTA read x fewer times) and
-    CHUNK_COST; for a K split SPLIT_COST plus its DSMEM exchange (rows × T FP32 at half)."""
-    if k % CHUNK or n % 8 or n <= 0:
-        return None
-    chunks, row_tiles = k // CHUNK, -(-n // TILE)
-    costs = {
-        (split, tiles): cta_cost(chunks, tiles, split, tokens)
-        for tiles in range(1, min(MAX_TILES, row_tiles) + 1) for split in SPLITS
-        if chunks % split == 0 and (TILE * tiles // split) % 8 == 0
-        and -(-n // (TILE * tiles)) * split <= RESIDENT[split] and 2 * tiles * tokens // 2 <= ACCUMULATOR_REGISTERS
-    }
-    if not costs:
-        return None
-    least = min(costs.values())
-    split, tiles = min(key for key, cost in costs.items() if cost <= least * (1 + COST_SLACK))
-    return tiles, split
-
-
-def cta_cost(chunks: int, tiles: int, split: int, tokens: int) -> float:
-    """:func:`partition`'s cost of a CTA of ``tiles`` tiles over 1/``split`` of ``chunks``."""
-    return (chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST)
-            + (split > 1) * (SPLIT_COST + TILE * tiles * tokens / 64))
-
-
-class GemmPlan:
-    """The static partition and shared-memory layout of one (N, K, T) variant."""
-
-    def __init__(self, n: int, k: int, tokens: int, parts: tuple[int, int] | None = None, by_token: bool = False,
-                 reserve: int = 0):
-        """``parts``: (tiles, split) instead of :func:`partition`'s; ``by_token``: a K split's
-        owners take token ranges of every row of the block (a head's rows stay in one CTA:
-        kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds."""
-        parts = parts or partition(n, k, tokens)
-        if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
-            raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
-        self.n, self.k, self.tokens = n, k, tokens
-        self.tiles, self.split = parts
-        self.by_token = by_token
-        self.rows = TILE * self.tiles  # of a block: the TMA box's rows
-        self.blocks = -(-n // self.rows)
-        self.ctas = self.blocks * self.split
-        self.chunks = k // CHUNK // self.split  # per CTA
-        # chunks in flight (each into its own accumulator set): as many as the registers
-        # hold beside the running sums, that divide the CTA's chunks
-        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1)
-        self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
-        self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # x copies per producer thread per chunk
-        if by_token:
-            # tokens per owner, even: an accumulator pair (tokens 2t, 2t + 1) has one owner
-            self.per_owner = -(-tokens // self.split) + (-(-tokens // self.split)) % 2
-            self.owned = self.rows  # every row of the block, for per_owner tokens
-            self.stride = self.per_owner + 1  # odd: a warp's rows (thread = row) in distinct banks
-        else:
-            self.per_owner = tokens
-            self.owned = self.rows // self.split  # output rows each CTA of a cluster reduces and stores
-            self.stride = tokens + RECEIVE_PAD  # FP32 words per received row
-        self.w_slot, self.x_slot = self.rows * CHUNK * 2, tokens * CHUNK * 2  # bytes, 1024-multiples
-        stage = self.w_slot + self.x_slot
-        self.reserve = reserve
-        self.depth = min(self.chunks, MAX_DEPTH, (SMEM_BYTES - 2048 - reserve) // stage)  # 2 KB: barriers, alignment
-        self.receive_bytes = self.split * self.owned * self.stride * 4  # [part][owned row][token], over the ring
-        self.ring_bytes = max(self.depth * stage, self.receive_bytes)
-        if self.depth < 1 or self.ring_bytes + 2048 + reserve > SMEM_BYTES:
-            raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
-
-    def owner(self, token):
-        """by_token: the CTA of the cluster that reduces ``token`` (and its index there)."""
-        owner = token // self.per_owner
-        return owner, token - owner * self.per_owner
-
-    def receive_word(self, part, index, token):
-        """The FP32 word of K part ``part``'s sum of owned row ``index``, ``token`` (by_token:
-        the owner's index of the token)."""
-        return (part * self.owned + index) * self.stride + token
-
-
-@functools.cache
-def gemm_plan(n: int, k: int, tokens: int) -> GemmPlan:
-    return GemmPlan(n, k, tokens)
+from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
+from .plan import (
+    CONSUMER_WARPS,
+    PACE,
+    PRODUCERS,
+    THREADS,
+    TILE,
+    GemmPlan,
+)
 
 
 class Outputs:
@@ -574,149 +450,3 @@ class DecodeGemm:
         return values
 
 
-# Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are
-# one-element placeholders (kernels.arguments.placeholder).
-
-
-@compiled
-def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int = 0, tp: int = 0):
-    batch = cute.sym_int()
-    if tp or not front:
-        latent, logits = (fake(BFloat16, (1, 1)) if tp else fake(BFloat16, (batch, n))), fake(Float32, (1, 1))
-    else:
-        latent = fake(BFloat16, (batch, n - n_logits)) if n > n_logits else fake(BFloat16, (1, 1))
-        logits = fake(Float32, (batch, n_logits)) if n_logits else fake(Float32, (1, 1))
-    return cute.compile(
-        DecodeGemm(gemm_plan(n, k, tokens), Outputs(n, front, n_logits, tp)),
-        fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)), latent, logits, fake(Int64, (max(tp, 1),), align=8),
-        Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
-    )
-
-
-def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0) -> str | None:
-    if batch > MAX_BATCH:
-        return f"the decode GEMM takes at most {MAX_BATCH} tokens, got {batch}"
-    if n_logits % 8:
-        return f"the decode GEMM stores 8-row packets: n_logits % 8 == 0, got {n_logits}"
-    if partition(n, k, token_tile(batch)) is None:
-        return f"the decode GEMM needs K % {CHUNK} == 0, N % 8 == 0 and one wave of CTAs (N={n}, K={k})"
-    return None
-
-
-def tokens_of(batches) -> list[int]:
-    """The compile buckets of ``batches`` (every bucket when None; batches past MAX_BATCH
-    run the reference)."""
-    if batches is None:
-        return list(TOKEN_TILES)
-    return sorted({token_tile(b) for b in batches if 0 < b <= MAX_BATCH})
-
-
-class OprojKernel:
-    """``kimi::oproj`` on CUDA: every projection of the decoder (o-proj, the shared
-    expert's gate/up and down, the stand-in core, the DSA helper projections)."""
-
-    check = staticmethod(oproj_op.check_oproj)
-
-    def prepare(self, n: int, k: int, batches=None) -> None:
-        if partition(n, k, MAX_BATCH):
-            for tokens in tokens_of(batches):
-                compile_gemm(n, k, tokens)
-
-    def unsupported(self, x, w):
-        if not aligned(x, w):
-            return "the decode GEMM reads 16-byte packets: x and w must be 16-byte aligned"
-        return unsupported_shape(w.shape[0], w.shape[1], x.shape[0]) or hopper(x)
-
-    def __call__(self, x, w):
-        batch, n = x.shape[0], w.shape[0]
-        out = x.new_empty((batch, n))
-        if batch:
-            compile_gemm(n, w.shape[1], token_tile(batch))(
-                x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0
-            )
-        return out
-
-
-class FrontKernel:
-    """``kimi::moe_front`` on CUDA: logits FP32, latent BF16, one pass over the weights."""
-
-    check = staticmethod(front_op.check_moe_front)
-
-    def prepare(self, n: int, k: int, n_logits: int, batches=None) -> None:
-        if partition(n, k, MAX_BATCH) and n_logits % 8 == 0:
-            for tokens in tokens_of(batches):
-                compile_gemm(n, k, tokens, True, n_logits)
-
-    def unsupported(self, x, w, n_logits):
-        if not aligned(x, w):
-            return "the decode GEMM reads 16-byte packets: x and w must be 16-byte aligned"
-        return unsupported_shape(w.shape[0], w.shape[1], x.shape[0], n_logits) or hopper(x)
-
-    def __call__(self, x, w, n_logits):
-        batch, n = x.shape[0], w.shape[0]
-        logits = x.new_empty((batch, n_logits), dtype=torch.float32)
-        latent = x.new_empty((batch, n - n_logits))
-        if batch:
-            compile_gemm(n, w.shape[1], token_tile(batch), True, n_logits)(
-                x, w, latent if n > n_logits else placeholder(x, torch.bfloat16, 2),
-                logits if n_logits else placeholder(x, torch.float32, 2), placeholder(x, torch.int64), 0, 0, 0,
-            )
-        return logits, latent
-
-
-class OprojPublishKernel:
-    """``kimi::oproj_publish`` on CUDA: the partial rows into every rank's AttnRes box
-    [1, TP, CAP, N] at source slot ``rank``."""
-
-    check = staticmethod(mailbox_ops.check_oproj_publish)
-
-    def prepare(self, n: int, k: int, tp: int, batches=None, peer_lists=()) -> None:
-        if partition(n, k, MAX_BATCH):
-            for tokens in tokens_of(batches):
-                compile_gemm(n, k, tokens, False, 0, tp)
-        register_addresses(peer_lists)
-
-    def unsupported(self, x, w, boxes, rank):
-        if not aligned(x, w, *boxes):
-            return "the decode GEMM stores 16-byte packets: x, w and the boxes must be 16-byte aligned"
-        return unsupported_shape(w.shape[0], w.shape[1], x.shape[0]) or hopper(x)
-
-    def __call__(self, x, w, boxes, rank):
-        batch, n = x.shape[0], w.shape[0]
-        compile_gemm(n, w.shape[1], token_tile(batch), False, 0, len(boxes))(
-            x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
-            box_row(0, rank, 0, len(boxes), boxes[0].shape[2]), 0, 0,
-        )
-
-
-class FrontPublishKernel:
-    """``kimi::moe_front_publish`` on CUDA: logits (FP32 words) and the latent shard into
-    the front row of every rank's box [3, 1, CAP, TP·(L/TP + 2·E/TP)]."""
-
-    check = staticmethod(mailbox_ops.check_moe_front_publish)
-
-    def prepare(self, n: int, k: int, n_logits: int, tp: int, batches=None, peer_lists=()) -> None:
-        if partition(n, k, MAX_BATCH) and n_logits % 8 == 0:
-            for tokens in tokens_of(batches):
-                compile_gemm(n, k, tokens, True, n_logits, tp)
-        register_addresses(peer_lists)
-
-    def unsupported(self, x, w, n_logits, boxes, parity, rank):
-        if not aligned(x, w, *boxes):
-            return "the decode GEMM stores 16-byte packets: x, w and the boxes must be 16-byte aligned"
-        return unsupported_shape(w.shape[0], w.shape[1], x.shape[0], n_logits) or hopper(x)
-
-    def __call__(self, x, w, n_logits, boxes, parity, rank):
-        batch, n = x.shape[0], w.shape[0]
-        tp, latent_shard = len(boxes), n - n_logits
-        compile_gemm(n, w.shape[1], token_tile(batch), True, n_logits, tp)(
-            x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
-            box_row(parity, 0, 0, 1, boxes[0].shape[2]), rank * latent_shard, tp * latent_shard + 2 * rank * n_logits,
-        )
-
-
-def register() -> None:
-    backend.KERNELS["oproj"] = OprojKernel()
-    backend.KERNELS["moe_front"] = FrontKernel()
-    backend.KERNELS["oproj_publish"] = OprojPublishKernel()
-    backend.KERNELS["moe_front_publish"] = FrontPublishKernel()

@@ -1,0 +1,183 @@
+"""The engine's host side: its compiles, a call's variant (chosen once by
+:func:`gemm_variant`, which every adapter's ``prepare``, ``unsupported`` and call ask) and
+the adapters of ``kimi::oproj``, ``kimi::moe_front``, ``kimi::oproj_publish`` and
+``kimi::moe_front_publish``."""
+
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ... import backend
+from ...mailbox import box_row
+from ...ops import front as front_op
+from ...ops import mailbox_ops
+from ...ops import oproj as oproj_op
+from ..arguments import addresses, aligned, placeholder, register_addresses
+from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from ..ring import CHUNK
+from ..variant import Unsupported, Variant, prepare_all, reason
+from .engine import DecodeGemm, Outputs
+from .plan import MAX_BATCH, TOKEN_TILES, gemm_plan, partition, token_tile
+
+# Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are
+# one-element placeholders (kernels.arguments.placeholder).
+
+
+@compiled
+def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int = 0, tp: int = 0):
+    batch = cute.sym_int()
+    if tp or not front:
+        latent, logits = (fake(BFloat16, (1, 1)) if tp else fake(BFloat16, (batch, n))), fake(Float32, (1, 1))
+    else:
+        latent = fake(BFloat16, (batch, n - n_logits)) if n > n_logits else fake(BFloat16, (1, 1))
+        logits = fake(Float32, (batch, n_logits)) if n_logits else fake(Float32, (1, 1))
+    return cute.compile(
+        DecodeGemm(gemm_plan(n, k, tokens), Outputs(n, front, n_logits, tp)),
+        fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)), latent, logits, fake(Int64, (max(tp, 1),), align=8),
+        Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
+    )
+
+
+def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0) -> str | None:
+    if batch > MAX_BATCH:
+        return f"the decode GEMM takes at most {MAX_BATCH} tokens, got {batch}"
+    if n_logits % 8:
+        return f"the decode GEMM stores 8-row packets: n_logits % 8 == 0, got {n_logits}"
+    if partition(n, k, token_tile(batch)) is None:
+        return f"the decode GEMM needs K % {CHUNK} == 0, N % 8 == 0 and one wave of CTAs (N={n}, K={k})"
+    return None
+
+
+def tokens_of(batches) -> list[int]:
+    """The compile buckets of ``batches`` (every bucket when None; batches past MAX_BATCH
+    run the reference)."""
+    if batches is None:
+        return list(TOKEN_TILES)
+    return sorted({token_tile(b) for b in batches if 0 < b <= MAX_BATCH})
+
+
+def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
+    """The engine's variant for ``batch`` tokens of an [N, K] weight; ``outputs``:
+    compile_gemm's key past (N, K, T) — () rows, (True, n_logits) the front, (False, 0,
+    TP) o-proj's boxes, (True, n_logits, TP) the front's boxes. Its kernel takes the
+    adapter's arguments as they are. Unsupported (why) where the engine does not take it."""
+    why = unsupported_shape(n, k, batch, outputs[1] if len(outputs) > 1 else 0)
+    if why:
+        raise Unsupported(why)
+    tokens = token_tile(batch)
+    return Variant(gemm_plan(n, k, tokens), lambda: (compile_gemm(n, k, tokens, *outputs),), lambda *args: (args,))
+
+
+class GemmKernel:
+    """An op on the engine: ``shape(*call)`` gives its (N, K, batch, outputs); the variant,
+    ``unsupported`` and ``prepare`` derive from it. ``writes``: what the alignment message
+    names (the publishing ops store into boxes)."""
+
+    writes = "reads 16-byte packets: x and w must be"
+
+    def shape(self, *call) -> tuple:
+        raise NotImplementedError
+
+    def variant(self, *call) -> Variant:
+        return gemm_variant(*self.shape(*call))
+
+    def unsupported(self, x, w, *rest):
+        boxes = [t for arg in rest if isinstance(arg, list) for t in arg]
+        if not aligned(x, w, *boxes):
+            return f"the decode GEMM {self.writes} 16-byte aligned"
+        return reason(lambda: self.variant(x, w, *rest)) or hopper(x)
+
+    @staticmethod
+    def prepare_buckets(n: int, k: int, outputs: tuple, batches, peer_lists=()) -> None:
+        prepare_all(lambda tokens=tokens: gemm_variant(n, k, tokens, outputs) for tokens in tokens_of(batches))
+        register_addresses(peer_lists)
+
+
+class OprojKernel(GemmKernel):
+    """``kimi::oproj`` on CUDA: every projection of the decoder (o-proj, the shared
+    expert's gate/up and down, the stand-in core, the DSA helper projections)."""
+
+    check = staticmethod(oproj_op.check_oproj)
+
+    def shape(self, x, w):
+        return w.shape[0], w.shape[1], x.shape[0]
+
+    def prepare(self, n: int, k: int, batches=None) -> None:
+        self.prepare_buckets(n, k, (), batches)
+
+    def __call__(self, x, w):
+        out = x.new_empty((x.shape[0], w.shape[0]))
+        if x.shape[0]:
+            self.variant(x, w).run(x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0)
+        return out
+
+
+class FrontKernel(GemmKernel):
+    """``kimi::moe_front`` on CUDA: logits FP32, latent BF16, one pass over the weights."""
+
+    check = staticmethod(front_op.check_moe_front)
+
+    def shape(self, x, w, n_logits):
+        return w.shape[0], w.shape[1], x.shape[0], (True, n_logits)
+
+    def prepare(self, n: int, k: int, n_logits: int, batches=None) -> None:
+        self.prepare_buckets(n, k, (True, n_logits), batches)
+
+    def __call__(self, x, w, n_logits):
+        batch, n = x.shape[0], w.shape[0]
+        logits = x.new_empty((batch, n_logits), dtype=torch.float32)
+        latent = x.new_empty((batch, n - n_logits))
+        if batch:
+            self.variant(x, w, n_logits).run(
+                x, w, latent if n > n_logits else placeholder(x, torch.bfloat16, 2),
+                logits if n_logits else placeholder(x, torch.float32, 2), placeholder(x, torch.int64), 0, 0, 0,
+            )
+        return logits, latent
+
+
+class OprojPublishKernel(GemmKernel):
+    """``kimi::oproj_publish`` on CUDA: the partial rows into every rank's AttnRes box
+    [1, TP, CAP, N] at source slot ``rank``."""
+
+    check = staticmethod(mailbox_ops.check_oproj_publish)
+    writes = "stores 16-byte packets: x, w and the boxes must be"
+
+    def shape(self, x, w, boxes, rank):
+        return w.shape[0], w.shape[1], x.shape[0], (False, 0, len(boxes))
+
+    def prepare(self, n: int, k: int, tp: int, batches=None, peer_lists=()) -> None:
+        self.prepare_buckets(n, k, (False, 0, tp), batches, peer_lists)
+
+    def __call__(self, x, w, boxes, rank):
+        self.variant(x, w, boxes, rank).run(
+            x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
+            box_row(0, rank, 0, len(boxes), boxes[0].shape[2]), 0, 0,
+        )
+
+
+class FrontPublishKernel(GemmKernel):
+    """``kimi::moe_front_publish`` on CUDA: logits (FP32 words) and the latent shard into
+    the front row of every rank's box [3, 1, CAP, TP·(L/TP + 2·E/TP)]."""
+
+    check = staticmethod(mailbox_ops.check_moe_front_publish)
+    writes = "stores 16-byte packets: x, w and the boxes must be"
+
+    def shape(self, x, w, n_logits, boxes, parity, rank):
+        return w.shape[0], w.shape[1], x.shape[0], (True, n_logits, len(boxes))
+
+    def prepare(self, n: int, k: int, n_logits: int, tp: int, batches=None, peer_lists=()) -> None:
+        self.prepare_buckets(n, k, (True, n_logits, tp), batches, peer_lists)
+
+    def __call__(self, x, w, n_logits, boxes, parity, rank):
+        tp, latent_shard = len(boxes), w.shape[0] - n_logits
+        self.variant(x, w, n_logits, boxes, parity, rank).run(
+            x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
+            box_row(parity, 0, 0, 1, boxes[0].shape[2]), rank * latent_shard, tp * latent_shard + 2 * rank * n_logits,
+        )
+
+
+def register() -> None:
+    backend.KERNELS["oproj"] = OprojKernel()
+    backend.KERNELS["moe_front"] = FrontKernel()
+    backend.KERNELS["oproj_publish"] = OprojPublishKernel()
+    backend.KERNELS["moe_front_publish"] = FrontPublishKernel()

@@ -1,0 +1,132 @@
+"""The engine's static plan of one (N, K, T) variant: the partition of the weight over CTAs
+and clusters (:func:`partition`, by a cost per CTA measured on the H200) and the shared-
+memory layout of the ring and the K parts' exchange (:class:`GemmPlan`)."""
+
+import functools
+
+from ..launch import SMEM_BYTES
+from ..ring import CHUNK
+
+TILE = 64  # rows per wgmma (its M)
+MAX_TILES = 3  # tiles per CTA (one TMA box of 192 rows; four, 256 rows, never ran on a GPU)
+SPLITS = (1, 2, 4, 8)  # CTAs per cluster, each 1/split of K (portable cluster sizes)
+# CTAs resident at one per SM on an H200 by cluster size (cuOccupancyMaxActiveClusters:
+# 66 clusters of 2, 30 of 4, 15 of 8; clusters stay within a GPC)
+RESIDENT = {1: 132, 2: 132, 4: 120, 8: 120}
+# Clusters of 3 (the DSA front's K split, kernels/dsa.py; not in SPLITS): not measured; a
+# GPC holds at least as many clusters of 3 as of 4, so at least the 32 of that grid
+RESIDENT_3 = 96
+TOKEN_TILES = (8, 16, 32, 64)  # wgmma's N: the compile buckets of the batch
+MAX_BATCH = TOKEN_TILES[-1]
+MAX_DEPTH = 32  # ring slots
+CONSUMER_WARPS = PRODUCER_WARPS = 4  # a warpgroup each
+THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS)  # the consumers, then the producers
+PRODUCERS = 32 * PRODUCER_WARPS
+# FP32 registers per consumer thread for the running sums and the chunks' own sums (wgmma's
+# accumulators): tiles · T/2 each, the running sums and at least one set (ptxas: 205
+# registers, no spills, at three tiles of 64 tokens)
+ACCUMULATOR_REGISTERS = 192
+MAX_SETS = 4  # chunks whose wgmmas are in flight at once
+PACE = 3  # weight chunks in flight before x's first chunk is in (x queues behind the stream)
+# partition's costs, from the H200 (bench_projection, benchmarks/NOTES.md): a one-tile CTA
+# streamed at ~67 % of the HBM floor whatever its K (8 KB chunks: a fixed ~0.3 µs each),
+# two- and three-tile CTAs at 73-95 %
+CHUNK_COST = 48  # a chunk's fixed cost (barriers, fences, the wgmma chain's latency)
+SPLIT_COST = 512  # a K split's (two cluster barriers, the exchange's latency)
+COST_SLACK = 0.03  # partitions this close to the least cost count as ties
+RECEIVE_PAD = 4  # FP32 words after each received row of T tokens (fewer bank conflicts)
+
+
+def token_tile(batch: int) -> int:
+    """wgmma's N for a batch: the compile bucket."""
+    return next(t for t in TOKEN_TILES if batch <= t)
+
+
+def partition(n: int, k: int, tokens: int) -> tuple[int, int] | None:
+    """(tiles, split) of an (N, K) weight at T tokens: among the partitions whose grid is
+    resident at once (RESIDENT), the smallest split, then fewest tiles, of those within
+    COST_SLACK of the least cost per CTA; None if none fits (K % CHUNK, N % 8, or too many
+    rows for one wave).
+
+    Cost, in 128-byte rows of a chunk: per chunk the CTA's weight rows, x's rows at a
+    quarter (L2 hits, read by every block: more tiles per CTA read x fewer times) and
+    CHUNK_COST; for a K split SPLIT_COST plus its DSMEM exchange (rows × T FP32 at half)."""
+    if k % CHUNK or n % 8 or n <= 0:
+        return None
+    chunks, row_tiles = k // CHUNK, -(-n // TILE)
+    costs = {
+        (split, tiles): cta_cost(chunks, tiles, split, tokens)
+        for tiles in range(1, min(MAX_TILES, row_tiles) + 1) for split in SPLITS
+        if chunks % split == 0 and (TILE * tiles // split) % 8 == 0
+        and -(-n // (TILE * tiles)) * split <= RESIDENT[split] and 2 * tiles * tokens // 2 <= ACCUMULATOR_REGISTERS
+    }
+    if not costs:
+        return None
+    least = min(costs.values())
+    split, tiles = min(key for key, cost in costs.items() if cost <= least * (1 + COST_SLACK))
+    return tiles, split
+
+
+def cta_cost(chunks: int, tiles: int, split: int, tokens: int) -> float:
+    """:func:`partition`'s cost of a CTA of ``tiles`` tiles over 1/``split`` of ``chunks``."""
+    return (chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST)
+            + (split > 1) * (SPLIT_COST + TILE * tiles * tokens / 64))
+
+
+class GemmPlan:
+    """The static partition and shared-memory layout of one (N, K, T) variant."""
+
+    def __init__(self, n: int, k: int, tokens: int, parts: tuple[int, int] | None = None, by_token: bool = False,
+                 reserve: int = 0):
+        """``parts``: (tiles, split) instead of :func:`partition`'s; ``by_token``: a K split's
+        owners take token ranges of every row of the block (a head's rows stay in one CTA:
+        kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds."""
+        parts = parts or partition(n, k, tokens)
+        if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
+            raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
+        self.n, self.k, self.tokens = n, k, tokens
+        self.tiles, self.split = parts
+        self.by_token = by_token
+        self.rows = TILE * self.tiles  # of a block: the TMA box's rows
+        self.blocks = -(-n // self.rows)
+        self.ctas = self.blocks * self.split
+        self.chunks = k // CHUNK // self.split  # per CTA
+        # chunks in flight (each into its own accumulator set): as many as the registers
+        # hold beside the running sums, that divide the CTA's chunks
+        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1)
+        self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
+        self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # x copies per producer thread per chunk
+        if by_token:
+            # tokens per owner, even: an accumulator pair (tokens 2t, 2t + 1) has one owner
+            self.per_owner = -(-tokens // self.split) + (-(-tokens // self.split)) % 2
+            self.owned = self.rows  # every row of the block, for per_owner tokens
+            self.stride = self.per_owner + 1  # odd: a warp's rows (thread = row) in distinct banks
+        else:
+            self.per_owner = tokens
+            self.owned = self.rows // self.split  # output rows each CTA of a cluster reduces and stores
+            self.stride = tokens + RECEIVE_PAD  # FP32 words per received row
+        self.w_slot, self.x_slot = self.rows * CHUNK * 2, tokens * CHUNK * 2  # bytes, 1024-multiples
+        stage = self.w_slot + self.x_slot
+        self.reserve = reserve
+        self.depth = min(self.chunks, MAX_DEPTH, (SMEM_BYTES - 2048 - reserve) // stage)  # 2 KB: barriers, alignment
+        self.receive_bytes = self.split * self.owned * self.stride * 4  # [part][owned row][token], over the ring
+        self.ring_bytes = max(self.depth * stage, self.receive_bytes)
+        if self.depth < 1 or self.ring_bytes + 2048 + reserve > SMEM_BYTES:
+            raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
+
+    def owner(self, token):
+        """by_token: the CTA of the cluster that reduces ``token`` (and its index there)."""
+        owner = token // self.per_owner
+        return owner, token - owner * self.per_owner
+
+    def receive_word(self, part, index, token):
+        """The FP32 word of K part ``part``'s sum of owned row ``index``, ``token`` (by_token:
+        the owner's index of the token)."""
+        return (part * self.owned + index) * self.stride + token
+
+
+@functools.cache
+def gemm_plan(n: int, k: int, tokens: int) -> GemmPlan:
+    return GemmPlan(n, k, tokens)
+
+
