@@ -16,7 +16,8 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 
 from kimi_ops import backend  # noqa: E402
 from kimi_ops.checks import KimiArgumentError  # noqa: E402
-from kimi_ops.kernels import dsa  # noqa: E402
+from kimi_ops.kernels.dsa import host as dsa  # noqa: E402
+from kimi_ops.kernels.dsa import plan as dsa_plan  # noqa: E402
 from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
@@ -50,9 +51,9 @@ def test_key_insert_compiles(clean_ptxas):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("tokens", gemm_plans.TOKEN_TILES)
 def test_plan_puts_a_head_in_a_cta_and_the_grid_in_one_wave(tokens, norm):
-    plan = dsa.index_plan(K, tokens, norm)
+    plan = dsa_plan.index_plan(K, tokens, norm)
     assert (plan.tiles, plan.split) == (2, 3) and plan.rows == dsa.DIM and plan.blocks == dsa.HEADS
-    assert plan.ctas == 96 <= dsa.resident(plan.split) and plan.split * plan.chunks * CHUNK == K
+    assert plan.ctas == 96 <= dsa_plan.resident(plan.split) and plan.split * plan.chunks * CHUNK == K
     assert plan.by_token and plan.per_owner % 2 == 0 and plan.per_owner * plan.split >= tokens
     assert plan.stride % 2 == 1 and plan.depth == plan.chunks  # the whole K slice in the ring
     assert plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 + plan.reserve <= SMEM_BYTES
@@ -60,8 +61,8 @@ def test_plan_puts_a_head_in_a_cta_and_the_grid_in_one_wave(tokens, norm):
 
 
 def test_partition_rejects_what_the_kernel_cannot_take():
-    assert dsa.index_partition(96, 8, True) is None and dsa.index_partition(1000, 8, False) is None
-    assert dsa.index_partition(256, 64, True) == (2, 1)  # 4 chunks: split 3 does not divide them, 2 costs more
+    assert dsa_plan.index_partition(96, 8, True) is None and dsa_plan.index_partition(1000, 8, False) is None
+    assert dsa_plan.index_partition(256, 64, True) == (2, 1)  # 4 chunks: split 3 does not divide them, 2 costs more
     assert "at most 64 tokens" in dsa.unsupported_front(K, 65, True)
     assert "K % 64" in dsa.unsupported_front(96, 4, True)
     assert dsa.unsupported_front(K, 1, True) is None and dsa.unsupported_front(K, 64, False) is None
@@ -72,7 +73,7 @@ def test_by_token_exchange_sums_every_part_once_in_order(tokens):
     """CPU model of the K-part exchange in by_token mode: every CTA's m64nT accumulators
     (DecodeGemm.consume's layout) reach their token's owner (scatter) without overlap, and
     each owner's channel reads (IndexFront.finish) find Σ of the parts, each part once."""
-    plan = dsa.index_plan(K, tokens, True)
+    plan = dsa_plan.index_plan(K, tokens, True)
     gen = torch.Generator().manual_seed(tokens)
     sums = torch.randn(plan.split, plan.rows, tokens, generator=gen, dtype=torch.float64)  # [part][row][token]
     received = [dict() for _ in range(plan.split)]
@@ -110,7 +111,7 @@ def test_raw_rows_cover_every_packet_once_and_send_every_sum_once(tokens):
     p // 8 + 16·j, piece p % 8 of every chunk; the (token, piece) packets of a slot are each
     written once, the 8 lanes of a token (one butterfly) are one warp's consecutive lanes,
     and one lane per token sends its Σ x²: the factored barrier's split · T · 8 bytes."""
-    plan = dsa.index_plan(K, tokens, True)
+    plan = dsa_plan.index_plan(K, tokens, True)
     written, senders = {}, {}
     for producer in range(gemm_plans.PRODUCERS):
         piece = producer % (CHUNK // 8)

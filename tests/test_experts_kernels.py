@@ -11,7 +11,9 @@ import torch
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
 from kimi_ops import backend  # noqa: E402
-from kimi_ops.kernels import experts  # noqa: E402
+from kimi_ops.kernels.experts import host as experts  # noqa: E402
+from kimi_ops.kernels.experts import kernels as experts_kernels  # noqa: E402
+from kimi_ops.kernels.experts import plan as experts_plan  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 
 from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
@@ -34,35 +36,35 @@ def test_routed_experts_compiles(latent, intermediate, cluster, clean_ptxas):
 def test_cluster_size(monkeypatch):
     """kimi_k3 (L = 3584) and a TP8 rank (512): clusters of 8 while 16·B·C CTAs fit the
     SMs; C · P/8 = L and whole chunks always."""
-    monkeypatch.setattr(experts, "multiprocessors", lambda device: 132)
-    assert [experts.cluster_for(3584, batch, 0) for batch in (1, 2, 8)] == [8, 1, 1]
-    assert experts.cluster_size(3584) == 8 and experts.cluster_size(512) == 8
-    assert experts.cluster_size(320) == 5 and experts.cluster_size(64) == 2
+    monkeypatch.setattr(experts_plan, "multiprocessors", lambda device: 132)
+    assert [experts_plan.cluster_for(3584, batch, 0) for batch in (1, 2, 8)] == [8, 1, 1]
+    assert experts_plan.cluster_size(3584) == 8 and experts_plan.cluster_size(512) == 8
+    assert experts_plan.cluster_size(320) == 5 and experts_plan.cluster_size(64) == 2
     for latent in range(64, 4097, 64):
-        cluster = experts.cluster_size(latent)
-        assert 2 <= cluster <= experts.MAX_CLUSTER and (latent // 8) % (experts.GATE_ROWS * cluster) == 0
+        cluster = experts_plan.cluster_size(latent)
+        assert 2 <= cluster <= experts_plan.MAX_CLUSTER and (latent // 8) % (experts_plan.GATE_ROWS * cluster) == 0
 
 
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
             for cluster in (None, 1):
-                kernel = experts.RoutedExperts(latent, intermediate, cluster)
+                kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster)
                 assert kernel.threads % 32 == 0 and kernel.packets <= kernel.threads < kernel.packets + 32
                 assert kernel.slice * kernel.cluster == latent and kernel.packets * 8 == kernel.slice
-                assert kernel.row_threads * experts.GATE_ROWS == kernel.packets
-                assert kernel.gate_chunks * experts.GATE_ROWS == 2 * intermediate  # every gate/up row once
+                assert kernel.row_threads * experts_plan.GATE_ROWS == kernel.packets
+                assert kernel.gate_chunks * experts_plan.GATE_ROWS == 2 * intermediate  # every gate/up row once
                 down_chunks = kernel.chunks - kernel.gate_chunks  # of 4 slice values: the slice's I down values
                 assert down_chunks * 4 * kernel.slice == kernel.slice * intermediate
                 assert kernel.down_rows * intermediate == 32  # a thread's 4 packets: whole down rows
                 assert kernel.packets * kernel.down_rows * down_chunks == kernel.slice  # every output row once
                 assert 1 <= kernel.depth <= kernel.chunks and kernel.smem_bytes() <= SMEM_BYTES
-            assert experts.RoutedExperts(latent, intermediate).depth == kernel.chunks  # the whole slice in flight
+            assert experts_kernels.RoutedExperts(latent, intermediate).depth == kernel.chunks  # the whole slice in flight
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
     assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference
     assert "multiple of 64" in experts.unsupported_shape(100, 16, 1)
     assert "up to 4096" in experts.unsupported_shape(7168, 16, 1)  # 896 threads a CTA
-    assert "tokens" in experts.unsupported_shape(3584, 16, experts.MAX_BATCH + 1)
+    assert "tokens" in experts.unsupported_shape(3584, 16, experts_plan.MAX_BATCH + 1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="stand-in tensors: on a CPU-only machine")
@@ -143,7 +145,7 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", [33, experts.MAX_BATCH])
+@pytest.mark.parametrize("batch", [33, experts_plan.MAX_BATCH])
 def test_routed_experts_kernel_shared_experts_and_wide_batches(batch):
     """L = 64, I = 8 (clusters of 2, 4 threads with packets a CTA) at batches past the mask loop's
     stride and at the kernel's largest: every token on the same 16 experts (each served

@@ -7,7 +7,7 @@ import torch
 
 cute_dsl = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
-from kimi_ops.kernels import route  # noqa: E402
+from kimi_ops.kernels.route import host as route  # noqa: E402
 from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, benchmark, bf16_ulps, on_hopper, reference  # noqa: E402
@@ -149,7 +149,7 @@ def test_stream_benchmark_kernels_compile():
 
 @pytest.mark.parametrize("tp", [2, 4, 8, 16])
 def test_group_barrier_compiles(tp, clean_ptxas):
-    from kimi_ops.kernels import group
+    from kimi_ops.kernels.group import host as group
 
     group.compile_barrier.build(tp)
     clean_ptxas()

@@ -15,16 +15,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .. import backend
-from ..mailbox import BARRIER_POLL
-from ..ops import mailbox_ops
-from .arguments import addresses, register_addresses
-from .compile import compile_options, compiled, fake, fake_stream, hopper
-from .launch import launch
-from .mailbox import BARRIER_TIMEOUT_NS
-from .ptx import fence_system, load_words, nap, store_words
+from ...mailbox import BARRIER_POLL
+from ..launch import launch
+from ..mailbox import BARRIER_TIMEOUT_NS
+from ..ptx import fence_system, load_words, nap, store_words
 
 SLOT_BYTES = 16  # one packet per rank in a sync box
+
+
 
 
 class GroupBarrier:
@@ -62,31 +60,3 @@ class GroupBarrier:
                         nap()
             fence_system()
         cute.arch.griddepcontrol_launch_dependents()
-
-
-@compiled
-def compile_barrier(tp: int):
-    return cute.compile(
-        GroupBarrier(tp), fake(Int64, (tp,), align=8), fake(Int64, (1,), align=8), fake(Int32, (1,), align=4),
-        Int32(0), fake_stream(), options=compile_options(),
-    )
-
-
-class GroupBarrierKernel:
-    """``kimi::group_barrier`` on CUDA."""
-
-    check = staticmethod(mailbox_ops.check_group_barrier)
-
-    def prepare(self, tp: int, peer_lists=()) -> None:
-        compile_barrier(tp)
-        register_addresses(peer_lists)
-
-    def unsupported(self, boxes, ticket, error, rank):
-        return hopper(ticket)
-
-    def __call__(self, boxes, ticket, error, rank):
-        compile_barrier(len(boxes))(addresses(boxes), ticket, error, rank)
-
-
-def register() -> None:
-    backend.KERNELS["group_barrier"] = GroupBarrierKernel()

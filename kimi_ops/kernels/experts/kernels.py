@@ -37,20 +37,14 @@ tokens in order, up to TOKENS) and copies their latent rows into shared memory o
 (cp.async): every gate/up chunk reads them there, not from L2.
 """
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from .. import backend
-from ..ops import experts as experts_op
-from ..ops.route import TOP_K
-from .arguments import aligned
-from .compile import compile_options, compiled, fake, fake_stream, hopper
-from .launch import PDL, SMEM_BYTES, multiprocessors
-from .packets import (
+from ...ops.route import TOP_K
+from ..launch import PDL, SMEM_BYTES
+from ..packets import (
     butterfly,
     clamp,
     cluster_barrier,
@@ -60,37 +54,13 @@ from .packets import (
     situ_value,
     unpack_words,
 )
-from .ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_values, store_word, store_words
-
-GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)
-MAX_CLUSTER = 8  # portable cluster size
-TOKENS = 4  # the tokens a CTA serves in its pass over the expert's weights (their partials in shared memory)
-MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
-MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
-MAX_BATCH = 256  # the tokens' match masks in shared memory
-
-
-@functools.cache
-def cluster_size(latent: int) -> int:
-    """C, the CTAs of a pair: whole 4-row chunks a CTA (L/8 % 4C == 0), the most busy lanes
-    over the cluster's warps (C · P / P rounded up to warps: SMs and their conversion
-    units at work), the larger C at a tie (a smaller slice to stream)."""
-    packets = latent // 8
-
-    def lanes(c):
-        share = packets // c
-        return c * share / (-(-share // 32) * 32)
-
-    return max((c for c in range(1, MAX_CLUSTER + 1) if packets % (GATE_ROWS * c) == 0), key=lambda c: (lanes(c), c))
-
-
-def cluster_for(latent: int, batch: int, device: int) -> int:
-    """A call's C: :func:`cluster_size`'s while its grid fits the SMs at a CTA each (B = 1
-    at L = 3584: 16 pairs × 8), else 1 — then the SMs have other pairs to serve, and each
-    CTA of a cluster repeats the pair's prologue (H200, L = 3584, C = 1 against 8: B = 1
-    16.5 / 10.7 µs, B = 8 30.4 / 37.1, B = 64 117 / 199; benchmarks/NOTES.md)."""
-    cluster = cluster_size(latent)
-    return cluster if batch * TOP_K * cluster <= multiprocessors(device) else 1
+from ..ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_values, store_word, store_words
+from .plan import (
+    GATE_ROWS,
+    MAX_BATCH,
+    TOKENS,
+    cluster_size,
+)
 
 
 class RoutedExperts:
@@ -362,58 +332,3 @@ def slot_mask(ids, token, expert) -> Int32:
             if Int32(words[u]) == expert:
                 mask = mask | Int32(1 << (4 * q + u))
     return mask
-
-
-@compiled
-def compile_routed_experts(latent: int, intermediate: int, cluster: int | None = None):
-    """``cluster``: C (:func:`cluster_for`; None: :func:`cluster_size`'s)."""
-    tokens, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
-    return cute.compile(
-        RoutedExperts(latent, intermediate, cluster), fake(BFloat16, (tokens, latent)),
-        fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
-        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), fake_stream(),
-        options=compile_options(),
-    )
-
-
-def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
-    if intermediate % 8 or not 8 <= intermediate <= MAX_INTERMEDIATE:
-        return (f"the kernel stashes a thread's 8 down rows in one block: I must be a multiple of 8 in "
-                f"[8, {MAX_INTERMEDIATE}], got {intermediate}")
-    if latent % 64 or not latent <= MAX_LATENT:
-        return (f"a CTA's L/8 threads take 8 packets of L each: L must be a multiple of 64 up to {MAX_LATENT}, "
-                f"got {latent}")
-    if batch > MAX_BATCH:
-        return f"the kernel matches at most {MAX_BATCH} tokens, got B = {batch}"
-    return None
-
-
-class RoutedExpertsKernel:
-    """``kimi::routed_experts`` on CUDA."""
-
-    check = staticmethod(experts_op.check_routed_experts)
-
-    def prepare(self, latent: int, intermediate: int) -> None:
-        if unsupported_shape(latent, intermediate, 0) is None:
-            for cluster in sorted({1, cluster_size(latent)}):
-                compile_routed_experts(latent, intermediate, cluster)
-
-    def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
-        reason = unsupported_shape(latent.shape[1], down.shape[2], latent.shape[0])
-        if reason is None and not aligned(latent, ids, gate_up, down):
-            reason = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
-        return reason or hopper(latent)
-
-    def __call__(self, latent, ids, gate_up, down, rank, tp):
-        batch, width = latent.shape
-        experts, intermediate = gate_up.shape[0], down.shape[2]
-        out = latent.new_empty((batch, TOP_K, width))
-        if batch:
-            compile_routed_experts(width, intermediate, cluster_for(width, batch, latent.device.index))(
-                latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
-                rank, experts // tp, experts)
-        return out
-
-
-def register() -> None:
-    backend.KERNELS["routed_experts"] = RoutedExpertsKernel()

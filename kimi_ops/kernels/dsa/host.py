@@ -1,0 +1,113 @@
+"""The DSA kernels' host side: compiles and the adapters of ``kimi::dsa_index_front``
+and ``kimi::dsa_index_key_insert``."""
+
+
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int64, Uint8
+
+from ... import backend
+from ...ops import dsa as dsa_op
+from ..arguments import aligned, placeholder
+from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from ..gemm.host import tokens_of
+from ..gemm.plan import MAX_BATCH, token_tile
+from ..ring import CHUNK
+
+HEADS, DIM = dsa_op.HEADS, dsa_op.DIM
+from .kernels import (
+    IndexFront,
+    KeyInsert,
+)
+from .plan import (
+    N,
+    index_partition,
+    index_plan,
+)
+
+
+@compiled
+def compile_index_front(k: int, tokens: int, norm: bool):
+    batch = cute.sym_int()
+    return cute.compile(
+        IndexFront(index_plan(k, tokens, norm), norm),
+        fake(BFloat16, (batch, k)), fake(BFloat16, (N, k)), fake(BFloat16, (k,) if norm else (1,)),
+        fake(Uint8, (batch, N)), fake(BFloat16, (batch, HEADS)), fake(BFloat16, (batch, HEADS)), Float32(1e-6),
+        fake_stream(), options=compile_options(),
+    )
+
+
+@compiled
+def compile_key_insert():
+    batch, slots = cute.sym_int(), cute.sym_int()
+    return cute.compile(
+        KeyInsert(), fake(BFloat16, (batch, DIM), align=8), fake(BFloat16, (DIM,), align=8),
+        fake(BFloat16, (DIM,), align=8), fake(Uint8, (slots, DIM + 4), align=4), fake(Int64, (batch,), align=8),
+        Float32(1e-6), fake_stream(), options=compile_options(),
+    )
+
+
+def unsupported_front(k: int, batch: int, norm: bool) -> str | None:
+    if batch > MAX_BATCH:
+        return f"the DSA front takes at most {MAX_BATCH} tokens, got {batch}"
+    if index_partition(k, token_tile(max(batch, 1)), norm) is None:
+        return f"the DSA front needs K % {CHUNK} == 0 and (raw rows) the K slice in one ring (K={k})"
+    return None
+
+
+class IndexFrontKernel:
+    """``kimi::dsa_index_front`` on CUDA: both row modes, per batch bucket."""
+
+    check = staticmethod(dsa_op.check_dsa_index_front)
+
+    def prepare(self, k: int, batches=None, modes=(True, False)) -> None:
+        """``modes``: raw rows (q_norm_w given) and / or normalized rows."""
+        for norm in modes:
+            for tokens in tokens_of(batches):
+                if index_partition(k, tokens, norm):
+                    compile_index_front(k, tokens, norm)
+
+    def unsupported(self, rows, wq_b, head_in, q_norm_w, eps):
+        if not aligned(rows, wq_b, head_in, *([q_norm_w] if q_norm_w is not None else [])):
+            return "the DSA front reads 16-byte packets: rows, wq_b, head_in and q_norm_w must be 16-byte aligned"
+        return unsupported_front(rows.shape[1], rows.shape[0], q_norm_w is not None) or hopper(rows)
+
+    def __call__(self, rows, wq_b, head_in, q_norm_w, eps):
+        batch, k = rows.shape
+        q = rows.new_empty((batch, HEADS, DIM), dtype=torch.float8_e4m3fn)
+        head_w = rows.new_empty((batch, HEADS))
+        if batch:
+            norm = q_norm_w is not None
+            compile_index_front(k, token_tile(batch), norm)(
+                rows, wq_b, q_norm_w if norm else placeholder(rows, torch.bfloat16), q.view(torch.uint8).view(batch, N),
+                head_w, head_in, eps,
+            )
+        return q, head_w
+
+
+class KeyInsertKernel:
+    """``kimi::dsa_index_key_insert`` on CUDA (the op's host slot check first)."""
+
+    check = staticmethod(dsa_op.check_dsa_index_key_insert)
+
+    def prepare(self) -> None:
+        compile_key_insert()
+
+    def unsupported(self, k_in, norm_w, norm_b, eps, cache, slots):
+        if not (all(t.data_ptr() % 8 == 0 for t in (k_in, norm_w, norm_b, slots)) and k_in.stride(0) % 4 == 0
+                and cache.data_ptr() % 4 == 0):
+            return ("the key insert reads 8-byte packets and stores words: align k_in (and its row stride), norm_w, "
+                    "norm_b and the cache")
+        if cache.shape[0] >= 2**31:
+            return f"the key insert indexes at most 2^31 cache rows, got {cache.shape[0]}"
+        return hopper(k_in)
+
+    def __call__(self, k_in, norm_w, norm_b, eps, cache, slots):
+        dsa_op.check_slot_values(cache, slots)  # a clear error on the host path; under capture the kernel drops them
+        if k_in.shape[0] and cache.shape[0]:
+            compile_key_insert()(k_in, norm_w, norm_b, cache, slots, eps)
+
+
+def register() -> None:
+    backend.KERNELS["dsa_index_front"] = IndexFrontKernel()
+    backend.KERNELS["dsa_index_key_insert"] = KeyInsertKernel()

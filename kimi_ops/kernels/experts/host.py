@@ -1,0 +1,76 @@
+"""The routed experts' host side: compiles and the adapter of ``kimi::routed_experts``."""
+
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Int32
+
+from ... import backend
+from ...ops import experts as experts_op
+from ...ops.route import TOP_K
+from ..arguments import aligned
+from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from .kernels import (
+    RoutedExperts,
+)
+from .plan import (
+    MAX_BATCH,
+    MAX_INTERMEDIATE,
+    MAX_LATENT,
+    cluster_for,
+    cluster_size,
+)
+
+
+@compiled
+def compile_routed_experts(latent: int, intermediate: int, cluster: int | None = None):
+    """``cluster``: C (:func:`cluster_for`; None: :func:`cluster_size`'s)."""
+    tokens, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
+    return cute.compile(
+        RoutedExperts(latent, intermediate, cluster), fake(BFloat16, (tokens, latent)),
+        fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
+        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), fake_stream(),
+        options=compile_options(),
+    )
+
+
+def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
+    if intermediate % 8 or not 8 <= intermediate <= MAX_INTERMEDIATE:
+        return (f"the kernel stashes a thread's 8 down rows in one block: I must be a multiple of 8 in "
+                f"[8, {MAX_INTERMEDIATE}], got {intermediate}")
+    if latent % 64 or not latent <= MAX_LATENT:
+        return (f"a CTA's L/8 threads take 8 packets of L each: L must be a multiple of 64 up to {MAX_LATENT}, "
+                f"got {latent}")
+    if batch > MAX_BATCH:
+        return f"the kernel matches at most {MAX_BATCH} tokens, got B = {batch}"
+    return None
+
+
+class RoutedExpertsKernel:
+    """``kimi::routed_experts`` on CUDA."""
+
+    check = staticmethod(experts_op.check_routed_experts)
+
+    def prepare(self, latent: int, intermediate: int) -> None:
+        if unsupported_shape(latent, intermediate, 0) is None:
+            for cluster in sorted({1, cluster_size(latent)}):
+                compile_routed_experts(latent, intermediate, cluster)
+
+    def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
+        reason = unsupported_shape(latent.shape[1], down.shape[2], latent.shape[0])
+        if reason is None and not aligned(latent, ids, gate_up, down):
+            reason = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
+        return reason or hopper(latent)
+
+    def __call__(self, latent, ids, gate_up, down, rank, tp):
+        batch, width = latent.shape
+        experts, intermediate = gate_up.shape[0], down.shape[2]
+        out = latent.new_empty((batch, TOP_K, width))
+        if batch:
+            compile_routed_experts(width, intermediate, cluster_for(width, batch, latent.device.index))(
+                latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
+                rank, experts // tp, experts)
+        return out
+
+
+def register() -> None:
+    backend.KERNELS["routed_experts"] = RoutedExpertsKernel()

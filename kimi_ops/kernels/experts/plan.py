@@ -1,0 +1,37 @@
+"""The routed experts' plan: a cluster of CTAs per (token group, expert) pair while the
+grid fits the SMs, the bounds of a variant."""
+
+import functools
+
+from ...ops.route import TOP_K
+from ..launch import multiprocessors
+
+GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)
+MAX_CLUSTER = 8  # portable cluster size
+TOKENS = 4  # the tokens a CTA serves in its pass over the expert's weights (their partials in shared memory)
+MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
+MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
+MAX_BATCH = 256  # the tokens' match masks in shared memory
+
+
+@functools.cache
+def cluster_size(latent: int) -> int:
+    """C, the CTAs of a pair: whole 4-row chunks a CTA (L/8 % 4C == 0), the most busy lanes
+    over the cluster's warps (C · P / P rounded up to warps: SMs and their conversion
+    units at work), the larger C at a tie (a smaller slice to stream)."""
+    packets = latent // 8
+
+    def lanes(c):
+        share = packets // c
+        return c * share / (-(-share // 32) * 32)
+
+    return max((c for c in range(1, MAX_CLUSTER + 1) if packets % (GATE_ROWS * c) == 0), key=lambda c: (lanes(c), c))
+
+
+def cluster_for(latent: int, batch: int, device: int) -> int:
+    """A call's C: :func:`cluster_size`'s while its grid fits the SMs at a CTA each (B = 1
+    at L = 3584: 16 pairs × 8), else 1 — then the SMs have other pairs to serve, and each
+    CTA of a cluster repeats the pair's prologue (H200, L = 3584, C = 1 against 8: B = 1
+    16.5 / 10.7 µs, B = 8 30.4 / 37.1, B = 64 117 / 199; benchmarks/NOTES.md)."""
+    cluster = cluster_size(latent)
+    return cluster if batch * TOP_K * cluster <= multiprocessors(device) else 1

@@ -1,0 +1,44 @@
+"""The group barrier's host side: its compile and the adapter of ``kimi::group_barrier``."""
+
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ... import backend
+from ...ops import mailbox_ops
+from ..arguments import addresses, register_addresses
+from ..compile import compile_options, compiled, fake, fake_stream, hopper
+
+SLOT_BYTES = 16  # one packet per rank in a sync box
+
+
+from .kernels import (
+    GroupBarrier,
+)
+
+
+@compiled
+def compile_barrier(tp: int):
+    return cute.compile(
+        GroupBarrier(tp), fake(Int64, (tp,), align=8), fake(Int64, (1,), align=8), fake(Int32, (1,), align=4),
+        Int32(0), fake_stream(), options=compile_options(),
+    )
+
+
+class GroupBarrierKernel:
+    """``kimi::group_barrier`` on CUDA."""
+
+    check = staticmethod(mailbox_ops.check_group_barrier)
+
+    def prepare(self, tp: int, peer_lists=()) -> None:
+        compile_barrier(tp)
+        register_addresses(peer_lists)
+
+    def unsupported(self, boxes, ticket, error, rank):
+        return hopper(ticket)
+
+    def __call__(self, boxes, ticket, error, rank):
+        compile_barrier(len(boxes))(addresses(boxes), ticket, error, rank)
+
+
+def register() -> None:
+    backend.KERNELS["group_barrier"] = GroupBarrierKernel()

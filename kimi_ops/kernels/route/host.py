@@ -1,0 +1,128 @@
+"""Routing's host side: compiles and the adapters of ``kimi::moe_route``,
+``kimi::moe_route_poll`` and ``kimi::situ``."""
+
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32
+
+from ... import backend
+from ...mailbox import box_row
+from ...ops import mailbox_ops
+from ...ops import route as route_op
+from ..compile import compile_options, compiled, fake, fake_stream, hopper
+
+TOP_K = route_op.TOP_K
+LEAN_ABOVE = 8  # batches above this route with the lean ranking
+
+
+from .kernels import (
+    Route,
+    RoutePoll,
+    Situ,
+)
+
+
+@compiled
+def compile_route(experts: int, renorm: bool, lean: bool):
+    batch = cute.sym_int()
+    return cute.compile(
+        Route(experts, renorm, lean),
+        fake(Float32, (batch, experts), align=4), fake(Float32, (experts,), align=4),
+        fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), Float32(1.0), fake_stream(),
+        options=compile_options(),
+    )
+
+
+@compiled
+def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool):
+    rows, batch = cute.sym_int(), cute.sym_int()
+    return cute.compile(
+        RoutePoll(experts, latent, renorm, lean),
+        fake(BFloat16, (rows, latent + 2 * experts)), fake(Float32, (experts,), align=4),
+        fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), fake(BFloat16, (batch, latent)),
+        fake(Int32, (1,), align=4), Float32(1.0), Int32(0), fake_stream(), options=compile_options(),
+    )
+
+
+@compiled
+def compile_situ(width: int, dtype: str):
+    batch = cute.sym_int()
+    source = Float32 if dtype == "float32" else BFloat16
+    return cute.compile(
+        Situ(width, source), fake(source, (batch, 2 * width)), fake(BFloat16, (batch, width)),
+        Float32(1.0), Float32(0.0), fake_stream(), options=compile_options(),
+    )
+
+
+class RouteKernel:
+    """``kimi::moe_route`` on CUDA."""
+
+    check = staticmethod(route_op.check_moe_route)
+
+    def prepare(self, experts: int, renorm: bool) -> None:
+        for lean in (False, True):
+            compile_route(experts, renorm, lean)
+
+    def unsupported(self, logits, bias, scale, renorm):
+        return hopper(logits)
+
+    def __call__(self, logits, bias, scale, renorm):
+        batch = logits.shape[0]
+        ids = logits.new_empty((batch, TOP_K), dtype=torch.int32)
+        weights = logits.new_empty((batch, TOP_K), dtype=torch.bfloat16)
+        if batch:
+            compile_route(logits.shape[1], bool(renorm), batch > LEAN_ABOVE)(logits, bias, ids, weights, scale)
+        return ids, weights
+
+
+class SituKernel:
+    """``kimi::situ`` on CUDA."""
+
+    check = staticmethod(route_op.check_situ)
+
+    def prepare(self, width: int, dtype: str) -> None:
+        compile_situ(width, dtype)
+
+    def unsupported(self, gate_up, beta, linear_beta):
+        if gate_up.shape[1] % 16:
+            return f"the kernel reads 16-byte packets: S must be a multiple of 8, got {gate_up.shape[1] // 2}"
+        return hopper(gate_up)
+
+    def __call__(self, gate_up, beta, linear_beta):
+        batch, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty((batch, width), dtype=torch.bfloat16)
+        if batch:
+            compile_situ(width, str(gate_up.dtype).removeprefix("torch."))(gate_up, out, beta, linear_beta)
+        return out
+
+
+class RoutePollKernel:
+    """``kimi::moe_route_poll`` on CUDA."""
+
+    check = staticmethod(mailbox_ops.check_moe_route_poll)
+
+    def prepare(self, experts: int, latent: int, renorm: bool) -> None:
+        for lean in (False, True):
+            compile_route_poll(experts, latent, renorm, lean)
+
+    def unsupported(self, box, bias, scale, renorm, parity, batch, error):
+        latent = box.shape[3] - 2 * bias.shape[0]
+        if bias.shape[0] % 4 or latent % 8:
+            return f"the polled kernel needs E % 4 == 0 and L % 8 == 0 (E={bias.shape[0]}, L={latent})"
+        return hopper(box)
+
+    def __call__(self, box, bias, scale, renorm, parity, batch, error):
+        latent_width = box.shape[3] - 2 * bias.shape[0]
+        ids = box.new_empty((batch, TOP_K), dtype=torch.int32)
+        weights = box.new_empty((batch, TOP_K))
+        latent = box.new_empty((batch, latent_width))
+        kernel = compile_route_poll(bias.shape[0], latent_width, bool(renorm), batch > LEAN_ABOVE)
+        capacity = box.shape[2]
+        kernel(box.view(-1, box.shape[3]), bias, ids, weights, latent, error, scale, box_row(parity, 0, 0, 1, capacity))
+        return ids, weights, latent
+
+
+def register() -> None:
+    backend.KERNELS["moe_route"] = RouteKernel()
+    backend.KERNELS["moe_route_poll"] = RoutePollKernel()
+    backend.KERNELS["situ"] = SituKernel()
