@@ -23,8 +23,8 @@ import torch
 
 import kimi_ops  # noqa: F401
 from kimi_ops.config import KimiConfig
-from kimi_ops.mailbox import no_neg_zero
-from kimi_ops.ops.dsa import DIM, HEADS
+from kimi_ops.mailbox import canonical
+from kimi_ops.config import INDEX_DIM, INDEX_HEADS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import L2_BYTES, graph_us, print_table, rotating  # noqa: E402
@@ -40,7 +40,7 @@ def projections(tp: int, config: KimiConfig | None = None) -> list[tuple[str, st
     stand-in core, o-proj, the MoE front, the shared expert's gate/up and down."""
     c = config or KimiConfig.kimi_k3()
     return [
-        ("index_in", "oproj", c.q_lora + HEADS + DIM, c.hidden, 0),
+        ("index_in", "oproj", c.q_lora + INDEX_HEADS + INDEX_DIM, c.hidden, 0),
         ("core", "oproj", c.attn_out // tp, c.q_lora, 0),
         ("o_proj", "oproj_publish", c.hidden, c.attn_out // tp, 0),
         ("front", "moe_front_publish", (c.experts + c.latent) // tp, c.hidden, c.experts // tp),
@@ -116,7 +116,7 @@ def copier(op: str, n_logits: int, boxes, rank: int = 0):
     """The functional op, then its rows copied into every box (what the reference does)."""
     if op == "oproj_publish":
         def call(x, w):
-            rows = no_neg_zero(kimi.oproj(x, w))
+            rows = canonical(kimi.oproj(x, w))
             for box in boxes:
                 box[0, rank, : x.shape[0]].copy_(rows)
         return call
@@ -124,10 +124,10 @@ def copier(op: str, n_logits: int, boxes, rank: int = 0):
     def call(x, w):
         logits, latent = kimi.moe_front(x, w, n_logits)
         shard = latent.shape[1]
-        words = no_neg_zero(logits).view(torch.bfloat16)
+        words = canonical(logits).view(torch.bfloat16)
         at = len(boxes) * shard + 2 * rank * n_logits
         for box in boxes:
-            box[0, 0, : x.shape[0], rank * shard : (rank + 1) * shard].copy_(no_neg_zero(latent))
+            box[0, 0, : x.shape[0], rank * shard : (rank + 1) * shard].copy_(canonical(latent))
             box[0, 0, : x.shape[0], at : at + 2 * n_logits].copy_(words)
     return call
 

@@ -5,7 +5,10 @@ from dataclasses import dataclass, fields
 
 from .checks import fail_setting, is_int
 from .mailbox import PACKET
-from .ops.route import MAX_EXPERTS, TOP_K
+
+TOP_K = 16  # routed experts a token (the routing ops' fixed top-k)
+MAX_EXPERTS = 1024  # the routing kernels' largest expert count
+INDEX_HEADS, INDEX_DIM = 32, 128  # the DSA indexer's heads × head width (fixed by the seeds)
 
 # Fields that are sizes (positive ints); those that set a mailbox row's width must be
 # whole 16-byte packets of it (the front row packs E logits as FP32 words, two BF16 each).

@@ -5,7 +5,7 @@ A box is BF16 ``[parities, TP sources, CAP, width]``, armed with the 32-bit word
 it: −0 becomes +0 and NaN becomes the canonical quiet NaN. Readers compare bits, a row
 at a time, never values.
 
-What a box must be (every mailbox op and its fake check it, :func:`~kimi_ops.ops.mailbox_ops.check_box`):
+What a box must be (every mailbox op and its fake check it, :func:`~kimi_ops.ops.boxes.check_box`):
 contiguous BF16 of rank 4; ``width`` a multiple of :data:`PACKET` BF16 values and the
 box 16-byte aligned (storage offset a multiple of PACKET), since kernels poll and store
 whole 16-byte packets and the reference reads word pairs; at least one parity (the
@@ -42,8 +42,9 @@ def arm_(box: torch.Tensor) -> None:
     box.view(torch.int32).fill_(SENTINEL)
 
 
-def no_neg_zero(x: torch.Tensor) -> torch.Tensor:
-    """x (bf16 or fp32) with −0 → +0 and every NaN → the canonical quiet NaN."""
+def canonical(x: torch.Tensor) -> torch.Tensor:
+    """x (bf16 or fp32) in the writers' canonical form, which can never equal the
+    sentinel: −0 → +0 and every NaN → the canonical quiet NaN."""
     x = torch.where(x == 0, torch.zeros_like(x), x)
     return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x)
 

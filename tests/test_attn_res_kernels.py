@@ -14,7 +14,7 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 from kimi_ops.kernels.attn_res import host as attn_res  # noqa: E402
 from kimi_ops.kernels.attn_res import kernels as attn_res_kernels  # noqa: E402
 from kimi_ops.kernels.attn_res import plan as attn_res_plan  # noqa: E402
-from kimi_ops.mailbox import SENTINEL, TAKE_POLL, KimiMailboxError, no_neg_zero, raise_if_error  # noqa: E402
+from kimi_ops.mailbox import SENTINEL, TAKE_POLL, KimiMailboxError, canonical, raise_if_error  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
 
@@ -220,7 +220,7 @@ def test_attn_res_kernel_is_deterministic_and_replays_from_a_graph():
 
 def published(box, parity, rows):
     """``rows`` [TP, B, H] as the producers leave them in ``box`` (−0 → +0, NaN canonical)."""
-    box[parity, :, :rows.shape[1]] = no_neg_zero(rows)
+    box[parity, :, :rows.shape[1]] = canonical(rows)
 
 
 def armed(rows):
@@ -251,7 +251,7 @@ def test_attn_res_take_kernel(batch, count, tp):
     assert armed(ours[1]) and torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
     assert int(errors[0]) == 0
     # the functional op on the same rows agrees bit for bit
-    functional = kimi.attn_res(blocks, partial, no_neg_zero(rows), *weights, 1e-6)
+    functional = kimi.attn_res(blocks, partial, canonical(rows), *weights, 1e-6)
     for g, f in zip(got, functional):
         assert torch.equal(g.view(torch.int16), f.view(torch.int16))
 
@@ -285,7 +285,7 @@ def test_attn_res_take_replays_from_a_graph():
         rows = torch.randn(rows.shape, generator=fresh).bfloat16().cuda()
         published(box, 0, rows)
         graph.replay()
-        want = kimi.attn_res(blocks, partial, no_neg_zero(rows), *weights, 1e-6)
+        want = kimi.attn_res(blocks, partial, canonical(rows), *weights, 1e-6)
         for s, w in zip(static, want):
             assert torch.equal(s.view(torch.int16), w.view(torch.int16)), replay
         assert armed(box[0, :, :8])

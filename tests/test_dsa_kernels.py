@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
 from kimi_ops import backend  # noqa: E402
+from kimi_ops.config import INDEX_DIM, INDEX_HEADS  # noqa: E402
 from kimi_ops.checks import KimiArgumentError  # noqa: E402
 from kimi_ops.kernels.dsa import host as dsa  # noqa: E402
 from kimi_ops.kernels.dsa import plan as dsa_plan  # noqa: E402
@@ -52,7 +53,7 @@ def test_key_insert_compiles(clean_ptxas):
 @pytest.mark.parametrize("tokens", gemm_plans.TOKEN_TILES)
 def test_plan_puts_a_head_in_a_cta_and_the_grid_in_one_wave(tokens, norm):
     plan = dsa_plan.index_plan(K, tokens, norm)
-    assert (plan.tiles, plan.split) == (2, 3) and plan.rows == dsa.DIM and plan.blocks == dsa.HEADS
+    assert (plan.tiles, plan.split) == (2, 3) and plan.rows == INDEX_DIM and plan.blocks == INDEX_HEADS
     assert plan.ctas == 96 <= dsa_plan.resident(plan.split) and plan.split * plan.chunks * CHUNK == K
     assert plan.by_token and plan.per_owner % 2 == 0 and plan.per_owner * plan.split >= tokens
     assert plan.stride % 2 == 1 and plan.depth == plan.chunks  # the whole K slice in the ring

@@ -16,7 +16,7 @@ from kimi_ops.kernels.gemm import host as gemm  # noqa: E402
 from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
-from kimi_ops.mailbox import SENTINEL, no_neg_zero  # noqa: E402
+from kimi_ops.mailbox import SENTINEL, canonical  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, benchmark, on_hopper, reference  # noqa: E402
 
@@ -200,7 +200,7 @@ def test_oproj_publish_stores_the_functional_rows_in_every_box(tp, batch):
     rank, capacity = tp - 1, 64
     boxes = [armed_box(1, tp, capacity, n) for _ in range(tp)]
     kimi.oproj_publish(x, w, boxes, rank)
-    rows = no_neg_zero(kimi.oproj(x, w))
+    rows = canonical(kimi.oproj(x, w))
     for box in boxes:
         assert torch.equal(box[0, rank, :batch], rows)
         assert armed(box[0, rank, batch:]) and armed(box[0, :rank]) and armed(box[0, rank + 1 :])
@@ -225,9 +225,9 @@ def test_front_publish_stores_logit_words_and_latent_in_every_box(tp, batch):
     for box in boxes:
         row = box[parity, 0, :batch]
         latent_words = row[:, rank * latent_width : (rank + 1) * latent_width].contiguous().view(torch.int16)
-        assert torch.equal(latent_words, no_neg_zero(latent).view(torch.int16))  # bits: NaN rows too
+        assert torch.equal(latent_words, canonical(latent).view(torch.int16))  # bits: NaN rows too
         words = row[:, logit_at : logit_at + 2 * experts].contiguous().view(torch.float32)
-        assert torch.equal(words.view(torch.int32), no_neg_zero(logits).view(torch.int32))
+        assert torch.equal(words.view(torch.int32), canonical(logits).view(torch.int32))
         assert armed(box[parity, 0, batch:]) and armed(box[(parity + 1) % 3])
         others = torch.ones(width, dtype=torch.bool)
         others[rank * latent_width : (rank + 1) * latent_width] = False

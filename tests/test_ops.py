@@ -6,7 +6,7 @@ import torch
 import oracle
 from kimi_ops import KimiArgumentError, backend
 from kimi_ops.numerics import ordered_key
-from kimi_ops.ops.dsa import DIM, HEADS
+from kimi_ops.config import INDEX_DIM, INDEX_HEADS
 from conftest import BATCHES, DEVICES, HOPPER, assert_bf16_close, assert_tail_close, randn
 
 kimi = torch.ops.kimi
@@ -188,9 +188,9 @@ def test_dsa_helpers_take_column_views_of_one_gemm(gen, device, batch):
     k_in are column views of its rows; the consumers (the stand-in core's GEMM, the index
     front, the key insert) give on them exactly what they give on contiguous copies."""
     x = randn(gen, batch, 7168, dtype=torch.bfloat16, device=device)
-    w_in = randn(gen, 1536 + HEADS + DIM, 7168, dtype=torch.bfloat16, device=device, scale=7168**-0.5)
-    q_c, head_in, k_in = kimi.oproj(x, w_in).split([1536, HEADS, DIM], dim=1)
-    assert q_c.stride() == (1536 + HEADS + DIM, 1) and (batch == 1 or not q_c.is_contiguous())
+    w_in = randn(gen, 1536 + INDEX_HEADS + INDEX_DIM, 7168, dtype=torch.bfloat16, device=device, scale=7168**-0.5)
+    q_c, head_in, k_in = kimi.oproj(x, w_in).split([1536, INDEX_HEADS, INDEX_DIM], dim=1)
+    assert q_c.stride() == (1536 + INDEX_HEADS + INDEX_DIM, 1) and (batch == 1 or not q_c.is_contiguous())
     _, wq_b, _, q_norm_w = index_front_inputs(gen, batch, device)
     w_core = randn(gen, 256, 1536, dtype=torch.bfloat16, device=device, scale=1536**-0.5)
     assert torch.equal(kimi.oproj(q_c, w_core), kimi.oproj(q_c.contiguous(), w_core))

@@ -7,7 +7,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from kimi_ops.config import KimiConfig
-from kimi_ops.mailbox import SENTINEL, KimiMailboxError, no_neg_zero, parities, raise_if_error
+from kimi_ops.mailbox import SENTINEL, KimiMailboxError, canonical, parities, raise_if_error
 from kimi_ops.runtime import boxes as boxes_module
 from kimi_ops.runtime.decoder import KimiDecoder
 
@@ -104,10 +104,10 @@ def test_parities_rotate_and_collisions_rejected():
 
 def test_writers_never_write_the_sentinel():
     words = torch.tensor([-0.0, 0.0, float("nan"), -float("nan"), 1.5], dtype=torch.bfloat16)
-    pairs = no_neg_zero(words.repeat_interleave(2)).view(torch.int32)
+    pairs = canonical(words.repeat_interleave(2)).view(torch.int32)
     assert not bool((pairs == SENTINEL).any())
     logits = torch.tensor([-0.0, float("nan")], dtype=torch.float32)
-    assert not bool((no_neg_zero(logits).view(torch.int32) == SENTINEL).any())
+    assert not bool((canonical(logits).view(torch.int32) == SENTINEL).any())
 
 
 def test_negative_zero_and_nan_inputs_neither_hang_nor_corrupt():

@@ -58,14 +58,14 @@ def store_to_peers(bases, offset: Int64, words, fp32: cutlass.Constexpr[bool] = 
 @cute.jit
 def canonical_pair(word: Uint32) -> Uint32:
     """A BF16 pair made unable to equal the sentinel: −0 halves become +0 and NaN halves
-    the canonical NaN (kimi_ops.mailbox.no_neg_zero)."""
+    the canonical NaN (kimi_ops.mailbox.canonical)."""
     return canonical_half(word & Uint32(0xFFFF)) | (canonical_half(word >> Uint32(16)) << Uint32(16))
 
 
 @cute.jit
 def canonical_word(word: Uint32) -> Uint32:
     """An FP32 word made unable to equal the sentinel: −0 becomes +0 and NaN the canonical
-    NaN (kimi_ops.mailbox.no_neg_zero on float32)."""
+    NaN (kimi_ops.mailbox.canonical on float32)."""
     result = word
     if word == Uint32(SENTINEL):
         result = Uint32(0)

@@ -2,8 +2,14 @@
 
 import torch
 
-from ..checks import check_eps, check_same_device, check_tensor
+from ..checks import check_eps, check_placement, check_same_device, check_tensor
+from ..mailbox import (
+    TAKE_POLL,
+    arm_,
+    flag_missing,
+)
 from ..numerics import bf16, f32, rank_sum, rms_norm, sum_f32
+from .boxes import check_box, check_error
 
 
 def check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps, op="attn_res"):
@@ -46,3 +52,36 @@ def attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps: 
 def attn_res_fake(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
     shape = check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps)
     return tuple(partial.new_empty(shape) for _ in range(3))
+
+
+# The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).
+
+
+def check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps) -> int:
+    """Returns H."""
+    op = "attn_res_take"
+    check_box(op, "box", box, parity, batch)
+    check_error(op, error)
+    hidden = box.shape[3]
+    check_tensor(op, "partial", partial, torch.bfloat16, (batch, hidden))
+    check_attn_res(blocks, partial, None, query, key_norm_w, out_norm_w, eps, op)
+    check_placement(op, dict(box=box, error=error), dict(blocks=blocks, partial=partial, query=query,
+                                                         key_norm_w=key_norm_w, out_norm_w=out_norm_w))
+    return hidden
+
+
+def attn_res_take(box, parity: int, batch: int, error, blocks, partial, query, key_norm_w, out_norm_w, eps: float):
+    """:func:`mailbox_take` and :func:`~kimi_ops.ops.attn_res.attn_res` in one: the
+    sublayer's rows [:batch] of every source of one parity (o-proj partials or tail
+    output rows) are polled, re-armed, and summed in rank order into new_partial; the
+    rounding points are attn_res's. Returns (new_partial, h, h_normed), each [B, H] bf16."""
+    check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
+    rows = box[parity, :, :batch].clone()
+    flag_missing(error, rows, TAKE_POLL)
+    arm_(box[parity, :, :batch])
+    return attn_res(blocks, partial, rows, query, key_norm_w, out_norm_w, eps)
+
+
+def attn_res_take_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
+    hidden = check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
+    return tuple(partial.new_empty((batch, hidden)) for _ in range(3))

@@ -4,18 +4,18 @@ key insert): ``kimi::dsa_index_front`` and ``kimi::dsa_index_key_insert``."""
 import torch
 
 from ..checks import check_eps, check_placement, check_same_device, check_tensor, fail
+from ..config import INDEX_DIM, INDEX_HEADS
 from ..numerics import bf16, f32, matmul_f32, quantize_e4m3, rms_norm, sum_f32
 
-HEADS, DIM = 32, 128
-KEY_BYTES = DIM + 4  # e4m3 bytes, then the FP32 scale (little endian)
+KEY_BYTES = INDEX_DIM + 4  # e4m3 bytes, then the FP32 scale (little endian)
 
 
 def check_dsa_index_front(rows, wq_b, head_in, q_norm_w, eps) -> int:
     """Returns B."""
     op = "dsa_index_front"
     check_tensor(op, "rows", rows, torch.bfloat16, (None, None), rows=True)
-    check_tensor(op, "wq_b", wq_b, torch.bfloat16, (HEADS * DIM, rows.shape[1]))
-    check_tensor(op, "head_in", head_in, torch.bfloat16, (rows.shape[0], HEADS), rows=True)
+    check_tensor(op, "wq_b", wq_b, torch.bfloat16, (INDEX_HEADS * INDEX_DIM, rows.shape[1]))
+    check_tensor(op, "head_in", head_in, torch.bfloat16, (rows.shape[0], INDEX_HEADS), rows=True)
     if q_norm_w is not None:
         check_tensor(op, "q_norm_w", q_norm_w, torch.bfloat16, (rows.shape[1],))
     check_same_device(op, rows=rows, wq_b=wq_b, head_in=head_in, q_norm_w=q_norm_w)
@@ -35,24 +35,24 @@ def dsa_index_front(rows, wq_b, head_in, q_norm_w, eps: float):
     check_dsa_index_front(rows, wq_b, head_in, q_norm_w, eps)
     if q_norm_w is not None:
         rows = rms_norm(rows, q_norm_w, eps)
-    proj = bf16(matmul_f32(rows, wq_b)).view(rows.shape[0], HEADS, DIM)
+    proj = bf16(matmul_f32(rows, wq_b)).view(rows.shape[0], INDEX_HEADS, INDEX_DIM)
     q, scale = quantize_e4m3(proj)
-    return q, bf16((f32(head_in) * scale.squeeze(-1)) * (HEADS * DIM) ** -0.5)
+    return q, bf16((f32(head_in) * scale.squeeze(-1)) * (INDEX_HEADS * INDEX_DIM) ** -0.5)
 
 
 def dsa_index_front_fake(rows, wq_b, head_in, q_norm_w, eps):
     batch = check_dsa_index_front(rows, wq_b, head_in, q_norm_w, eps)
     return (
-        rows.new_empty((batch, HEADS, DIM), dtype=torch.float8_e4m3fn),
-        rows.new_empty((batch, HEADS), dtype=torch.bfloat16),
+        rows.new_empty((batch, INDEX_HEADS, INDEX_DIM), dtype=torch.float8_e4m3fn),
+        rows.new_empty((batch, INDEX_HEADS), dtype=torch.bfloat16),
     )
 
 
 def check_dsa_index_key_insert(k_in, norm_w, norm_b, eps, cache, slots) -> None:
     op = "dsa_index_key_insert"
-    check_tensor(op, "k_in", k_in, torch.bfloat16, (None, DIM), rows=True)
-    check_tensor(op, "norm_w", norm_w, torch.bfloat16, (DIM,))
-    check_tensor(op, "norm_b", norm_b, torch.bfloat16, (DIM,))
+    check_tensor(op, "k_in", k_in, torch.bfloat16, (None, INDEX_DIM), rows=True)
+    check_tensor(op, "norm_w", norm_w, torch.bfloat16, (INDEX_DIM,))
+    check_tensor(op, "norm_b", norm_b, torch.bfloat16, (INDEX_DIM,))
     check_tensor(op, "cache", cache, torch.uint8, (None, KEY_BYTES))
     check_tensor(op, "slots", slots, torch.int64, (k_in.shape[0],))
     check_placement(op, dict(cache=cache), dict(k_in=k_in, norm_w=norm_w, norm_b=norm_b, slots=slots))
@@ -80,8 +80,8 @@ def index_key(k_in, norm_w, norm_b, eps) -> torch.Tensor:
     FP32 (mean and variance over 128 values), then e4m3 bytes with the power-of-two scale
     of :func:`~kimi_ops.numerics.quantize_e4m3`, then that scale's four FP32 bytes."""
     x = f32(k_in)
-    centered = x - (sum_f32(x, -1) / DIM).unsqueeze(-1)
-    rstd = torch.rsqrt(sum_f32(centered * centered, -1) / DIM + eps).unsqueeze(-1)
+    centered = x - (sum_f32(x, -1) / INDEX_DIM).unsqueeze(-1)
+    rstd = torch.rsqrt(sum_f32(centered * centered, -1) / INDEX_DIM + eps).unsqueeze(-1)
     q, scale = quantize_e4m3(bf16(centered * rstd * f32(norm_w) + f32(norm_b)))
     return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 

@@ -4,7 +4,8 @@ seed kernel): ``kimi::routed_experts``."""
 import torch
 
 from ..checks import check_same_device, check_tensor, fail, is_int
-from .route import TOP_K, situ
+from ..config import TOP_K
+from .route import situ
 
 
 def check_routed_experts(latent, ids, gate_up, down, rank, tp) -> tuple[int, int, int, int]:

@@ -2,8 +2,13 @@
 
 import torch
 
-from ..checks import check_range, check_same_device, check_tensor
+from ..checks import check_placement, check_range, check_same_device, check_tensor, fail
+from ..mailbox import (
+    PACKET,
+    canonical,
+)
 from ..numerics import bf16, matmul_f32
+from .boxes import check_boxes
 
 
 def check_moe_front(x, w, n_logits, op: str = "moe_front") -> tuple[int, int]:
@@ -31,3 +36,37 @@ def moe_front_fake(x, w, n_logits):
         x.new_empty((batch, n_logits), dtype=torch.float32),
         x.new_empty((batch, n_latent), dtype=torch.bfloat16),
     )
+
+
+# The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).
+
+
+def check_moe_front_publish(x, w, n_logits, boxes, parity, rank) -> tuple[int, int]:
+    """Returns (B, L/TP)."""
+    op = "moe_front_publish"
+    batch, latent_shard = check_moe_front(x, w, n_logits, op)
+    # Each rank's latent and logit columns start on a packet: L/TP % 8, (2·E/TP) % 8.
+    if latent_shard % PACKET:
+        fail(op, "w", f"{n_logits} router rows, then a multiple of {PACKET} latent rows", list(w.shape))
+    if n_logits % (PACKET // 2):
+        fail(op, "n_logits", f"a multiple of {PACKET // 2} (its FP32 words fill 16-byte packets)", n_logits)
+    tp = check_boxes(op, "boxes", boxes, rank, parity, batch, 1, "x.shape[0] (batch)")
+    width = tp * (latent_shard + 2 * n_logits)
+    if boxes[0].shape[3] != width:
+        fail(op, "boxes", f"rows of width L + 2E = {width}", boxes[0].shape[3])
+    check_placement(op, dict(boxes=boxes), dict(x=x, w=w))
+    return batch, latent_shard
+
+
+def moe_front_publish(x, w, n_logits: int, boxes, parity: int, rank: int) -> None:
+    """The front GEMM over this rank's [router shard; down shard]: its E/TP logits (FP32
+    words) and L/TP latent columns go into the row of every rank's front box
+    [3, 1, CAP, L + 2E], latent at columns [rank·L/TP, …), logits at L + 2·rank·E/TP."""
+    batch, latent_shard = check_moe_front_publish(x, w, n_logits, boxes, parity, rank)
+    logits, latent = moe_front(x, w, n_logits)
+    latent_at = rank * latent_shard
+    logits_at = len(boxes) * latent_shard + 2 * rank * n_logits
+    words = canonical(logits).view(torch.bfloat16)
+    for box in boxes:
+        box[parity, 0, :batch, latent_at : latent_at + latent_shard].copy_(canonical(latent))
+        box[parity, 0, :batch, logits_at : logits_at + 2 * n_logits].copy_(words)

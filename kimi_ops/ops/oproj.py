@@ -2,8 +2,12 @@
 
 import torch
 
-from ..checks import check_same_device, check_tensor
+from ..checks import check_placement, check_same_device, check_tensor, fail
+from ..mailbox import (
+    canonical,
+)
 from ..numerics import bf16, matmul_f32
+from .boxes import check_boxes
 
 
 def check_oproj(x, w, op: str = "oproj") -> tuple[int, int]:
@@ -23,3 +27,24 @@ def oproj(x, w):
 
 def oproj_fake(x, w):
     return x.new_empty(check_oproj(x, w), dtype=torch.bfloat16)
+
+
+# The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).
+
+
+def check_oproj_publish(x, w, boxes, rank) -> int:
+    batch, _ = check_oproj(x, w, "oproj_publish")
+    check_boxes("oproj_publish", "boxes", boxes, rank, 0, batch, len(boxes), "x.shape[0] (batch)")
+    if boxes[0].shape[3] != w.shape[0]:
+        fail("oproj_publish", "boxes", f"rows of width N = {w.shape[0]}", boxes[0].shape[3])
+    check_placement("oproj_publish", dict(boxes=boxes), dict(x=x, w=w))
+    return batch
+
+
+def oproj_publish(x, w, boxes, rank: int) -> None:
+    """The o-proj producer: partial = BF16(x @ w.T) (this rank's K shard), stored as
+    source ``rank`` of every rank's AttnRes box [1, TP, CAP, H]."""
+    batch = check_oproj_publish(x, w, boxes, rank)
+    partial = canonical(oproj(x, w))
+    for box in boxes:
+        box[0, rank, :batch].copy_(partial)

@@ -3,11 +3,16 @@ and ``kimi::situ``."""
 
 import torch
 
-from ..checks import check_range, check_same_device, check_tensor, fail
+from ..checks import check_placement, check_range, check_same_device, check_tensor, fail
+from ..config import MAX_EXPERTS, TOP_K
+from ..mailbox import (
+    PACKET,
+    ROUTE_POLL,
+    arm_,
+    flag_missing,
+)
 from ..numerics import bf16, f32, ordered_key, pairwise_sum
-
-TOP_K = 16
-MAX_EXPERTS = 1024
+from .boxes import check_box, check_error
 
 
 def check_moe_route(logits, bias, scale, renorm) -> int:
@@ -75,3 +80,46 @@ def situ(gate_up, beta: float, linear_beta: float):
 def situ_fake(gate_up, beta, linear_beta):
     batch, width = check_situ(gate_up, beta, linear_beta)
     return gate_up.new_empty((batch, width), dtype=torch.bfloat16)
+
+
+# The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).
+
+
+def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error) -> int:
+    """Returns L."""
+    op = "moe_route_poll"
+    check_box(op, "box", box, parity, batch)
+    if box.shape[1] != 1:
+        fail(op, "box", "a front box with 1 source slot (every rank's shard lands in one row)", list(box.shape))
+    check_tensor(op, "bias", bias, torch.float32, (None,))
+    experts = bias.shape[0]
+    check_range(op, "bias.shape[0] (experts)", experts, TOP_K, MAX_EXPERTS)
+    check_error(op, error)
+    check_placement(op, dict(box=box, error=error), dict(bias=bias))
+    latent = box.shape[3] - 2 * experts
+    if latent <= 0 or latent % PACKET:
+        fail(op, "box", f"rows of width L + 2E (E = {experts}) with L > 0 a multiple of {PACKET}", box.shape[3])
+    return latent
+
+
+def moe_route_poll(box, bias, scale: float, renorm: bool, parity: int, batch: int, error):
+    """The routing kernel's polled roles: poll the front row [L latent | E FP32 logits],
+    route (:func:`~kimi_ops.ops.route.moe_route`), copy the latent and re-arm the row.
+    Returns (ids [B, 16] int32, weights [B, 16] bf16, latent [B, L] bf16)."""
+    latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
+    rows = box[parity, 0, :batch]
+    flag_missing(error, rows, ROUTE_POLL)
+    latent = rows[:, :latent_width].clone()
+    logits = rows[:, latent_width:].contiguous().view(torch.float32)
+    ids, weights = moe_route(logits, bias, scale, renorm)
+    arm_(box[parity, :, :batch])
+    return ids, weights, latent
+
+
+def moe_route_poll_fake(box, bias, scale, renorm, parity, batch, error):
+    latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
+    return (
+        box.new_empty((batch, TOP_K), dtype=torch.int32),
+        box.new_empty((batch, TOP_K)),
+        box.new_empty((batch, latent_width)),
+    )

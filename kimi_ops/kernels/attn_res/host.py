@@ -7,7 +7,6 @@ from cutlass import BFloat16, Float32, Int32
 from ... import backend
 from ...mailbox import box_row as host_box_row
 from ...ops import attn_res as attn_res_op
-from ...ops import mailbox_ops
 from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import SMEM_BYTES
@@ -94,7 +93,7 @@ class AttnResKernel:
 class AttnResTakeKernel(AttnResKernel):
     """``kimi::attn_res_take`` on CUDA."""
 
-    check = staticmethod(mailbox_ops.check_attn_res_take)
+    check = staticmethod(attn_res_op.check_attn_res_take)
     polled = True
 
     def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):

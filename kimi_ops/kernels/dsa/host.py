@@ -7,14 +7,13 @@ import torch
 from cutlass import BFloat16, Float32, Int64, Uint8
 
 from ... import backend
+from ...config import INDEX_DIM, INDEX_HEADS
 from ...ops import dsa as dsa_op
 from ..arguments import aligned, placeholder
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..gemm.host import tokens_of
 from ..gemm.plan import MAX_BATCH, token_tile
 from ..ring import CHUNK
-
-HEADS, DIM = dsa_op.HEADS, dsa_op.DIM
 from .kernels import (
     IndexFront,
     KeyInsert,
@@ -32,7 +31,7 @@ def compile_index_front(k: int, tokens: int, norm: bool):
     return cute.compile(
         IndexFront(index_plan(k, tokens, norm), norm),
         fake(BFloat16, (batch, k)), fake(BFloat16, (N, k)), fake(BFloat16, (k,) if norm else (1,)),
-        fake(Uint8, (batch, N)), fake(BFloat16, (batch, HEADS)), fake(BFloat16, (batch, HEADS)), Float32(1e-6),
+        fake(Uint8, (batch, N)), fake(BFloat16, (batch, INDEX_HEADS)), fake(BFloat16, (batch, INDEX_HEADS)), Float32(1e-6),
         fake_stream(), options=compile_options(),
     )
 
@@ -41,8 +40,8 @@ def compile_index_front(k: int, tokens: int, norm: bool):
 def compile_key_insert():
     batch, slots = cute.sym_int(), cute.sym_int()
     return cute.compile(
-        KeyInsert(), fake(BFloat16, (batch, DIM), align=8), fake(BFloat16, (DIM,), align=8),
-        fake(BFloat16, (DIM,), align=8), fake(Uint8, (slots, DIM + 4), align=4), fake(Int64, (batch,), align=8),
+        KeyInsert(), fake(BFloat16, (batch, INDEX_DIM), align=8), fake(BFloat16, (INDEX_DIM,), align=8),
+        fake(BFloat16, (INDEX_DIM,), align=8), fake(Uint8, (slots, INDEX_DIM + 4), align=4), fake(Int64, (batch,), align=8),
         Float32(1e-6), fake_stream(), options=compile_options(),
     )
 
@@ -74,8 +73,8 @@ class IndexFrontKernel:
 
     def __call__(self, rows, wq_b, head_in, q_norm_w, eps):
         batch, k = rows.shape
-        q = rows.new_empty((batch, HEADS, DIM), dtype=torch.float8_e4m3fn)
-        head_w = rows.new_empty((batch, HEADS))
+        q = rows.new_empty((batch, INDEX_HEADS, INDEX_DIM), dtype=torch.float8_e4m3fn)
+        head_w = rows.new_empty((batch, INDEX_HEADS))
         if batch:
             norm = q_norm_w is not None
             compile_index_front(k, token_tile(batch), norm)(

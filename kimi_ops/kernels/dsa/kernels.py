@@ -45,7 +45,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int64, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
-from ...ops import dsa as dsa_op
+from ...config import INDEX_DIM
 from ..gemm.engine import DecodeGemm
 from ..gemm.plan import CONSUMER_WARPS, GemmPlan
 from ..launch import launch
@@ -64,8 +64,6 @@ from ..ptx import (
     rsqrt_like_torch,
     store_word,
 )
-
-HEADS, DIM = dsa_op.HEADS, dsa_op.DIM
 from .plan import (
     E4M3_MAX,
     FOLD,
@@ -170,7 +168,7 @@ class IndexFront(DecodeGemm):
         codes = [e4m3_pair(Float32(0.0), values[index] * shared[inverses + index]) for index in range(per_owner)]
         for index in cutlass.range_constexpr(per_owner):
             if first + index < batch:
-                q[first + index, block * DIM + tid] = Uint8(codes[index] & Uint32(0xFF))
+                q[first + index, block * INDEX_DIM + tid] = Uint8(codes[index] & Uint32(0xFF))
 
 
 class KeyInsert:
@@ -202,10 +200,10 @@ class KeyInsert:
     def insert(self, k_in, token, slot, cache, weights, biases, eps, lane):
         x = unpack_words(load_pair(k_in.iterator + Int64(token) * k_in.stride[0] + 4 * lane))
         total = float64_sum(x)
-        mean = divide(Float32(butterfly_sum(total, 32)), Float32(DIM))
+        mean = divide(Float32(butterfly_sum(total, 32)), Float32(INDEX_DIM))
         centered = [v - mean for v in x]
         squares = float64_sum([mul_rn(c, c) for c in centered])
-        rstd = rsqrt_like_torch(add_rn(divide(Float32(butterfly_sum(squares, 32)), Float32(DIM)), eps))
+        rstd = rsqrt_like_torch(add_rn(divide(Float32(butterfly_sum(squares, 32)), Float32(INDEX_DIM)), eps))
         keys = [Float32(BFloat16(add_rn(mul_rn(mul_rn(centered[i], rstd), weights[i]), biases[i]))) for i in range(4)]
         top = abs_f32(keys[0])
         for i in cutlass.range_constexpr(1, 4):
@@ -213,10 +211,10 @@ class KeyInsert:
         scale = fp8_scale(max_nan(Float32(1e-10), warp_max(top)))
         inverse = reciprocal(scale)
         low, high = e4m3_pair(keys[1] * inverse, keys[0] * inverse), e4m3_pair(keys[3] * inverse, keys[2] * inverse)
-        row = cache.iterator + slot * (DIM + 4)
+        row = cache.iterator + slot * (INDEX_DIM + 4)
         store_word(row + 4 * lane, low | (high << Uint32(16)))
         if lane == 0:
-            store_word(row + DIM, float_bits(scale))
+            store_word(row + INDEX_DIM, float_bits(scale))
 
 
 # Compiles: the front per (K, T, mode); the key insert once (its grid follows the batch).

@@ -3,19 +3,16 @@ GemmPlan with the front's reserve), the key insert's CTA shape."""
 
 import functools
 
-from ...ops import dsa as dsa_op
+from ...config import INDEX_DIM, INDEX_HEADS
 from ..gemm.plan import CONSUMER_WARPS, PRODUCERS, RESIDENT, RESIDENT_3, TILE, GemmPlan, cta_cost
 from ..launch import SMEM_BYTES
 from ..ring import CHUNK
 
-HEADS, DIM = dsa_op.HEADS, dsa_op.DIM
-
-
-N = HEADS * DIM  # wq_b's rows
-TILES = DIM // TILE  # a head's rows: one CTA's block
+N = INDEX_HEADS * INDEX_DIM  # wq_b's rows
+TILES = INDEX_DIM // TILE  # a head's rows: one CTA's block
 SPLITS = (1, 2, 3)  # K parts per head (cluster sizes; 4 would need 128 CTAs in clusters of 4: 120 resident)
 E4M3_MAX = 448.0
-FOLD = (HEADS * DIM) ** -0.5  # 2^-6
+FOLD = (INDEX_HEADS * INDEX_DIM) ** -0.5  # 2^-6
 NORM_REGISTERS = 160  # words of x and gamma packets a producer thread holds in raw-row mode
 KEY_WARPS = 8  # tokens per key-insert CTA
 
@@ -43,7 +40,7 @@ def index_partition(k: int, tokens: int, norm: bool) -> tuple[int, int] | None:
     fits = []
     for split in SPLITS:
         per_cta = chunks // split
-        if chunks % split or HEADS * split > resident(split):
+        if chunks % split or INDEX_HEADS * split > resident(split):
             continue
         stage = (TILE * TILES + tokens) * CHUNK * 2
         if norm and (per_cta * stage + 2048 + reserve(tokens, split) > SMEM_BYTES

@@ -5,8 +5,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32
 
 from ... import backend
+from ...config import TOP_K
 from ...ops import experts as experts_op
-from ...ops.route import TOP_K
 from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from .kernels import (

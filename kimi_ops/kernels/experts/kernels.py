@@ -42,7 +42,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from ...ops.route import TOP_K
+from ...config import TOP_K
 from ..launch import PDL, SMEM_BYTES
 from ..packets import (
     butterfly,

@@ -3,7 +3,7 @@ grid fits the SMs, the bounds of a variant."""
 
 import functools
 
-from ...ops.route import TOP_K
+from ...config import TOP_K
 from ..launch import multiprocessors
 
 GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)

@@ -39,7 +39,7 @@ so every SM of the grid streams its share at once.
    latent rows above (``kimi::moe_front``); or the same words into every rank's box
    through ``store_to_peers`` (−0 and NaN canonical, FP32-wise for logits):
    ``kimi::oproj_publish`` (slot = rank) and ``kimi::moe_front_publish`` (the front row
-   layout of :func:`~kimi_ops.ops.mailbox_ops.moe_front_publish`).
+   layout of :func:`~kimi_ops.ops.front.moe_front_publish`).
 
 Raw rows (``body``'s ``norm``, the DSA front's q_c): the producers load x by plain loads,
 store it into the slots, share each token's Σ x² over the cluster (DSMEM) and normalize

@@ -10,7 +10,6 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from ... import backend
 from ...mailbox import box_row
 from ...ops import front as front_op
-from ...ops import mailbox_ops
 from ...ops import oproj as oproj_op
 from ..arguments import addresses, aligned, placeholder, register_addresses
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
@@ -139,7 +138,7 @@ class OprojPublishKernel(GemmKernel):
     """``kimi::oproj_publish`` on CUDA: the partial rows into every rank's AttnRes box
     [1, TP, CAP, N] at source slot ``rank``."""
 
-    check = staticmethod(mailbox_ops.check_oproj_publish)
+    check = staticmethod(oproj_op.check_oproj_publish)
     writes = "stores 16-byte packets: x, w and the boxes must be"
 
     def shape(self, x, w, boxes, rank):
@@ -159,7 +158,7 @@ class FrontPublishKernel(GemmKernel):
     """``kimi::moe_front_publish`` on CUDA: logits (FP32 words) and the latent shard into
     the front row of every rank's box [3, 1, CAP, TP·(L/TP + 2·E/TP)]."""
 
-    check = staticmethod(mailbox_ops.check_moe_front_publish)
+    check = staticmethod(front_op.check_moe_front_publish)
     writes = "stores 16-byte packets: x, w and the boxes must be"
 
     def shape(self, x, w, n_logits, boxes, parity, rank):

@@ -4,7 +4,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ... import backend
-from ...ops import mailbox_ops
+from ...ops import boxes as boxes_op
 from ..arguments import addresses, register_addresses
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 
@@ -27,7 +27,7 @@ def compile_barrier(tp: int):
 class GroupBarrierKernel:
     """``kimi::group_barrier`` on CUDA."""
 
-    check = staticmethod(mailbox_ops.check_group_barrier)
+    check = staticmethod(boxes_op.check_group_barrier)
 
     def prepare(self, tp: int, peer_lists=()) -> None:
         compile_barrier(tp)

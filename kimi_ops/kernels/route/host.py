@@ -6,12 +6,11 @@ import torch
 from cutlass import BFloat16, Float32, Int32
 
 from ... import backend
+from ...config import TOP_K
 from ...mailbox import box_row
-from ...ops import mailbox_ops
 from ...ops import route as route_op
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 
-TOP_K = route_op.TOP_K
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
 
 
@@ -99,7 +98,7 @@ class SituKernel:
 class RoutePollKernel:
     """``kimi::moe_route_poll`` on CUDA."""
 
-    check = staticmethod(mailbox_ops.check_moe_route_poll)
+    check = staticmethod(route_op.check_moe_route_poll)
 
     def prepare(self, experts: int, latent: int, renorm: bool) -> None:
         for lean in (False, True):

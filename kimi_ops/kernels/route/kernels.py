@@ -22,14 +22,13 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32, Uint64
 from cutlass.memory import SmemAllocator
 
+from ...config import TOP_K
 from ...mailbox import ROUTE_POLL
-from ...ops import route as route_op
 from ..launch import THREADS, launch
 from ..mailbox import poll, rearm
 from ..packets import butterfly_sum, ordered, sigmoid, situ_value, unpack_words
 from ..ptx import bits_float, load_words, pack_values, store_words
 
-TOP_K = route_op.TOP_K
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
 
 

@@ -11,13 +11,11 @@ from cutlass import BFloat16, Float32, Float64, Int64
 from ...mailbox import TAIL_LATENT_POLL as LATENT_POLL  # noqa: F401  (the error word's bits, for the tail's kernels)
 from ...mailbox import TAIL_SHARED_POLL as SHARED_POLL
 from ...mailbox import TWO_SHOT_POLL  # noqa: F401
-from ...ops import tail as tail_op
 from ..mailbox import box_row, canonical_pair, poll_all, rearm, store_to_peers
 from ..packets import unpack_words
 from ..ptx import pack_values, store_words
 from ..values import Values
 
-TOP_K = tail_op.TOP_K
 # The functional tails' phases (kernels.Stamps, for benchmarks/profile_tail.py),
 # stamped into the buffer that comes in as the error word (MoeTail) or stamps (WaveMoeTail:
 # "latent" is its first xn chunk in, the slots its warpgroup 0's).

@@ -8,15 +8,14 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ... import backend
+from ...config import TOP_K
 from ...mailbox import box_row
-from ...ops import mailbox_ops
 from ...ops import tail as tail_op
 from ..arguments import addresses, aligned, placeholder, register_addresses
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import multiprocessors
 from ..ring import CHUNK
 from ..variant import Unsupported, Variant
-from .common import TOP_K
 from .fronts import LatentReduce, NormFront, PollNormFront, ShardPush, TailFront
 from .split import MoeTail
 from .split_plan import CLUSTER, TILE_ROWS, Plan
@@ -260,7 +259,7 @@ class TailKernel:
 class TailPublishKernel:
     """``kimi::moe_tail_publish`` on CUDA."""
 
-    check = staticmethod(mailbox_ops.check_moe_tail_publish)
+    check = staticmethod(tail_op.check_moe_tail_publish)
 
     def prepare(self, latent: int, tp: int, peer_lists=(), chunks=(0,)) -> None:
         """``chunks``: 0 for latent boxes, L/TP for two-shot receive boxes."""
@@ -283,7 +282,7 @@ class TailPublishKernel:
 class LatentReduceKernel:
     """``kimi::moe_latent_reduce`` on CUDA."""
 
-    check = staticmethod(mailbox_ops.check_moe_latent_reduce)
+    check = staticmethod(tail_op.check_moe_latent_reduce)
 
     def prepare(self, chunk: int, tp: int, peer_lists=()) -> None:
         compile_reduce(chunk, tp)
@@ -302,7 +301,7 @@ class LatentReduceKernel:
 class TailPushKernel:
     """``kimi::moe_tail_push`` on CUDA."""
 
-    check = staticmethod(mailbox_ops.check_moe_tail_push)
+    check = staticmethod(tail_op.check_moe_tail_push)
 
     def prepare(self, hidden: int, tp: int, peer_lists=()) -> None:
         compile_push(hidden, tp)
@@ -321,7 +320,7 @@ class TailPushKernel:
 class TailPollKernel:
     """``kimi::moe_tail_poll`` on CUDA: :func:`poll_variant`'s kernels."""
 
-    check = staticmethod(mailbox_ops.check_moe_tail_poll)
+    check = staticmethod(tail_op.check_moe_tail_poll)
 
     def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=(), gathered_batches=()) -> None:
         """``gathered_batches``: those of ``batches`` that poll two-shot's gathered box (one source)."""
@@ -358,7 +357,7 @@ class TailServeKernel:
     H200: its CTAs' loads and polls queue behind their own weight stream, where
     TailFront's run on SMs the tail leaves free; benchmarks/NOTES.md.)"""
 
-    check = staticmethod(mailbox_ops.check_moe_tail_serve)
+    check = staticmethod(tail_op.check_moe_tail_serve)
     publish, poll = TailPublishKernel(), TailPollKernel()
 
     def prepare(self, tp: int, shard: int, latent: int, batches, latent_peers=(), out_peers=()) -> None:
