@@ -10,8 +10,8 @@ from ..mailbox import (
     TAIL_SHARED_POLL,
     TWO_SHOT_POLL,
     arm_,
-    flag_missing,
     canonical,
+    flag_missing,
 )
 from ..numerics import bf16, f32, matmul_f32, rank_sum, sum_f32
 from .boxes import check_box, check_boxes, check_error

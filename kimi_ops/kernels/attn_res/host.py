@@ -10,6 +10,7 @@ from ...ops import attn_res as attn_res_op
 from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import SMEM_BYTES
+from ..variant import Unsupported, Variant, prepare_all, reason
 from .kernels import (
     AttnRes,
     AttnResTake,
@@ -50,9 +51,15 @@ def unsupported_shape(hidden: int, tp: int, count: int) -> str | None:
     return None
 
 
-def variant(hidden: int, tp: int, count: int, polled: bool):
-    """The compiled kernel of a call: H, the sources, N's stash bucket."""
-    return compile_attn_res(hidden, tp, cluster_for(hidden), stash_rows(count), polled)
+def attn_res_variant(hidden: int, tp: int, count: int, polled: bool) -> Variant:
+    """A call's variant: H, the sources, N's stash bucket (its plan: (cluster, stash rows));
+    the kernel takes the adapter's arguments as they are. Unsupported (why) where no
+    variant takes the shape."""
+    why = unsupported_shape(hidden, tp, count)
+    if why:
+        raise Unsupported(why)
+    cluster, rows = cluster_for(hidden), stash_rows(count)
+    return Variant((cluster, rows), lambda: (compile_attn_res(hidden, tp, cluster, rows, polled),), lambda *args: (args,))
 
 
 class AttnResKernel:
@@ -64,16 +71,15 @@ class AttnResKernel:
     def prepare(self, hidden: int, tps, counts) -> None:
         """Every variant calls with these source counts (TP, or the box's sources) and
         block counts take."""
-        for tp in tps:
-            for rows in sorted({stash_rows(count) for count in counts}):  # a bucket is its own bucket
-                if unsupported_shape(hidden, tp, rows) is None:
-                    variant(hidden, tp, rows, self.polled)
+        buckets = sorted({stash_rows(count) for count in counts})  # a bucket is its own bucket
+        prepare_all(lambda tp=tp, rows=rows: attn_res_variant(hidden, tp, rows, self.polled)
+                    for tp in tps for rows in buckets)
 
     def unsupported_call(self, hidden, tp, count, tensors) -> str | None:
-        reason = unsupported_shape(hidden, tp, count)
-        if reason is None and not aligned(*tensors):
-            reason = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
-        return reason or hopper(tensors[0])
+        why = reason(lambda: attn_res_variant(hidden, tp, count, self.polled))
+        if why is None and not aligned(*tensors):
+            why = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
+        return why or hopper(tensors[0])
 
     def unsupported(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
         return self.unsupported_call(partial.shape[1], sublayer_out.shape[0], blocks.shape[0],
@@ -85,8 +91,8 @@ class AttnResKernel:
         outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
         if batch:
             sources = sublayer_out.view(-1, hidden) if tp else partial  # an empty tensor is never read
-            variant(hidden, tp, count, False)(block_rows(blocks, partial), partial, sources, query, key_norm_w,
-                                              out_norm_w, *outputs, count, eps)
+            attn_res_variant(hidden, tp, count, False).run(block_rows(blocks, partial), partial, sources, query,
+                                                           key_norm_w, out_norm_w, *outputs, count, eps)
         return tuple(outputs)
 
 
@@ -103,7 +109,7 @@ class AttnResTakeKernel(AttnResKernel):
     def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
         hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
         outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
-        variant(hidden, tp, blocks.shape[0], True)(
+        attn_res_variant(hidden, tp, blocks.shape[0], True).run(
             block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
             *outputs, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
         return tuple(outputs)

@@ -14,6 +14,7 @@ from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..gemm.host import tokens_of
 from ..gemm.plan import MAX_BATCH, token_tile
 from ..ring import CHUNK
+from ..variant import Unsupported, Variant, prepare_all, reason
 from .kernels import (
     IndexFront,
     KeyInsert,
@@ -54,6 +55,16 @@ def unsupported_front(k: int, batch: int, norm: bool) -> str | None:
     return None
 
 
+def index_front_variant(k: int, batch: int, norm: bool) -> Variant:
+    """A call's variant: K, the batch's bucket, the row mode (its plan: the engine's
+    GemmPlan); the kernel takes the adapter's arguments. Unsupported (why) where none does."""
+    why = unsupported_front(k, batch, norm)
+    if why:
+        raise Unsupported(why)
+    tokens = token_tile(max(batch, 1))
+    return Variant(index_plan(k, tokens, norm), lambda: (compile_index_front(k, tokens, norm),), lambda *args: (args,))
+
+
 class IndexFrontKernel:
     """``kimi::dsa_index_front`` on CUDA: both row modes, per batch bucket."""
 
@@ -61,15 +72,13 @@ class IndexFrontKernel:
 
     def prepare(self, k: int, batches=None, modes=(True, False)) -> None:
         """``modes``: raw rows (q_norm_w given) and / or normalized rows."""
-        for norm in modes:
-            for tokens in tokens_of(batches):
-                if index_partition(k, tokens, norm):
-                    compile_index_front(k, tokens, norm)
+        prepare_all(lambda norm=norm, tokens=tokens: index_front_variant(k, tokens, norm)
+                    for norm in modes for tokens in tokens_of(batches))
 
     def unsupported(self, rows, wq_b, head_in, q_norm_w, eps):
         if not aligned(rows, wq_b, head_in, *([q_norm_w] if q_norm_w is not None else [])):
             return "the DSA front reads 16-byte packets: rows, wq_b, head_in and q_norm_w must be 16-byte aligned"
-        return unsupported_front(rows.shape[1], rows.shape[0], q_norm_w is not None) or hopper(rows)
+        return reason(lambda: index_front_variant(rows.shape[1], rows.shape[0], q_norm_w is not None)) or hopper(rows)
 
     def __call__(self, rows, wq_b, head_in, q_norm_w, eps):
         batch, k = rows.shape
@@ -77,7 +86,7 @@ class IndexFrontKernel:
         head_w = rows.new_empty((batch, INDEX_HEADS))
         if batch:
             norm = q_norm_w is not None
-            compile_index_front(k, token_tile(batch), norm)(
+            index_front_variant(k, batch, norm).run(
                 rows, wq_b, q_norm_w if norm else placeholder(rows, torch.bfloat16), q.view(torch.uint8).view(batch, N),
                 head_w, head_in, eps,
             )

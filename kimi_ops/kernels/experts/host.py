@@ -9,6 +9,7 @@ from ...config import TOP_K
 from ...ops import experts as experts_op
 from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from ..variant import Unsupported, Variant, prepare_all, reason
 from .kernels import (
     RoutedExperts,
 )
@@ -45,28 +46,39 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
     return None
 
 
+def experts_variant(latent: int, intermediate: int, batch: int, cluster: int) -> Variant:
+    """A call's variant: L, I, and the CTAs a (token group, expert) pair takes (its plan;
+    :func:`~.plan.cluster_for` picks it per call); the kernel takes the adapter's
+    arguments. Unsupported (why) where it does not take the shape."""
+    why = unsupported_shape(latent, intermediate, batch)
+    if why:
+        raise Unsupported(why)
+    return Variant(cluster, lambda: (compile_routed_experts(latent, intermediate, cluster),), lambda *args: (args,))
+
+
 class RoutedExpertsKernel:
     """``kimi::routed_experts`` on CUDA."""
 
     check = staticmethod(experts_op.check_routed_experts)
 
     def prepare(self, latent: int, intermediate: int) -> None:
-        if unsupported_shape(latent, intermediate, 0) is None:
-            for cluster in sorted({1, cluster_size(latent)}):
-                compile_routed_experts(latent, intermediate, cluster)
+        if unsupported_shape(latent, intermediate, 0) is None:  # cluster_size needs a shape the kernel takes
+            prepare_all(lambda cluster=cluster: experts_variant(latent, intermediate, 0, cluster)
+                        for cluster in sorted({1, cluster_size(latent)}))
 
     def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
-        reason = unsupported_shape(latent.shape[1], down.shape[2], latent.shape[0])
-        if reason is None and not aligned(latent, ids, gate_up, down):
-            reason = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
-        return reason or hopper(latent)
+        why = reason(lambda: experts_variant(latent.shape[1], down.shape[2], latent.shape[0], 1))
+        if why is None and not aligned(latent, ids, gate_up, down):
+            why = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
+        return why or hopper(latent)
 
     def __call__(self, latent, ids, gate_up, down, rank, tp):
         batch, width = latent.shape
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
-            compile_routed_experts(width, intermediate, cluster_for(width, batch, latent.device.index))(
+            cluster = cluster_for(width, batch, latent.device.index)
+            experts_variant(width, intermediate, batch, cluster).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
                 rank, experts // tp, experts)
         return out
