@@ -31,7 +31,7 @@ def cluster_size(latent: int) -> int:
 def cluster_for(latent: int, batch: int, device: int) -> int:
     """A call's C: :func:`cluster_size`'s while its grid fits the SMs at a CTA each (B = 1
     at L = 3584: 16 pairs × 8), else 1 — then the SMs have other pairs to serve, and each
-    CTA of a cluster repeats the pair's prologue (H200, L = 3584, C = 1 against 8: B = 1
-    16.5 / 10.7 µs, B = 8 30.4 / 37.1, B = 64 117 / 199; benchmarks/NOTES.md)."""
+    CTA of a cluster repeats the pair's prologue (measured by cluster size at 21c3e9d:
+    benchmarks/NOTES.md)."""
     cluster = cluster_size(latent)
     return cluster if batch * TOP_K * cluster <= multiprocessors(device) else 1
