@@ -68,13 +68,31 @@ def check_same_device(op: str, **tensors) -> None:
             fail(op, name, f"on {first.device} (the device of '{first_name}')", tensor.device)
 
 
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first, end) bytes of the tensor's storage that its elements may occupy."""
+    if tensor.numel() == 0:
+        return 0, 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    size = tensor.element_size()
+    return tensor.storage_offset() * size, (tensor.storage_offset() + last + 1) * size
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b may share bytes: one storage and overlapping spans (views carved from one
+    allocation at disjoint ranges, e.g. a[0] and a[1], do not)."""
+    if not torch._C._is_alias_of(a, b):
+        return False
+    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
 def check_distinct(op: str, **tensors) -> None:
     """No two of the given buffers (lists: members) share memory: a box passed twice, or
     one box as two roles, would have one write clobber the other."""
     named = named_tensors(tensors)
     for i, (name, tensor) in enumerate(named):
         for other_name, other in named[:i]:
-            if torch._C._is_alias_of(tensor, other):
+            if overlaps(tensor, other):
                 fail(op, name, f"a buffer of its own (not the memory of '{other_name}')", "the same memory")
 
 
@@ -87,7 +105,7 @@ def check_placement(op: str, written: dict, read: dict) -> None:
     buffers = named_tensors(written)
     for name, tensor in named_tensors(read):  # each read against each written buffer, once
         for buffer_name, buffer in buffers:
-            if torch._C._is_alias_of(tensor, buffer):
+            if overlaps(tensor, buffer):
                 fail(op, name, f"a buffer of its own (not the memory of '{buffer_name}')", "the same memory")
 
 
@@ -110,3 +128,8 @@ def fail_setting(owner: str, name: str, expected: str, got: object) -> None:
 def is_int(value) -> bool:
     """An int that is not a bool (True would pass for TP 1 and layer count 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or float that is not a bool (eps=True would pass as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass, fields
 
-from .checks import fail_setting, is_int
+from .checks import fail_setting, is_int, is_number
 from .mailbox import PACKET
 
 TOP_K = 16  # routed experts a token (the routing ops' fixed top-k)
@@ -45,15 +45,15 @@ class KimiConfig:
             if getattr(self, name) % multiple:
                 fail_setting("KimiConfig", name, f"a multiple of {multiple} (whole 16-byte mailbox packets)",
                              getattr(self, name))
-        if self.top_k != TOP_K:
+        if not is_int(self.top_k) or self.top_k != TOP_K:
             fail_setting("KimiConfig", "top_k", f"{TOP_K} (the routing ops' fixed top-k)", self.top_k)
         if not TOP_K <= self.experts <= MAX_EXPERTS:
             fail_setting("KimiConfig", "experts", f"in [{TOP_K}, {MAX_EXPERTS}] (the routing ops' range)", self.experts)
         if not (is_int(self.index_slots) and self.index_slots >= 0):
             fail_setting("KimiConfig", "index_slots", "an int ≥ 0", self.index_slots)
-        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+        if not (is_number(self.eps) and math.isfinite(self.eps) and self.eps > 0):
             fail_setting("KimiConfig", "eps", "finite and > 0", self.eps)
-        if not (isinstance(self.routed_scale, (int, float)) and math.isfinite(self.routed_scale)):
+        if not (is_number(self.routed_scale) and math.isfinite(self.routed_scale)):
             fail_setting("KimiConfig", "routed_scale", "a finite number", self.routed_scale)
         if not isinstance(self.renorm, bool):
             fail_setting("KimiConfig", "renorm", "a bool", self.renorm)

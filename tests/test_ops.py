@@ -84,6 +84,18 @@ def test_routed_experts(gen, device, batch, rank, tp):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_routed_experts_of_no_tokens(device):
+    """B = 0: empty rows [0, 16, L], the fake's shape (opcheck holds them to each other)."""
+    gen = torch.Generator().manual_seed(0)
+    latent = torch.randn(0, 64, generator=gen).bfloat16().to(device)
+    args = (latent, torch.zeros(0, 16, dtype=torch.int32, device=device),
+            torch.randn(32, 16, 64, generator=gen).bfloat16().to(device),
+            torch.randn(32, 64, 8, generator=gen).bfloat16().to(device), 0, 1)
+    assert kimi.routed_experts(*args).shape == (0, 16, 64)
+    torch.library.opcheck(kimi.routed_experts.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", BATCHES)
 def test_moe_front(gen, device, batch):
     x = randn(gen, batch, 1024, dtype=torch.bfloat16, device=device)

@@ -44,7 +44,8 @@ def routed_experts(latent, ids, gate_up, down, rank: int, tp: int):
     served = mine(ids, experts, rank, tp)
     index = torch.where(served, ids, 0).long()
     hidden = torch.einsum("bl,bril->bri", latent.double(), gate_up[index].double()).float()
-    act = situ(hidden.reshape(batch * TOP_K, -1), 1.0, 0.0).view(batch, TOP_K, intermediate)
+    # the row width spelled out: at B = 0 a reshape cannot infer it
+    act = situ(hidden.reshape(batch * TOP_K, 2 * intermediate), 1.0, 0.0).view(batch, TOP_K, intermediate)
     rows = torch.einsum("bri,brli->brl", act.double(), down[index].double()).float().bfloat16()
     return torch.where(served.unsqueeze(-1), rows, torch.zeros_like(rows))
 

@@ -137,6 +137,8 @@ class KimiDecoder(nn.Module):
                 fail_setting("KimiDecoder", f"config.{name}", f"a multiple of {multiple} · TP = {multiple * group.tp}",
                              getattr(config, name))
         device = torch.device(device or group.device or "cpu")
+        if device.type not in ("cpu", "cuda"):  # meta tensors would build and run, then fail at the host check
+            fail_setting("KimiDecoder", "device", "'cpu' or a CUDA device", str(device))
         if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
             fail_setting("KimiDecoder", "device", "an available device", str(device))
         for ordinal in range(num_layers):  # reject parity collisions before allocating
@@ -210,6 +212,8 @@ class KimiDecoder(nn.Module):
             fail_setting(where, "hidden", f"a tensor [B, {config.hidden}]", got)
         if hidden.dtype != torch.bfloat16 or hidden.device != device:
             fail_setting(where, "hidden", f"bfloat16 on {device}", f"{hidden.dtype} on {hidden.device}")
+        if not hidden.is_contiguous():
+            fail_setting(where, "hidden", "contiguous (hidden.contiguous())", f"strides {tuple(hidden.stride())}")
         if not 1 <= hidden.shape[0] <= config.capacity:
             fail_setting(where, "hidden", f"a batch in [1, {config.capacity}] (the mailbox capacity)", hidden.shape[0])
         if slots is None:
@@ -217,9 +221,9 @@ class KimiDecoder(nn.Module):
                 fail_setting(where, "slots", f"given when B > config.index_slots = {config.index_slots} "
                              "(the default is arange(B))", None)
         elif not (isinstance(slots, torch.Tensor) and slots.dtype == torch.int64 and slots.device == device
-                  and list(slots.shape) == [hidden.shape[0]]):
+                  and list(slots.shape) == [hidden.shape[0]] and slots.is_contiguous()):
             got = f"{slots.dtype} {list(slots.shape)} on {slots.device}" if isinstance(slots, torch.Tensor) else slots
-            fail_setting(where, "slots", f"int64 [{hidden.shape[0]}] on {device}", got)
+            fail_setting(where, "slots", f"contiguous int64 [{hidden.shape[0]}] on {device}", got)
 
     def forward(self, hidden: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         config, group, boxes = self.config, self.group, self.boxes
