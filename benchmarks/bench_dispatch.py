@@ -2,7 +2,7 @@
 ``Library.define``/``impl`` registration (torch.ops.kimi.*), and the same function behind a
 ``torch.library.custom_op`` decorator. Tiny tensors, so the table is the per-call overhead.
 
-    python benchmarks/bench_dispatch.py
+    python -m benchmarks.bench_dispatch
 """
 
 import timeit

@@ -10,59 +10,25 @@ exceed the H200's L2):
 - floor: the bytes each must read (wq_b; the key rows and cache rows) at the measured
   HBM read bandwidth (timing.HBM_READ_BYTES_PER_US).
 
-    python benchmarks/bench_dsa.py [--batches 1 4 8 16 32 64] [--prepare] [--ours-only]
+    python -m benchmarks.bench_dsa [--batches 1 4 8 16 32 64] [--prepare] [--ours-only]
 
 ``--ours-only`` skips the composites (their torch.compile takes a minute): for A/B runs of
 the kernels.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 
 import kimi_ops  # noqa: F401
+from kimi_ops.testing.composite import front_composite, key_composite
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import L2_BYTES, floor_us, graph_us, print_table, rotating  # noqa: E402
+from .common import L2_BYTES, floor_us, graph_us, print_table, rotating
 
 BATCHES = (1, 4, 8, 16, 32, 64)
 HEADS, DIM, K = 32, 128, 1536
 EPS = 1e-6
 kimi = torch.ops.kimi
-
-
-def pow2_ceil(v):
-    bits = v.view(torch.int32)
-    up = (bits & 0x7F800000) + 0x00800000
-    return torch.where((bits & 0x007FFFFF) == 0, bits, up).view(torch.float32)
-
-
-def quantize(values):
-    """kimi_ops.numerics.quantize_e4m3 in FP32 torch ops (the composite's)."""
-    values = values.float()
-    scale = pow2_ceil(values.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448.0)
-    return (values / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-
-
-def front_composite(rows, wq_b, head_in, q_norm_w, eps):
-    """The op in plain torch: QueryNorm, the BF16 projection (cuBLAS, FP32 accumulation),
-    the per-head FP8 quantization and the folded head weights."""
-    if q_norm_w is not None:
-        x = rows.float()
-        rows = ((x * torch.rsqrt(x.square().sum(-1, keepdim=True) / x.shape[-1] + eps)) * q_norm_w.float()).bfloat16()
-    q, scale = quantize((rows @ wq_b.T).view(rows.shape[0], HEADS, DIM))
-    return q, ((head_in.float() * scale.squeeze(-1)) * (HEADS * DIM) ** -0.5).bfloat16()
-
-
-def key_composite(k_in, norm_w, norm_b, eps, cache, slots):
-    """The key insert in plain torch (every slot valid: the benchmark's)."""
-    key = torch.nn.functional.layer_norm(k_in.float(), (DIM,), norm_w.float(), norm_b.float(), eps).bfloat16()
-    q, scale = quantize(key)
-    bits = scale.view(torch.int32)  # the scale's bytes by shifts: Inductor cannot view FP32 as bytes
-    scale_bytes = torch.cat([(bits >> shift) & 0xFF for shift in (0, 8, 16, 24)], -1).to(torch.uint8)
-    cache.index_copy_(0, slots, torch.cat([q.view(torch.uint8), scale_bytes], -1))
 
 
 def inputs(batch, device="cuda", seed=0):

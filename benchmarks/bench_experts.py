@@ -4,19 +4,16 @@ routing (16 distinct experts a token, so the experts a call reads are mostly not
 against the floor of the distinct experts' bytes. The torch forms of the stand-in are in
 benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the floor.
 
-    python benchmarks/bench_experts.py [--batches 1 8 64] [--clusters 1 8] [--shapes kimi_k3 tp8_rank]
+    python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--shapes kimi_k3 tp8_rank]
 """
 
 import argparse
-import os
-import sys
 
 import torch
 
 import kimi_ops  # noqa: F401
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import floor_us, graph_us, print_table, rotating  # noqa: E402
+from .common import floor_us, graph_us, print_table, rotating
 
 SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): a TP8 rank's E/8 experts
 CALLS = 20

@@ -1,5 +1,5 @@
 """Per-layer decode latency at TP1 on one GPU (issue 25, deliverable 3): the plain-PyTorch
-composite (benchmarks/composite.py) against our decoder, on the same weights, B in BATCHES.
+composite (kimi_ops.testing.composite) against our decoder, on the same weights, B in BATCHES.
 
 Per-layer rows (µs per layer: a forward of LAYERS layers over LAYERS, the embedding's
 AttnRes shared among them; a 1-layer decoder does not exist: layer counts ≡ 1 mod 3 make
@@ -24,9 +24,9 @@ boxes), every call of the graph on its own copy of the op's weights (copies > 60
 against the op's weight floor. A polling op runs with its producer (a poll alone would find
 its box re-armed): those rows say ``+``.
 
-    python benchmarks/bench_layer.py [--batches 1 8 64] [--tp8-rank] [--json out.json]
-    python benchmarks/bench_layer.py --smoke     # KimiConfig.tiny(), every path once, no timing
-    python benchmarks/plot_layer.py out.json     # the breakdown as a PNG
+    python -m benchmarks.bench_layer [--batches 1 8 64] [--tp8-rank] [--json out.json]
+    python -m benchmarks.bench_layer --smoke     # KimiConfig.tiny(), every path once, no timing
+    python -m benchmarks.plot_layer out.json     # the breakdown as a PNG
 
 ``--tp8-rank``: one TP8 rank's shard shapes with TP1 mailboxes, through a TP1 config whose
 widths make the decoder run them (TP8_RANK): o-proj K = 1536, shared 768, core
@@ -48,10 +48,9 @@ import torch
 import kimi_ops  # noqa: F401
 from kimi_ops import KimiConfig, KimiDecoder
 from kimi_ops.testing import guard
+from kimi_ops.testing.composite import CompositeDecoder
 
-sys.path.insert(0, os.path.dirname(__file__))
-from composite import CompositeDecoder  # noqa: E402
-from timing import L2_BYTES, capture, graph_us, print_table, rotating  # noqa: E402
+from .common import L2_BYTES, capture, graph_us, print_table, rotating
 
 BATCHES = (1, 8, 64)
 LAYERS = 2
@@ -260,9 +259,11 @@ def without_pdl(args) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ours.json")
-        command = [sys.executable, os.path.abspath(__file__), "--ours-only", "--json", path,
+        command = [sys.executable, "-m", __spec__.name, "--ours-only", "--json", path,
                    "--expert-intermediate", str(args.expert_intermediate), "--batches", *map(str, args.batches)]
-        subprocess.run(command + ["--tp8-rank"] * args.tp8_rank, check=True, env={**os.environ, "KIMI_OPS_PDL": "0"})
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's parent: -m finds it
+        subprocess.run(command + ["--tp8-rank"] * args.tp8_rank, check=True, cwd=root,
+                       env={**os.environ, "KIMI_OPS_PDL": "0"})
         with open(path) as f:
             return {int(b): us for b, us in json.load(f).items()}
 

@@ -11,23 +11,19 @@ call of a graph reading its own weight copy (the copies exceed the H200's L2):
   into TP boxes on this GPU, against ``op+copy``: the functional op and a copy of its rows
   into every box (the reference's way).
 
-    python benchmarks/bench_projection.py [--tp 1 2 8] [--shapes o_proj front ...] [--batches 1 8 64] [--autotune]
+    python -m benchmarks.bench_projection [--tp 1 2 8] [--shapes o_proj front ...] [--batches 1 8 64] [--autotune]
 """
 
 import argparse
 import functools
-import os
-import sys
 
 import torch
 
 import kimi_ops  # noqa: F401
-from kimi_ops.config import KimiConfig
+from kimi_ops.config import INDEX_DIM, INDEX_HEADS, KimiConfig
 from kimi_ops.mailbox import canonical
-from kimi_ops.config import INDEX_DIM, INDEX_HEADS
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import L2_BYTES, graph_us, print_table, rotating  # noqa: E402
+from .common import L2_BYTES, graph_us, print_table, rotating
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (issue 21)

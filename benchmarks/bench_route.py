@@ -2,19 +2,16 @@
 the CuTe kernels vs the eager PyTorch composite (the reference) and torch.compile of it.
 No fused top-k routing library is installed on the benchmark machine, so no peer column.
 
-    python benchmarks/bench_route.py
+    python -m benchmarks.bench_route
 """
 
-import os
-import sys
 
 import torch
 
 import kimi_ops  # noqa: F401
 from kimi_ops.ops import route
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import floor_us, graph_us, print_table  # noqa: E402
+from .common import floor_us, graph_us, print_table
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 

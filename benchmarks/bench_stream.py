@@ -6,11 +6,9 @@ shared memory, by copy mechanism: the bound under any tail kernel's time (DESIGN
 - cp.async: 16 bytes per lane, 8 warps per CTA, each warp 512 contiguous bytes per copy
   and a ring of ``stages`` commit groups (the tail's mechanism).
 
-    python benchmarks/bench_stream.py
+    python -m benchmarks.bench_stream
 """
 
-import os
-import sys
 
 import cutlass
 import cutlass.cute as cute
@@ -20,8 +18,7 @@ from cutlass.memory import SmemAllocator
 
 from kimi_ops.kernels.compile import fake, fake_stream
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import graph_us, print_table  # noqa: E402
+from .common import graph_us, print_table
 
 BYTES, COPIES = 7168 * 3584 * 2, 5  # w_up at TP1; 5 copies exceed L2
 

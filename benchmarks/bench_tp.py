@@ -1,6 +1,6 @@
 """The MoE tail and the whole layer at TP2 / TP8, one process a rank (issues 26, 27):
 
-    python -m kimi_ops.launch --tp 2 --timeout 1800 benchmarks/bench_tp.py [--batches 1 8 64] [--json tp2.json]
+    python -m kimi_ops.launch --tp 2 --timeout 1800 benchmarks.bench_tp [--batches 1 8 64] [--json tp2.json]
 
 (the first run compiles every kernel variant on every rank: --timeout past the default)
 
@@ -12,7 +12,7 @@ together, and a row is the slowest rank's median:
   runs it (moe_tail_push, moe_tail_publish, two-shot's moe_latent_reduce where the boxes
   take it, the group barriers between phases, moe_tail_poll), then the next AttnRes's take
   of the output rows (attn_res_take), parities rotating as over MoE layers;
-- composite: the same tail as a serving engineer writes it on NCCL (bench_tail.composite:
+- composite: the same tail as a serving engineer writes it on NCCL (kimi_ops.testing.composite.tail_composite:
   weighted sum, all-reduce, RMSNorm, the up projection shard through cuBLAS,
   reduce-scatter of the shared rows, all-gather of the output rows), then the same
   AttnRes (the decoder's, on the gathered rows) as ours;
@@ -29,18 +29,15 @@ hang), so with fewer GPUs than ranks its columns are left out; ranks sharing a G
 import argparse
 import json
 import math
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from kimi_ops import KimiConfig, KimiDecoder, launch
 from kimi_ops.mailbox import parities
+from kimi_ops.testing.composite import tail_composite
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_tail import composite  # noqa: E402
-from timing import L2_BYTES, capture, floor_us, print_table, replay_us  # noqa: E402
+from .common import L2_BYTES, capture, floor_us, print_table, replay_us
 
 BATCHES = (1, 8, 64)
 REPLAYS = 20
@@ -58,7 +55,7 @@ class Group:
         self.group = launch.group_from_env()
         if self.group is None:
             raise SystemExit("bench_tp.py runs one process a rank: "
-                             "python -m kimi_ops.launch --tp N benchmarks/bench_tp.py")
+                             "python -m kimi_ops.launch --tp N benchmarks.bench_tp")
         self.tp, self.rank, self.device = self.group.tp, self.group.rank, self.group.device
         self.decoder = KimiDecoder(config, layers, tp=self.group, seed=0)
         own_gpus = torch.cuda.device_count() >= self.tp  # the same on every rank: new_group is collective
@@ -162,7 +159,7 @@ def measure(bench: Group, batch: int) -> dict:
         blocks, turn = partial.new_empty((0, batch, config.hidden)), [0]
 
         def composite_call():
-            rows = composite(expanded, weights, shared, tail.gamma, w_ups[turn[0] % copies], config.eps, bench.nccl)
+            rows = tail_composite(expanded, weights, shared, tail.gamma, w_ups[turn[0] % copies], config.eps, bench.nccl)
             decoder.residual(moe_res, blocks, partial, rows[None])
             turn[0] += 1
 

@@ -2,7 +2,7 @@
 one panel per batch (matplotlib; without it a clear message and exit status 1). Several
 JSON files (say one run per batch) of one config make one figure.
 
-    python benchmarks/plot_layer.py layer.json [more.json ...] [--out layer.png]
+    python -m benchmarks.plot_layer layer.json [more.json ...] [--out layer.png]
 """
 
 import argparse

@@ -5,10 +5,9 @@ graph's calls), and the CTAs' median by their own SM clock from their own start.
 ``--boxes``: the serving path's (moe_tail_push, moe_tail_publish, then moe_tail_poll's
 MoeTail at TP1 mailboxes); B <= 8.
 
-    python benchmarks/profile_tail.py [--boxes] [B ...]
+    python -m benchmarks.profile_tail [--boxes] [B ...]
 """
 
-import os
 import sys
 
 import torch
@@ -20,9 +19,7 @@ from kimi_ops.kernels.tail.common import PHASES
 from kimi_ops.mailbox import parities
 from kimi_ops.testing.tail_boxes import TailBoxes
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_tail import COPIES, HIDDEN, LATENT, activations, layer_weights  # noqa: E402
-from timing import graph_us  # noqa: E402
+from .common import COPIES, HIDDEN, LATENT, activations, graph_us, layer_weights
 
 CALLS = COPIES * 4
 

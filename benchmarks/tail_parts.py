@@ -1,22 +1,20 @@
 """Where kimi::moe_tail's time goes between its two kernels: the op (NormFront, then the
 tail), the tail alone (on xn made once) and NormFront alone, each CUDA-graph replayed with
-w_up L2-cold and in bench_tail.py's state (after a graph of the composite). The op's
+w_up L2-cold and in bench_tail.py's state (after a graph of the tail_composite). The op's
 excess over the tail alone is what the front costs on the tail's path: its latency where
 the tail's prefetch does not cover it, and the SMs its CTAs hold when the next call's
 tail CTAs would start.
 
-    python benchmarks/tail_parts.py [B ...]
+    python -m benchmarks.tail_parts [B ...]
 """
 
-import os
 import sys
 
 import kimi_ops  # noqa: F401
 from kimi_ops.kernels.tail import host
+from kimi_ops.testing.composite import tail_composite
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_tail import COPIES, activations, composite, layer_weights  # noqa: E402
-from timing import graph_us, print_table  # noqa: E402
+from .common import COPIES, activations, graph_us, layer_weights, print_table
 
 BATCHES = (1, 8, 16, 32, 64)
 FRONT, TAIL = 0, 1  # TailKernel.launches' calls
@@ -25,7 +23,7 @@ FRONT, TAIL = 0, 1  # TailKernel.launches' calls
 def main() -> None:
     w_ups, gamma = layer_weights()
     expanded, weights, shared = activations(1)
-    graph_us(lambda: composite(expanded, weights, shared, gamma, w_ups[0], 1e-6))  # bench_tail's state
+    graph_us(lambda: tail_composite(expanded, weights, shared, gamma, w_ups[0], 1e-6))  # bench_tail's state
     kernel, rows = host.TailKernel(), []
     for batch in [int(b) for b in sys.argv[1:]] or BATCHES:
         expanded, weights, shared = activations(batch)

@@ -115,12 +115,14 @@ def main() -> int:
     parser.add_argument("--tp", type=int, required=True, help="ranks (processes)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole group")
     parser.add_argument("--grace", type=float, default=10, help="seconds the others get once a rank fails")
-    parser.add_argument("script", help="the Python script each rank runs")
+    parser.add_argument("script", help="the Python script each rank runs, or a module (benchmarks.bench_tp: "
+                        "run as python -m) where no such file exists")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.tp < 1:
         parser.error("--tp must be ≥ 1")
-    codes = spawn(args.tp, [args.script, *args.args], args.timeout, args.grace)
+    program = [args.script] if os.path.exists(args.script) or args.script.endswith(".py") else ["-m", args.script]
+    codes = spawn(args.tp, [*program, *args.args], args.timeout, args.grace)
     failed = [(rank, code) for rank, code in enumerate(codes) if code]
     for rank, code in failed:
         print(f"kimi_ops.launch: rank {rank} exited with {code}", file=sys.stderr)

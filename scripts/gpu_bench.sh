@@ -12,9 +12,9 @@ step() {
   echo "$name rc=$?" >> "$OUT/rc.txt"
 }
 : > "$OUT/rc.txt"
-step layer 180 benchmarks/bench_layer.py --batches 1 8 64 --skip-no-pdl --json "$OUT/layer.json"
-step layer_tp8 120 benchmarks/bench_layer.py --tp8-rank --batches 1 8 64 --skip-no-pdl --json "$OUT/layer_tp8.json"
-step tail 90 benchmarks/bench_tail.py
+step layer 180 -m benchmarks.bench_layer --batches 1 8 64 --skip-no-pdl --json "$OUT/layer.json"
+step layer_tp8 120 -m benchmarks.bench_layer --tp8-rank --batches 1 8 64 --skip-no-pdl --json "$OUT/layer_tp8.json"
+step tail 90 -m benchmarks.bench_tail
 step example 180 examples/decode_layer.py
 cat "$OUT/rc.txt"
 for f in layer layer_tp8; do echo "== $f"; grep -E "^ +B |^ +(1|8|64) |routed|tail:" "$OUT/$f.log"; done

@@ -1,7 +1,5 @@
 import importlib
 import os
-import pathlib
-import sys
 import unittest.mock
 
 import pytest
@@ -121,6 +119,6 @@ def reference(op, *args):
 
 
 def benchmark(name: str):
-    """The module ``benchmarks/{name}.py`` (tests compile or check what benchmarks run)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-    return importlib.import_module(name)
+    """The script ``benchmarks.{name}`` (tests compile or check what a benchmark runs; the
+    repo root is on sys.path: pytest.ini's pythonpath)."""
+    return importlib.import_module(f"benchmarks.{name}")

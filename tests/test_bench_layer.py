@@ -1,5 +1,5 @@
 """benchmarks/bench_layer.py on the CPU: the smoke mode runs every path, and the plain-PyTorch
-composite (benchmarks/composite.py) computes the decoder's layers on the decoder's weights.
+composite (kimi_ops.testing.composite) computes the decoder's layers on the decoder's weights.
 
 Tolerance (composite vs KimiDecoder, reference backend, KimiConfig.tiny(), 2 layers): the
 composite rounds where our ops round, but its BF16 GEMMs sum in FP32 in the library's order
@@ -20,10 +20,10 @@ import torch
 from conftest import benchmark
 
 import kimi_ops.runtime.prepared as prepared
+from kimi_ops.testing.composite import CompositeDecoder
 from kimi_ops import KimiConfig, KimiDecoder
 
 bench = benchmark("bench_layer")
-composite = benchmark("composite")
 plot = benchmark("plot_layer")
 
 MAX_REL_L2, MEAN_REL_L2, SAME_EXPERTS = 2e-2, 2e-3, 0.95
@@ -66,7 +66,7 @@ def test_composite_matches_decoder(batch, monkeypatch):
     monkeypatch.setattr(prepared.PreparedFront, "experts", spy)
     config = KimiConfig.tiny()
     decoder = KimiDecoder(config, bench.LAYERS, tp=1, seed=3)
-    layers = composite.CompositeDecoder(decoder)
+    layers = CompositeDecoder(decoder)
     hidden = torch.randn(batch, config.hidden, generator=torch.Generator().manual_seed(batch)).bfloat16()
     slots = torch.randperm(config.index_slots, generator=torch.Generator().manual_seed(1))[:batch]
     trace = {}

@@ -23,6 +23,7 @@ from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
 from kimi_ops.numerics import quantize_e4m3  # noqa: E402
+from kimi_ops.testing import composite  # noqa: E402
 from kimi_ops.ops import dsa as dsa_op  # noqa: E402
 
 from conftest import KERNEL_BATCHES, bf16_ulps, benchmark, on_hopper, reference  # noqa: E402
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not 
 
 kimi = torch.ops.kimi
 K = 1536
-bench = benchmark("bench_dsa")
+bench = benchmark("bench_dsa")  # its inputs and eps
 
 # The decoder's front runs raw rows (q_norm_w given) at every bucket; normalized rows at the
 # smallest and largest bucket (the op's other mode: CI time).
@@ -145,7 +146,7 @@ def kernel_rule(values: torch.Tensor):
     x · rcp(scale), saturation to ±448, e4m3 (RNE)."""
     amax = values.abs().amax(-1, keepdim=True)
     amax = torch.where(torch.isnan(amax), amax, amax.clamp_min(1e-10))
-    scale = bench.pow2_ceil(amax / 448.0)
+    scale = composite.pow2_ceil(amax / 448.0)
     scaled = values * torch.reciprocal(scale)
     codes = torch.where(torch.isnan(scaled), scaled, scaled.clamp(-448.0, 448.0)).to(torch.float8_e4m3fn)
     return codes, scale
@@ -204,13 +205,13 @@ def test_bench_composites_are_the_reference(normalized):
     rows, head_in, q_norm_w, k_in, norm_w, norm_b = bench.inputs(4, device="cpu")
     wq_b = (torch.randn(4096, K, generator=torch.Generator().manual_seed(1)) * K**-0.5).bfloat16()
     gamma = None if normalized else q_norm_w
-    q, head_w = bench.front_composite(rows, wq_b, head_in, gamma, bench.EPS)
+    q, head_w = composite.front_composite(rows, wq_b, head_in, gamma, bench.EPS)
     want_q, want_w = kimi.dsa_index_front(rows, wq_b, head_in, gamma, bench.EPS)
     assert float(same_codes(q, want_q).double().mean()) >= 0.999
     assert float(bf16_ulps(head_w, want_w).max()) <= 1
     cache, want_cache = torch.zeros(8, 132, dtype=torch.uint8), torch.zeros(8, 132, dtype=torch.uint8)
     slots = torch.tensor([5, 0, 7, 2])
-    bench.key_composite(k_in, norm_w, norm_b, bench.EPS, cache, slots)
+    composite.key_composite(k_in, norm_w, norm_b, bench.EPS, cache, slots)
     kimi.dsa_index_key_insert(k_in, norm_w, norm_b, bench.EPS, want_cache, slots)
     assert float(same_codes(cache[:, :128], want_cache[:, :128]).double().mean()) >= 0.99
     assert float((cache[:, 128:] == want_cache[:, 128:]).double().mean()) >= 0.9

@@ -22,8 +22,8 @@ import torch
 from kimi_ops import KimiArgumentError, KimiConfig, KimiDecoder, KimiMailboxError, launch
 from kimi_ops.mailbox import SENTINEL, parities
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-from timing import capture  # noqa: E402  (the side-stream warm-up, then the capture)
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))  # a rank's process: the repo root, for benchmarks
+from benchmarks.common import capture  # noqa: E402  (the side-stream warm-up, then the capture)
 
 CONFIG = KimiConfig.tiny(latent=256, expert_intermediate=16)  # the tail and expert kernels (as test_gpu)
 LAYERS, SEED, BATCHES, INPUTS, REPLAYS = 6, 21, (1, 5, 64), 4, 100

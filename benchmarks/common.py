@@ -64,3 +64,22 @@ def print_table(rows, columns) -> None:
     print(" ".join(f"{c:>10s}" for c in columns))
     for row in rows:
         print(" ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v!s:>10s}" for v in row))
+
+
+# The tail benchmarks' shapes and inputs (bench_tail, profile_tail, tail_parts).
+LATENT, HIDDEN, COPIES = 3584, 7168, 5  # 5 × 51.4 MB > the H200's L2
+
+
+def layer_weights():
+    """COPIES up projections (each call of a graph reads its own: L2-cold) and gamma."""
+    w_ups = [torch.randn(HIDDEN, LATENT, device="cuda").bfloat16() * LATENT**-0.5 for _ in range(COPIES)]
+    return w_ups, torch.ones(LATENT, device="cuda").bfloat16()
+
+
+def activations(batch: int):
+    """A batch's expert rows, their weights and the shared expert's rows."""
+    return (
+        torch.randn(batch, 16, LATENT, device="cuda").bfloat16(),
+        torch.rand(batch, 16, device="cuda").bfloat16(),
+        torch.randn(batch, HIDDEN, device="cuda").bfloat16(),
+    )

@@ -1,31 +1,88 @@
-"""The plain-PyTorch composite of the decoder's layers at TP1: what a serving engineer writes
-without our ops, on a :class:`~kimi_ops.KimiDecoder`'s own weights (its buffers, shared,
-not copied), with the decoder's data flow (runtime/decoder.py, DESIGN §2):
+"""The plain-PyTorch composites that benchmarks time against our ops and tests hold to them:
+what a serving engineer writes without our ops. BF16 GEMMs through cuBLAS (``x @ w.T``),
+torch ops elsewhere, FP32 where the ops keep FP32, never float64.
+
+- :func:`tail_composite`: kimi::moe_tail, and with a group the TP tail on NCCL;
+- :func:`front_composite`, :func:`key_composite`: the DSA indexer front and key insert;
+- :class:`CompositeDecoder`: the decoder's layers at TP1 on a :class:`~kimi_ops.KimiDecoder`'s
+  own weights (its buffers, shared, not copied), with the decoder's data flow
+  (runtime/decoder.py, DESIGN §2):
 
     index front: q_c = x @ wq_a.T; QueryNorm; @ wq_b.T; per-(token, head) FP8 with the
                  power-of-two scale and the folded head weight; key = LayerNorm(x @ wk.T)
-                 → FP8 rows at the slots (bench_dsa's composites);
+                 → FP8 rows at the slots (the DSA composites);
     the stand-in core q_c @ w_core.T; o-proj; AttnRes;
     MoE front: one GEMM over [router; down] → FP32 logits, BF16 latent;
     routing: sigmoid + bias, top-16, renormalized, times the routed scale;
     shared expert: gate/up GEMM, SwiGLU, down GEMM;
     routed experts: the decoder's stand-in form (a SwiGLU per expert in the latent space);
-    tail: Σ w·rows, RMSNorm, up projection + shared (bench_tail's composite); AttnRes.
+    tail: Σ w·rows, RMSNorm, up projection + shared (:func:`tail_composite`); AttnRes.
 
-BF16 GEMMs through cuBLAS (``x @ w.T``), torch ops elsewhere, FP32 where the ops keep
-FP32, never float64. It rounds where our ops round, but its sums are cuBLAS's / torch's
-(not the reference's exact-then-round), so it equals the decoder to BF16 rounding noise,
-not bit for bit (tests/test_bench_layer.py states the tolerance).
+  It rounds where our ops round, but its sums are cuBLAS's / torch's (not the reference's
+  exact-then-round), so it equals the decoder to BF16 rounding noise, not bit for bit
+  (tests/test_bench_layer.py states the tolerance).
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bench_dsa import front_composite, key_composite
-from bench_tail import composite as tail_composite
+from kimi_ops.config import INDEX_DIM, INDEX_HEADS, TOP_K
 
-TOP_K = 16
+
+def tail_composite(expanded, weights, shared, gamma, w_up, eps, group=None):
+    """kimi::moe_tail in PyTorch: the same rounding points, BF16 GEMM. ``group``
+    (benchmarks/bench_tp.py: an NCCL group of the TP ranks, ``w_up`` this rank's rows): the
+    partial latent all-reduced, the shared rows [B, H] reduce-scattered to this rank's
+    columns, the output rows all-gathered, as every rank's output box ends."""
+    partial = (expanded.float() * weights.float().unsqueeze(-1)).sum(1).bfloat16()
+    if group is not None:
+        dist.all_reduce(partial, group=group)
+    ss = partial.float().square().bfloat16().float().sum(-1, keepdim=True)
+    xn = (partial.float() * torch.rsqrt(ss / partial.shape[-1] + eps) * gamma.float()).bfloat16()
+    if group is None:
+        return (F.linear(xn, w_up).float() + shared.float()).bfloat16()
+    tp, (batch, shard) = dist.get_world_size(group), (shared.shape[0], w_up.shape[0])
+    # flat buffers, rank-major: gloo checks dim 0 (output × TP = input), NCCL only sizes
+    mine = shared.new_empty((batch * shard,))
+    dist.reduce_scatter_tensor(mine, shared.view(batch, tp, shard).transpose(0, 1).reshape(-1), group=group)
+    out = (F.linear(xn, w_up).float() + mine.view(batch, shard).float()).bfloat16()
+    rows = shared.new_empty((tp * batch * shard,))
+    dist.all_gather_into_tensor(rows, out.view(-1), group=group)
+    return rows.view(tp, batch, shard).permute(1, 0, 2).reshape(batch, tp * shard)
+
+
+def pow2_ceil(v):
+    bits = v.view(torch.int32)
+    up = (bits & 0x7F800000) + 0x00800000
+    return torch.where((bits & 0x007FFFFF) == 0, bits, up).view(torch.float32)
+
+
+def quantize(values):
+    """kimi_ops.numerics.quantize_e4m3 in FP32 torch ops (the DSA composites')."""
+    values = values.float()
+    scale = pow2_ceil(values.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448.0)
+    return (values / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def front_composite(rows, wq_b, head_in, q_norm_w, eps):
+    """kimi::dsa_index_front in plain torch: QueryNorm, the BF16 projection (cuBLAS, FP32 accumulation),
+    the per-head FP8 quantization and the folded head weights."""
+    if q_norm_w is not None:
+        x = rows.float()
+        rows = ((x * torch.rsqrt(x.square().sum(-1, keepdim=True) / x.shape[-1] + eps)) * q_norm_w.float()).bfloat16()
+    q, scale = quantize((rows @ wq_b.T).view(rows.shape[0], INDEX_HEADS, INDEX_DIM))
+    return q, ((head_in.float() * scale.squeeze(-1)) * (INDEX_HEADS * INDEX_DIM) ** -0.5).bfloat16()
+
+
+def key_composite(k_in, norm_w, norm_b, eps, cache, slots):
+    """kimi::dsa_index_key_insert in plain torch (every slot valid: benchmarks/bench_dsa.py's)."""
+    key = F.layer_norm(k_in.float(), (INDEX_DIM,), norm_w.float(), norm_b.float(), eps).bfloat16()
+    q, scale = quantize(key)
+    bits = scale.view(torch.int32)  # the scale's bytes by shifts: Inductor cannot view FP32 as bytes
+    scale_bytes = torch.cat([(bits >> shift) & 0xFF for shift in (0, 8, 16, 24)], -1).to(torch.uint8)
+    cache.index_copy_(0, slots, torch.cat([q.view(torch.uint8), scale_bytes], -1))
 
 
 def rms_norm(x, weight, eps):
