@@ -37,6 +37,8 @@ tokens in order, up to TOKENS) and copies their latent rows into shared memory o
 (cp.async): every gate/up chunk reads them there, not from L2.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
@@ -54,7 +56,16 @@ from ..packets import (
     situ_value,
     unpack_words,
 )
-from ..ptx import bulk_copy, copy_async, l2_evict_first, load_shared, load_words, pack_values, store_word, store_words
+from ..ptx import (
+    bulk_copy,
+    copy_async,
+    l2_evict_first,
+    load_shared,
+    load_words,
+    pack_values,
+    store_word,
+    store_words,
+)
 from .plan import (
     GATE_ROWS,
     MAX_BATCH,
@@ -107,7 +118,7 @@ class RoutedExperts:
         cta, _, _ = cute.arch.block_idx()
         pair, part = cta // self.cluster, cta % self.cluster
         space = self.allocate()
-        full = space[1]
+        full = space.full
         if tid == 0:
             for slot in cutlass.range_constexpr(self.depth):
                 cute.arch.mbarrier_init(full + slot, 1)
@@ -125,7 +136,7 @@ class RoutedExperts:
         if served == 0:
             if tid < self.packets:
                 store_words(out.iterator + pair * self.latent + part * self.slice + 8 * tid, [Uint32(0)] * 4)
-        elif self.leads_its_tokens(ids, expert, pair, space[9], tid) != 0:
+        elif self.leads_its_tokens(ids, expert, pair, space.counts, tid) != 0:
             self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space)
             served = Int32(2)
         if cutlass.const_expr(self.cluster > 1):
@@ -299,11 +310,8 @@ class RoutedExperts:
                             store_words(address, packed)
 
     @cute.jit
-    def allocate(self):
-        """(the ring (words), its full barriers, the matched tokens' latent slices (words),
-        parts [TOKENS, 2I, warps] FP64, received [TOKENS·2I, C] FP64 (the cluster's slice
-        sums), hidden [TOKENS, 2I] FP32, acts [TOKENS, I] FP32, masks [MAX_BATCH], the
-        matched tokens (count, then the list), the warps' token counts)."""
+    def allocate(self) -> "ExpertsSpace":
+        """The CTA's shared memory (:class:`ExpertsSpace`)."""
         smem = SmemAllocator()
         double = 2 * self.intermediate
         ring = smem.allocate_tensor(Uint32, cute.make_layout(self.depth * self.slot_words), 16).iterator
@@ -319,7 +327,22 @@ class RoutedExperts:
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
         counts = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
-        return ring, full, xs, parts, received, hidden, acts, masks, matched, counts
+        return ExpertsSpace(ring, full, xs, parts, received, hidden, acts, masks, matched, counts)
+
+
+class ExpertsSpace(NamedTuple):
+    """A CTA's shared memory, in allocation order."""
+
+    ring: object  # the ring (words)
+    full: object  # its full barriers
+    xs: object  # the matched tokens' latent slices (words)
+    parts: object  # [TOKENS, 2I, warps] FP64
+    received: object  # [TOKENS·2I, C] FP64: the cluster's slice sums
+    hidden: object  # [TOKENS, 2I] FP32
+    acts: object  # [TOKENS, I] FP32
+    masks: object  # [MAX_BATCH]
+    matched: object  # the matched tokens: count, then the list
+    counts: object  # the warps' token counts
 
 
 @cute.jit
