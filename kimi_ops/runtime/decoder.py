@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import backend
 from ..checks import fail_setting, is_int
-from ..config import PACKED, KimiConfig
+from ..config import INDEX_DIM, INDEX_HEADS, PACKED, KimiConfig
 from ..mailbox import KimiMailboxError, parities, raise_if_error
 from ..moe import MoeWeights
 from .boxes import DecodeBoxes
@@ -66,8 +66,8 @@ class AttentionWeights:
     def random(cls, config: KimiConfig, gen):
         h, q, k = config.hidden, config.q_lora, config.attn_out
         return cls(
-            weight(gen, q, h), norm_weight(gen, q), weight(gen, 4096, q), weight(gen, 32, h),
-            weight(gen, 128, h), norm_weight(gen, 128), weight(gen, 128, scale=0.1),
+            weight(gen, q, h), norm_weight(gen, q), weight(gen, INDEX_HEADS * INDEX_DIM, q), weight(gen, INDEX_HEADS, h),
+            weight(gen, INDEX_DIM, h), norm_weight(gen, INDEX_DIM), weight(gen, INDEX_DIM, scale=0.1),
             weight(gen, k, q), weight(gen, h, k),
         )
 

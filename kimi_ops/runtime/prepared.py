@@ -7,6 +7,7 @@ from torch import nn
 
 from .. import backend
 from ..config import KimiConfig
+from ..ops.dsa import KEY_BYTES
 from .boxes import DecodeBoxes
 
 kimi = torch.ops.kimi
@@ -43,7 +44,7 @@ class PreparedIndexFront(Prepared):
         super().__init__(
             config, tp, rank, w_in=torch.cat([getattr(attention, name) for name in self.SPLITS]),
             q_norm_w=attention.q_norm_w, wq_b=attention.wq_b, k_norm_w=attention.k_norm_w,
-            k_norm_b=attention.k_norm_b, index_cache=torch.zeros(config.index_slots, 132, dtype=torch.uint8),
+            k_norm_b=attention.k_norm_b, index_cache=torch.zeros(config.index_slots, KEY_BYTES, dtype=torch.uint8),
         )
         self.sizes = [getattr(attention, name).shape[0] for name in self.SPLITS]
 
