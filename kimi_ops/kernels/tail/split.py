@@ -97,18 +97,19 @@ class MoeTail:
 
     @cute.jit
     def __call__(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, w_up: cute.Tensor,
-                 out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, parity: Int32, rank: Int32, eps: Float32,
+                 out: cute.Tensor, peers: cute.Tensor, status: cute.Tensor, parity: Int32, rank: Int32, eps: Float32,
                  batch: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
         """Functional: ``latent`` NormFront's normalized rows [B, L], ``shared`` and ``out``
-        [B, N], ``error`` the stamps (Stamps). Publish mode: ``latent`` and ``shared`` are
-        the boxes [3, TP, CAP, L or N]; (``peers``, ``error``, ``parity``, ``rank``) the
-        publish side (Outbox)."""
+        [B, N]. Publish mode: ``latent`` and ``shared`` are the boxes [3, TP, CAP, L or N];
+        (``peers``, ``status``, ``parity``, ``rank``) the publish side (Outbox). ``status``:
+        the error word, the Stamps after its first 16 bytes in the stamping variants (the
+        functional stamping tail takes the Stamps buffer alone)."""
         plan = self.plan
         # w_up's TMA descriptor (a kernel parameter): boxes of a cluster's rows × CHUNK columns
         weight_copy, weight_boxes = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), w_up, self.ring_layout(1), (plan.rows, CHUNK)
         )
-        self.kernel(latent, shared, gamma, weight_copy, weight_boxes, out, peers, error, eps, batch, parity,
+        self.kernel(latent, shared, gamma, weight_copy, weight_boxes, out, peers, status, eps, batch, parity,
                     rank, rearm_parity, rearm_batch).launch(
             grid=[plan.ctas, 1, 1], block=[plan.threads + 32, 1, 1], cluster=[plan.cluster, 1, 1],
             stream=stream, use_pdl=PDL,
@@ -120,15 +121,15 @@ class MoeTail:
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, shared: cute.Tensor, gamma: cute.Tensor, weight_copy: cute.CopyAtom,
-               weight_boxes: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, eps: Float32,
+               weight_boxes: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, status: cute.Tensor, eps: Float32,
                batch: Int32, parity: Int32, rank: Int32, rearm_parity: Int32, rearm_batch: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tid // 32, tid % 32
         k_slice, cluster = cta % plan.cluster, cta // plan.cluster
-        stamp = Stamps(PHASES, self.stamps, error, cta, tid)
-        outbox = Outbox(peers, error, parity, rank)
+        stamp = Stamps(PHASES, self.stamps, status, cta, tid)
+        outbox = Outbox(peers, status, parity, rank)
         stamp.at("start")
         smem = SmemAllocator()
         ss = smem.allocate_tensor(Float64, cute.make_layout(plan.ss_words // 2), 16).iterator
