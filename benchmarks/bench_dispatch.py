@@ -5,6 +5,7 @@
     python -m benchmarks.bench_dispatch
 """
 
+import argparse
 import timeit
 
 import torch
@@ -22,7 +23,9 @@ def median_us(fn, number=2000, repeat=7) -> float:
     return sorted(timeit.repeat(fn, number=number, repeat=repeat))[repeat // 2] / number * 1e6
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
     x = torch.randn(1, 32)
     rows = [
         ("reference function (no dispatch)", lambda: route.situ(x, 1.0, 0.0)),

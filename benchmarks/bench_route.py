@@ -5,6 +5,7 @@ No fused top-k routing library is installed on the benchmark machine, so no peer
     python -m benchmarks.bench_route
 """
 
+import argparse
 
 import torch
 
@@ -16,7 +17,9 @@ from .common import floor_us, graph_us, print_table
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
     experts, width = 896, 6144
     compiled_route = torch.compile(route.moe_route, fullgraph=True, dynamic=False)
     compiled_situ = torch.compile(route.situ, fullgraph=True, dynamic=False)

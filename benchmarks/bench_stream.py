@@ -9,6 +9,7 @@ shared memory, by copy mechanism: the bound under any tail kernel's time (DESIGN
     python -m benchmarks.bench_stream
 """
 
+import argparse
 
 import cutlass
 import cutlass.cute as cute
@@ -100,7 +101,9 @@ def compile_stream(kernel):
     return cute.compile(kernel, fake(cutlass.Uint8, (BYTES,), align=128), fake_stream(), options="--enable-tvm-ffi")
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
     buffers = [torch.empty(BYTES, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(COPIES)]
     rows = []
 

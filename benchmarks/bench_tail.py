@@ -7,7 +7,7 @@ cuBLAS-based tail) and the HBM floor (w_up + the expert rows + shared, at 4.26 T
     python -m benchmarks.bench_tail [B ...]   # default: B in BATCHES
 """
 
-import sys
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,10 @@ def mailbox_chain(expanded, weights, shared, gamma, w_ups, calls):
     return call
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("batches", type=int, nargs="*", help=f"B (default: {' '.join(map(str, BATCHES))})")
+    args = parser.parse_args(argv)
     compiled = torch.compile(tail_composite, fullgraph=True, dynamic=False)  # one specialized graph per batch
     w_ups, gamma = layer_weights()
     # Every column in the same state, a serving process's: on an H200 the first graphs of a
@@ -47,7 +50,7 @@ def main() -> None:
     expanded, weights, shared = activations(1)
     graph_us(lambda: tail_composite(expanded, weights, shared, gamma, w_ups[0], 1e-6))
     rows = []
-    for batch in [int(b) for b in sys.argv[1:]] or BATCHES:
+    for batch in args.batches or BATCHES:
         expanded, weights, shared = activations(batch)
         turn = [0]
 

@@ -159,7 +159,8 @@ def measure(bench: Group, batch: int) -> dict:
         blocks, turn = partial.new_empty((0, batch, config.hidden)), [0]
 
         def composite_call():
-            rows = tail_composite(expanded, weights, shared, tail.gamma, w_ups[turn[0] % copies], config.eps, bench.nccl)
+            w_up = w_ups[turn[0] % copies]
+            rows = tail_composite(expanded, weights, shared, tail.gamma, w_up, config.eps, bench.nccl)
             decoder.residual(moe_res, blocks, partial, rows[None])
             turn[0] += 1
 

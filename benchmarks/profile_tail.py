@@ -8,7 +8,7 @@ MoeTail at TP1 mailboxes); B <= 8.
     python -m benchmarks.profile_tail [--boxes] [B ...]
 """
 
-import sys
+import argparse
 
 import torch
 
@@ -99,11 +99,14 @@ def phase_table(stamps: torch.Tensor):
     return table.tolist(), float(overlap), float(ghz)
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    mode = "boxes" if "--boxes" in args else "functional"
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--boxes", action="store_true", help="the serving path's MoeTail (TP1 mailboxes; B <= 8)")
+    parser.add_argument("batches", type=int, nargs="*", help="B (default: 1 8 64; --boxes: 1 8)")
+    args = parser.parse_intermixed_args(argv)  # --boxes anywhere among the batches
+    mode = "boxes" if args.boxes else "functional"
     w_ups, gamma = layer_weights()
-    for batch in [int(b) for b in args if not b.startswith("--")] or ([1, 8, 64] if mode == "functional" else [1, 8]):
+    for batch in args.batches or ([1, 8, 64] if mode == "functional" else [1, 8]):
         profile(batch, w_ups, gamma, mode)
 
 

@@ -1,6 +1,6 @@
 """Where kimi::moe_tail's time goes between its two kernels: the op (NormFront, then the
 tail), the tail alone (on xn made once) and NormFront alone, each CUDA-graph replayed with
-w_up L2-cold and in bench_tail.py's state (after a graph of the tail_composite). The op's
+w_up L2-cold and in bench_tail's state (after a graph of the composite). The op's
 excess over the tail alone is what the front costs on the tail's path: its latency where
 the tail's prefetch does not cover it, and the SMs its CTAs hold when the next call's
 tail CTAs would start.
@@ -8,7 +8,7 @@ tail CTAs would start.
     python -m benchmarks.tail_parts [B ...]
 """
 
-import sys
+import argparse
 
 import kimi_ops  # noqa: F401
 from kimi_ops.kernels.tail import host
@@ -20,12 +20,15 @@ BATCHES = (1, 8, 16, 32, 64)
 FRONT, TAIL = 0, 1  # TailKernel.launches' calls
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("batches", type=int, nargs="*", help=f"B (default: {' '.join(map(str, BATCHES))})")
+    args = parser.parse_args(argv)
     w_ups, gamma = layer_weights()
     expanded, weights, shared = activations(1)
     graph_us(lambda: tail_composite(expanded, weights, shared, gamma, w_ups[0], 1e-6))  # bench_tail's state
     kernel, rows = host.TailKernel(), []
-    for batch in [int(b) for b in sys.argv[1:]] or BATCHES:
+    for batch in args.batches or BATCHES:
         expanded, weights, shared = activations(batch)
         out = shared.new_empty((batch, w_ups[0].shape[0]))
         # one pair of launches per w_up copy, each with its own xn rows, made once for the tail alone

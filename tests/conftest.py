@@ -1,4 +1,3 @@
-import importlib
 import os
 import unittest.mock
 
@@ -116,9 +115,3 @@ def reference(op, *args):
     """``op(*args)`` under the reference backend (the oracle on the same device)."""
     with unittest.mock.patch.dict(os.environ, KIMI_OPS_BACKEND="reference"):
         return op(*args)
-
-
-def benchmark(name: str):
-    """The script ``benchmarks.{name}`` (tests compile or check what a benchmark runs; the
-    repo root is on sys.path: pytest.ini's pythonpath)."""
-    return importlib.import_module(f"benchmarks.{name}")

@@ -17,14 +17,12 @@ import json
 
 import pytest
 import torch
-from conftest import benchmark
 
+from benchmarks import bench_layer as bench
+from benchmarks import plot_layer as plot
 import kimi_ops.runtime.prepared as prepared
 from kimi_ops.testing.composite import CompositeDecoder
 from kimi_ops import KimiConfig, KimiDecoder
-
-bench = benchmark("bench_layer")
-plot = benchmark("plot_layer")
 
 MAX_REL_L2, MEAN_REL_L2, SAME_EXPERTS = 2e-2, 2e-3, 0.95
 

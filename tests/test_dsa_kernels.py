@@ -24,15 +24,15 @@ from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
 from kimi_ops.numerics import quantize_e4m3  # noqa: E402
 from kimi_ops.testing import composite  # noqa: E402
+from benchmarks import bench_dsa as bench  # noqa: E402  (its inputs and eps)
 from kimi_ops.ops import dsa as dsa_op  # noqa: E402
 
-from conftest import KERNEL_BATCHES, bf16_ulps, benchmark, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
 kimi = torch.ops.kimi
 K = 1536
-bench = benchmark("bench_dsa")  # its inputs and eps
 
 # The decoder's front runs raw rows (q_norm_w given) at every bucket; normalized rows at the
 # smallest and largest bucket (the op's other mode: CI time).

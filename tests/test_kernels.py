@@ -10,7 +10,7 @@ cute_dsl = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) 
 from kimi_ops.kernels.route import host as route  # noqa: E402
 from kimi_ops.mailbox import KimiMailboxError, raise_if_error  # noqa: E402
 
-from conftest import KERNEL_BATCHES, armed_box, benchmark, bf16_ulps, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, armed_box, bf16_ulps, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
@@ -142,7 +142,8 @@ def test_route_poll_kernel_times_out_into_the_error_word():
 
 def test_stream_benchmark_kernels_compile():
     """benchmarks/bench_stream.py's copy kernels (the HBM-rate probe the tail is judged by)."""
-    bench_stream = benchmark("bench_stream")
+    from benchmarks import bench_stream
+
     for kernel in (bench_stream.BulkStream(132, 1, 16384, 12), bench_stream.AsyncStream(112, 8)):
         assert bench_stream.compile_stream(kernel) is not None
 

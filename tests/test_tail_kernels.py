@@ -15,7 +15,7 @@ from kimi_ops.kernels.tail import host, split, split_plan, wave  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
 from kimi_ops.testing.tail_boxes import TailBoxes  # noqa: E402
 
-from conftest import KERNEL_BATCHES, armed_box, assert_tail_close, benchmark, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, armed_box, assert_tail_close, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
@@ -305,7 +305,8 @@ def test_shared_memory_layouts_feed_the_mma_the_right_columns(tp, groups):
 def test_profile_phase_table():
     """benchmarks/profile_tail.py's analysis on known stamps: calls given out of order, CTA
     a of call c at phase k at c·10 + k + a/10 µs (+7 ns) on a 2 GHz clock."""
-    profile_tail = benchmark("profile_tail")
+    from benchmarks import profile_tail
+
     calls, ctas, phases, epoch = 4, 3, 5, 1_764_000_000_000_000_000  # ns since 1970: beyond float64's ns
     ns = torch.tensor([[[c * 10_000 + k * 1_000 + a * 100 + 7 for k in range(phases)] for a in range(ctas)]
                        for c in range(calls)], dtype=torch.int64)
