@@ -271,10 +271,7 @@ def without_pdl(args) -> dict:
 def guard_row(decoder, batch, row) -> None:
     """The decoder guard (kimi_ops.testing.guard): three steps of ours against the same
     decoder under the reference backend, inside the reference's spread under nudges."""
-    gen = torch.Generator().manual_seed(100 + batch)
-    device = decoder.boxes.error(0).device
-    steps = [torch.randn(batch, decoder.config.hidden, generator=gen).bfloat16().to(device) for _ in range(3)]
-    verdict = guard.guard(decoder, steps)
+    verdict = guard.guard(decoder, guard.random_steps(decoder, batch, seed=100 + batch))
     row.update(guard_drift=verdict.drift, guard_spread=verdict.spread, guard_margin=verdict.margin)
 
 

@@ -1,5 +1,4 @@
 import os
-import unittest.mock
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import kimi_ops  # noqa: E402, F401  (registers torch.ops.kimi)
+from kimi_ops import backend  # noqa: E402
 
 BATCHES = (1, 3, 8, 64)
 KERNEL_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # the batches every kernel is checked at, up to CAP
@@ -113,5 +113,5 @@ def dirty_shared_memory():
 
 def reference(op, *args):
     """``op(*args)`` under the reference backend (the oracle on the same device)."""
-    with unittest.mock.patch.dict(os.environ, KIMI_OPS_BACKEND="reference"):
+    with backend.forced("reference"):
         return op(*args)

@@ -10,6 +10,17 @@ from kimi_ops.debug import KimiOpMode
 kimi = torch.ops.kimi
 
 
+def bugs(decoder) -> dict:
+    """Each bug's name → a factory of its mode over ``decoder`` (the stale parity in its
+    last layer, the skipped share that of its last rank)."""
+    return {
+        "stale parity": lambda: StaleParity(decoder, len(decoder.layers) - 1),
+        "drop slot 15": lambda: DropSlot(15),
+        "drop slot 0": lambda: DropSlot(0),
+        "skip a rank's shared partial": lambda: SkipShared(decoder.group.ranks[-1]),
+    }
+
+
 class StaleParity(KimiOpMode):
     """Layer ``layer``'s tail consumer reads the previous MoE layer's parity and re-arms its
     own (the two arguments swapped): it sums last layer's latent and shared rows, which are

@@ -7,7 +7,7 @@ contract. Skipped without CUDA."""
 import pytest
 import torch
 
-from decoder_bugs import DropSlot, SkipShared, StaleParity
+from decoder_bugs import bugs
 from kimi_ops import KimiConfig, KimiDecoder
 from kimi_ops.debug import OpRecorder, print_table, replay
 from kimi_ops.testing import guard
@@ -16,11 +16,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 CONFIG = KimiConfig.kimi_k3()
 MARGIN = 5
-
-
-def steps(batch, count=3, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, CONFIG.hidden, generator=gen).bfloat16().cuda() for _ in range(count)]
 
 
 @pytest.fixture(scope="module", params=[(1, 3), (8, 2)], ids=lambda s: f"tp{s[0]}-{s[1]}layers")
@@ -34,16 +29,14 @@ def decoder(request):
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_kernel_decoder_inside_the_reference_spread(decoder, batch):
-    verdict = guard.guard(decoder, steps(batch))
+    verdict = guard.guard(decoder, guard.random_steps(decoder, batch))
     print(f"\nTP{decoder.group.tp} {len(decoder.layers)} layers B = {batch}: {verdict}")
     assert verdict.passed, verdict
 
 
 @pytest.mark.parametrize("bug", ["stale parity", "drop slot 15", "skip a rank's shared partial"])
 def test_injected_bugs_leave_the_spread_on_the_kernels(decoder, bug):
-    mode = {"stale parity": lambda: StaleParity(decoder, len(decoder.layers) - 1), "drop slot 15": lambda: DropSlot(15),
-            "skip a rank's shared partial": lambda: SkipShared(decoder.group.ranks[-1])}[bug]
-    verdict = guard.guard(decoder, steps(8), mode)
+    verdict = guard.guard(decoder, guard.random_steps(decoder, 8), bugs(decoder)[bug])
     print(f"\nTP{decoder.group.tp} {len(decoder.layers)} layers B = 8, {bug}: {verdict}")
     assert verdict.margin > MARGIN, verdict
 
@@ -53,9 +46,9 @@ def test_per_op_table_within_contract(decoder):
     FP32 values within 2 ulps at the output's scale, ≤ 3 % not bit-equal (the tail's
     contract, the widest); ids, cache rows and front words bit-compared, ≤ 3 %."""
     with torch.no_grad():
-        decoder(steps(8)[0])  # a step before: the boxes as a serving step finds them
+        decoder(guard.random_steps(decoder, 8)[0])  # a step before: the boxes as a serving step finds them
         with OpRecorder(decoder) as recorder:
-            decoder(steps(8)[1])
+            decoder(guard.random_steps(decoder, 8)[1])
     rows = replay(recorder.calls)
     print()
     print_table(rows)

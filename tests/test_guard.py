@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import bf16_ulps
-from decoder_bugs import DropSlot, SkipShared, StaleParity
+from decoder_bugs import DropSlot, bugs
 from kimi_ops import KimiConfig, KimiDecoder
 from kimi_ops.debug import OpRecorder, replay, summary
 from kimi_ops.testing import guard
@@ -17,21 +17,10 @@ SETUPS = [(1, 3), (8, 2)]  # (TP, layers): TP8 simulated; layer counts ≡ 1 mod
 MARGIN = 5  # an injected bug's drift: at least this many times the guard's bound
 
 
-def steps(batch, count=3, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, CONFIG.hidden, generator=gen).bfloat16() for _ in range(count)]
-
-
 @pytest.fixture(scope="module", params=SETUPS, ids=lambda s: f"tp{s[0]}-{s[1]}layers")
 def decoder(request):
     tp, layers = request.param
     return KimiDecoder(CONFIG, layers, tp=tp, seed=3)
-
-
-def bugs(decoder):
-    layers, last_rank = len(decoder.layers), decoder.group.ranks[-1]
-    return {"stale parity": StaleParity(decoder, layers - 1), "drop slot 15": DropSlot(15),
-            "drop slot 0": DropSlot(0), "skip a rank's shared partial": SkipShared(last_rank)}
 
 
 def test_nudged_moves_each_row_by_one_ulp_at_the_share():
@@ -46,7 +35,7 @@ def test_nudged_moves_each_row_by_one_ulp_at_the_share():
 
 
 def rounding_level_drift_passes(decoder, batch):
-    x = steps(batch)
+    x = guard.random_steps(decoder, batch)
     want = guard.reference(decoder, x)
     spread = guard.sensitivity(decoder, x, want)
     verdict = guard.judge(guard.sensitivity(decoder, x, want, draws=1, seed=99), spread)
@@ -68,15 +57,15 @@ def test_rounding_level_drift_passes_at_capacity():
 @pytest.mark.parametrize("bug", ["stale parity", "drop slot 15", "drop slot 0", "skip a rank's shared partial"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_injected_bugs_leave_the_spread(decoder, bug, batch):
-    x = steps(batch)
-    verdict = guard.guard(decoder, x, lambda: bugs(decoder)[bug])
+    x = guard.random_steps(decoder, batch)
+    verdict = guard.guard(decoder, x, bugs(decoder)[bug])
     assert verdict.margin > MARGIN, verdict
     assert torch.equal(guard.reference(decoder, x)[0], guard.reference(decoder, x)[0])  # reset() restored the boxes
 
 
 def test_recorder_replays_every_op_bit_for_bit(decoder):
     with torch.no_grad(), OpRecorder(decoder) as recorder:
-        decoder(steps(8)[0])
+        decoder(guard.random_steps(decoder, 8)[0])
     ops = {call.op for call in recorder.calls}
     assert {"oproj", "dsa_index_front", "dsa_index_key_insert", "oproj_publish", "attn_res_take", "moe_front_publish",
             "moe_route_poll", "situ", "moe_tail_push", "routed_experts", "attn_res"} <= ops
@@ -90,7 +79,7 @@ def test_recorder_points_at_the_op_a_bug_changed(decoder):
     """Recorded inside a bug's mode, each call keeps the arguments the decoder passed: the
     replay finds the tail's output changed (and every op before it bit-equal)."""
     with torch.no_grad(), DropSlot(0), OpRecorder(decoder) as recorder:
-        decoder(steps(8)[0])
+        decoder(guard.random_steps(decoder, 8)[0])
     decoder.reset()
     lines = summary(replay(recorder.calls))
     first = next(i for i, (_, _, _, not_equal) in enumerate(lines) if not_equal > 0)

@@ -7,7 +7,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, Uint32
 
-from .ptx import bits_float, divide, float_bits, pack_values, rsqrt_like_torch, store_cluster
+from .ptx import (
+    bits_float,
+    divide,
+    float_bits,
+    pack_values,
+    rsqrt_like_torch,
+    store_cluster,
+)
 
 
 @cute.jit

@@ -3,7 +3,14 @@ tail's mailbox ops (push, publish, the two-shot reduce, poll, serve)."""
 
 import torch
 
-from ..checks import check_eps, check_placement, check_range, check_same_device, check_tensor, fail
+from ..checks import (
+    check_eps,
+    check_placement,
+    check_range,
+    check_same_device,
+    check_tensor,
+    fail,
+)
 from ..config import TOP_K
 from ..mailbox import (
     TAIL_LATENT_POLL,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kimi_ops.config import INDEX_DIM, INDEX_HEADS, TOP_K
+from ..config import INDEX_DIM, INDEX_HEADS, TOP_K
 
 
 def tail_composite(expanded, weights, shared, gamma, w_up, eps, group=None):

@@ -50,6 +50,13 @@ def nudged(x: torch.Tensor, share: float, gen: torch.Generator) -> torch.Tensor:
     return bits.view(torch.bfloat16)
 
 
+def random_steps(decoder, batch: int, count: int = 3, seed: int = 5) -> list[torch.Tensor]:
+    """``count`` steps of randn hidden rows [batch, H] (BF16) on the decoder's device."""
+    gen = torch.Generator().manual_seed(seed)
+    device = decoder.boxes.error(decoder.group.ranks[0]).device
+    return [torch.randn(batch, decoder.config.hidden, generator=gen).bfloat16().to(device) for _ in range(count)]
+
+
 def run(decoder, steps, context=contextlib.nullcontext) -> list[torch.Tensor]:
     """The decoder's outputs for ``steps`` (eager, in order) within ``context()``."""
     with torch.no_grad(), context():

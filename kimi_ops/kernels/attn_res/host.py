@@ -1,6 +1,8 @@
 """AttnRes's host side: compiles, a call's variant, the adapters of ``kimi::attn_res``
 and ``kimi::attn_res_take``."""
 
+import functools
+
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
@@ -51,6 +53,7 @@ def unsupported_shape(hidden: int, tp: int, count: int) -> str | None:
     return None
 
 
+@functools.cache  # asked by unsupported and the call: built once a shape
 def attn_res_variant(hidden: int, tp: int, count: int, polled: bool) -> Variant:
     """A call's variant: H, the sources, N's stash bucket (its plan: (cluster, stash rows));
     the kernel takes the adapter's arguments as they are. Unsupported (why) where no

@@ -1,6 +1,7 @@
 """The DSA kernels' host side: compiles and the adapters of ``kimi::dsa_index_front``
 and ``kimi::dsa_index_key_insert``."""
 
+import functools
 
 import cutlass.cute as cute
 import torch
@@ -55,6 +56,7 @@ def unsupported_front(k: int, batch: int, norm: bool) -> str | None:
     return None
 
 
+@functools.cache  # asked by unsupported and the call: built once a shape
 def index_front_variant(k: int, batch: int, norm: bool) -> Variant:
     """A call's variant: K, the batch's bucket, the row mode (its plan: the engine's
     GemmPlan); the kernel takes the adapter's arguments. Unsupported (why) where none does."""

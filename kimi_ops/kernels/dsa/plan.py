@@ -4,7 +4,15 @@ GemmPlan with the front's reserve), the key insert's CTA shape."""
 import functools
 
 from ...config import INDEX_DIM, INDEX_HEADS
-from ..gemm.plan import CONSUMER_WARPS, PRODUCERS, RESIDENT, RESIDENT_3, TILE, GemmPlan, cta_cost
+from ..gemm.plan import (
+    CONSUMER_WARPS,
+    PRODUCERS,
+    RESIDENT,
+    RESIDENT_3,
+    TILE,
+    GemmPlan,
+    cta_cost,
+)
 from ..launch import SMEM_BYTES
 from ..ring import CHUNK
 

@@ -1,5 +1,6 @@
 """The routed experts' host side: compiles and the adapter of ``kimi::routed_experts``."""
 
+import functools
 
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32
@@ -46,6 +47,7 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
     return None
 
 
+@functools.cache  # asked by unsupported and the call: built once a shape
 def experts_variant(latent: int, intermediate: int, batch: int, cluster: int) -> Variant:
     """A call's variant: L, I, and the CTAs a (token group, expert) pair takes (its plan;
     :func:`~.plan.cluster_for` picks it per call); the kernel takes the adapter's

@@ -3,6 +3,8 @@
 the adapters of ``kimi::oproj``, ``kimi::moe_front``, ``kimi::oproj_publish`` and
 ``kimi::moe_front_publish``."""
 
+import functools
+
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64
@@ -55,6 +57,7 @@ def tokens_of(batches) -> list[int]:
     return sorted({token_tile(b) for b in batches if 0 < b <= MAX_BATCH})
 
 
+@functools.cache  # asked by unsupported and the call: built once a shape
 def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
     """The engine's variant for ``batch`` tokens of an [N, K] weight; ``outputs``:
     compile_gemm's key past (N, K, T) — () rows, (True, n_logits) the front, (False, 0,

@@ -44,7 +44,14 @@ from ..launch import PDL, THREADS, launch
 from ..mailbox import box_row, peer_bases, poll_all, store_to_peers
 from ..packets import butterfly_sum, clamp, inverse_rms, normalized, unpack_words
 from ..ptx import load_words, pack_values, store_words
-from .common import LATENT_POLL, TWO_SHOT_POLL, rank_sums, rearm_previous, store_to_owner, sum_of_squares
+from .common import (
+    LATENT_POLL,
+    TWO_SHOT_POLL,
+    rank_sums,
+    rearm_previous,
+    store_to_owner,
+    sum_of_squares,
+)
 
 FRONT_PACKETS = THREADS  # packets (8 columns) per TailFront CTA
 

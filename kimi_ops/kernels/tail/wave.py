@@ -15,8 +15,27 @@ from cutlass.memory import SmemAllocator
 from ..launch import PDL, SMEM_BYTES
 from ..mailbox import peer_bases
 from ..packets import clamp, unpack_words
-from ..ptx import l2_evict_first, load_matrices, load_shared, load_words, pack_values, pinned, store_words, wgmma_bf16
-from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
+from ..ptx import (
+    l2_evict_first,
+    load_matrices,
+    load_shared,
+    load_words,
+    pack_values,
+    pinned,
+    store_words,
+    wgmma_bf16,
+)
+from ..ring import (
+    CHUNK,
+    descriptor,
+    expect,
+    hand_back,
+    landed,
+    paced,
+    swizzled,
+    swizzled_stages,
+    wait_handed_back,
+)
 from ..values import Stamps, Values
 from .common import PHASES, Outbox, output_packet, publish_out, reduced_shared
 
