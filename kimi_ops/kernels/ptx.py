@@ -3,6 +3,8 @@ fixed sequence) each, where ``cute.arch`` has none that fits. Bit casts and roun
 torch rounds; 16-byte (and smaller) global, shared and cluster accesses, relaxed at system
 scope where a peer polls; the sleep and fence of the polls; ldmatrix, mma.sync and wgmma."""
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, Int64, Uint32
@@ -54,32 +56,12 @@ def f32_ptx(instruction: str, *args):
                                 read_only_args=list(args))
 
 
-@cute.jit
-def abs_f32(x: Float32) -> Float32:
-    return f32_ptx("abs.f32", x)
-
-
-@cute.jit
-def max_nan(a: Float32, b: Float32) -> Float32:
-    """max that propagates NaN (as torch.amax and clamp_min do)."""
-    return f32_ptx("max.NaN.f32", a, b)
-
-
-@cute.jit
-def reciprocal(x: Float32) -> Float32:
-    """IEEE 1/x (rcp.rn): exact for a power of two; 1/±0 = ±∞, 1/∞ = 0, as x / scale needs."""
-    return f32_ptx("rcp.rn.f32", x)
-
-
-@cute.jit
-def mul_rn(a: Float32, b: Float32) -> Float32:
-    """a · b rounded on its own (ptxas never fuses a .rn product into an FMA)."""
-    return f32_ptx("mul.rn.f32", a, b)
-
-
-@cute.jit
-def add_rn(a: Float32, b: Float32) -> Float32:
-    return f32_ptx("add.rn.f32", a, b)
+abs_f32 = functools.partial(f32_ptx, "abs.f32")
+max_nan = functools.partial(f32_ptx, "max.NaN.f32")  # max propagating NaN (as torch.amax and clamp_min do)
+# IEEE 1/x (rcp.rn): exact for a power of two; 1/±0 = ±∞, 1/∞ = 0, as x / scale needs
+reciprocal = functools.partial(f32_ptx, "rcp.rn.f32")
+mul_rn = functools.partial(f32_ptx, "mul.rn.f32")  # a · b rounded on its own (ptxas never fuses .rn into an FMA)
+add_rn = functools.partial(f32_ptx, "add.rn.f32")
 
 
 @cute.jit

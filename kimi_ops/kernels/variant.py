@@ -32,6 +32,12 @@ class Variant(NamedTuple):
             launch()
 
 
+def single(kernel: Callable[[], object], plan: object = None) -> Variant:
+    """The variant of one kernel (``kernel()`` compiles or loads it) that takes the
+    adapter's arguments as they come."""
+    return Variant(plan, lambda: (kernel(),), lambda *call: (call,))
+
+
 def reason(choose: Callable[[], Variant]) -> str | None:
     """Why ``choose()`` finds no variant, or None: an adapter's ``unsupported``."""
     try:

@@ -12,7 +12,7 @@ from ...ops import attn_res as attn_res_op
 from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import SMEM_BYTES
-from ..variant import Unsupported, Variant, prepare_all, reason
+from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .kernels import (
     AttnRes,
     AttnResTake,
@@ -62,7 +62,7 @@ def attn_res_variant(hidden: int, tp: int, count: int, polled: bool) -> Variant:
     if why:
         raise Unsupported(why)
     cluster, rows = cluster_for(hidden), stash_rows(count)
-    return Variant((cluster, rows), lambda: (compile_attn_res(hidden, tp, cluster, rows, polled),), lambda *args: (args,))
+    return single(lambda: compile_attn_res(hidden, tp, cluster, rows, polled), (cluster, rows))
 
 
 class AttnResKernel:

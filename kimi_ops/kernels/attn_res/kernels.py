@@ -42,6 +42,8 @@ SM) while the stash bucket is ≤ 24 rows (N ≤ 24); deeper stacks run in two (
 PDL: the dependents are triggered once the outputs are written.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Uint32
@@ -103,7 +105,7 @@ class AttnRes:
                key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor, h: cute.Tensor,
                h_normed: cute.Tensor, count: Int32, eps: Float32):
         at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
-        token, _, _ = at
+        token = at.token
         cute.arch.griddepcontrol_wait()
         rows = []  # per round: partial, then the TP sources in rank order (loads in flight together)
         for q in cutlass.range_constexpr(self.rounds):
@@ -116,29 +118,30 @@ class AttnRes:
 
     @cute.jit
     def start(self, blocks, partial, query, key_norm_w, out_norm_w, count, eps):
-        """What precedes the wait: the weights' packets and step 1. Returns ((token, part,
-        tid), shared memory, each round's first column, (query, key_norm_w, out_norm_w)
-        packets)."""
+        """What precedes the wait: the weights' packets and step 1. Returns the thread's
+        :class:`Place`, its :class:`AttnResSpace`, each round's first column and the
+        :class:`Weights`' packets."""
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         token, part = cta // self.cluster, cta % self.cluster
         space = self.allocate()
         columns = self.columns(part, tid)
-        weights = (self.weights(query, columns), self.weights(key_norm_w, columns), self.weights(out_norm_w, columns))
+        weights = Weights(self.weights(query, columns), self.weights(key_norm_w, columns),
+                          self.weights(out_norm_w, columns))
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
         if cutlass.const_expr(self.rows > 0):
             self.block_statistics(blocks, space, columns, weights, count, partial.shape[0], token, part, tid, eps)
         elif cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()
-        return (token, part, tid), space, columns, weights
+        return Place(token, part, tid), space, columns, weights
 
     @cute.jit
     def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps):
         """Steps 2-5 of the module doc from each round's rows (partial and the sources)."""
-        token, part, tid = at
-        query_v, key_w, out_w = weights
-        stash, partials, received, alpha = space
+        token, part, tid = at.token, at.part, at.tid
+        query_v, key_w, out_w = weights.query, weights.key_norm, weights.out_norm
+        stash, partials, received, alpha = space.stash, space.partials, space.received, space.alpha
         valid = self.valid(tid)
         values = []  # new_partial's rounded values (FP32) per round
         squares = Float64(0.0)
@@ -199,8 +202,8 @@ class AttnRes:
     def block_statistics(self, blocks, space, columns, weights, count, batch, token, part, tid, eps):
         """Step 1: the N blocks' rows into the stash, their ss and then their logits over
         the cluster (two rounds, N values each)."""
-        query_v, key_w, _ = weights
-        stash, partials, received, _ = space
+        query_v, key_w = weights.query, weights.key_norm
+        stash, partials, received = space.stash, space.partials, space.received
         valid = self.valid(tid)
         for n in cutlass.range(count, unroll=1):
             for q in cutlass.range_constexpr(self.rounds):
@@ -286,15 +289,15 @@ class AttnRes:
         return cluster_total(received, slot, self.cluster)
 
     @cute.jit
-    def allocate(self):
-        """(stash words, warp partials [slot, warp], received [slot, CTA], α [rows + 1])."""
+    def allocate(self) -> "AttnResSpace":
+        """The CTA's shared memory (:class:`AttnResSpace`)."""
         smem = SmemAllocator()
         partials = smem.allocate_tensor(Float64, cute.make_layout((self.slots, self.warps), stride=(self.warps, 1)), 16)
         received = smem.allocate_tensor(Float64, cute.make_layout((self.slots, self.cluster), stride=(self.cluster, 1)),
                                         16)
         alpha = smem.allocate_tensor(Float32, cute.make_layout(self.rows + 1), 16)
         stash = smem.allocate_tensor(Uint32, cute.make_layout(max(self.stash_words(), 4)), 16).iterator
-        return stash, partials, received, alpha
+        return AttnResSpace(partials, received, alpha, stash)
 
     def stash_words(self) -> int:
         return self.rows * self.packets * 4
@@ -350,7 +353,7 @@ class AttnResTake(AttnRes):
                query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor,
                h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32):
         at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
-        token, _, tid = at
+        token, tid = at.token, at.tid
         valid = self.valid(tid)
         polled = cute.make_rmem_tensor((self.rounds, max(self.tp, 1), 4), Uint32)
         for q in cutlass.range_constexpr(self.rounds):
@@ -378,3 +381,28 @@ def key_dot(values, inv: Float32, key_w, query_v) -> Float64:
         key = Float32(BFloat16((values[i] * inv) * key_w[i]))
         total += Float64(key * query_v[i])
     return total
+
+
+class Place(NamedTuple):
+    """A thread's place: its token, its CTA's part of the token's cluster, its thread."""
+
+    token: object
+    part: object
+    tid: object
+
+
+class Weights(NamedTuple):
+    """The rounds' FP32 packets of the [H] weights, loaded before the wait."""
+
+    query: list
+    key_norm: list
+    out_norm: list
+
+
+class AttnResSpace(NamedTuple):
+    """A CTA's shared memory, in allocation order."""
+
+    partials: object  # [slot, warp] FP64: the warps' sums
+    received: object  # [slot, CTA] FP64: the cluster's sums
+    alpha: object  # [rows + 1] FP32: the softmax weights
+    stash: object  # the N blocks' rows (words)

@@ -15,7 +15,7 @@ from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..gemm.host import tokens_of
 from ..gemm.plan import MAX_BATCH, token_tile
 from ..ring import CHUNK
-from ..variant import Unsupported, Variant, prepare_all, reason
+from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .kernels import (
     IndexFront,
     KeyInsert,
@@ -64,7 +64,7 @@ def index_front_variant(k: int, batch: int, norm: bool) -> Variant:
     if why:
         raise Unsupported(why)
     tokens = token_tile(max(batch, 1))
-    return Variant(index_plan(k, tokens, norm), lambda: (compile_index_front(k, tokens, norm),), lambda *args: (args,))
+    return single(lambda: compile_index_front(k, tokens, norm), index_plan(k, tokens, norm))
 
 
 class IndexFrontKernel:
@@ -95,27 +95,33 @@ class IndexFrontKernel:
         return q, head_w
 
 
+@functools.cache
+def key_insert_variant(rows: int) -> Variant:
+    """Unsupported (why) past the kernel's Int32 row index."""
+    if rows >= 2**31:
+        raise Unsupported(f"the key insert indexes at most 2^31 cache rows, got {rows}")
+    return single(lambda: compile_key_insert())
+
+
 class KeyInsertKernel:
     """``kimi::dsa_index_key_insert`` on CUDA (the op's host slot check first)."""
 
     check = staticmethod(dsa_op.check_dsa_index_key_insert)
 
     def prepare(self) -> None:
-        compile_key_insert()
+        prepare_all([lambda: key_insert_variant(0)])
 
     def unsupported(self, k_in, norm_w, norm_b, eps, cache, slots):
         if not (all(t.data_ptr() % 8 == 0 for t in (k_in, norm_w, norm_b, slots)) and k_in.stride(0) % 4 == 0
                 and cache.data_ptr() % 4 == 0):
             return ("the key insert reads 8-byte packets and stores words: align k_in (and its row stride), norm_w, "
                     "norm_b and the cache")
-        if cache.shape[0] >= 2**31:
-            return f"the key insert indexes at most 2^31 cache rows, got {cache.shape[0]}"
-        return hopper(k_in)
+        return reason(lambda: key_insert_variant(cache.shape[0])) or hopper(k_in)
 
     def __call__(self, k_in, norm_w, norm_b, eps, cache, slots):
         dsa_op.check_slot_values(cache, slots)  # a clear error on the host path; under capture the kernel drops them
         if k_in.shape[0] and cache.shape[0]:
-            compile_key_insert()(k_in, norm_w, norm_b, cache, slots, eps)
+            key_insert_variant(cache.shape[0]).run(k_in, norm_w, norm_b, cache, slots, eps)
 
 
 def register() -> None:

@@ -10,7 +10,7 @@ from ...config import TOP_K
 from ...ops import experts as experts_op
 from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
-from ..variant import Unsupported, Variant, prepare_all, reason
+from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .kernels import (
     RoutedExperts,
 )
@@ -55,7 +55,7 @@ def experts_variant(latent: int, intermediate: int, batch: int, cluster: int) ->
     why = unsupported_shape(latent, intermediate, batch)
     if why:
         raise Unsupported(why)
-    return Variant(cluster, lambda: (compile_routed_experts(latent, intermediate, cluster),), lambda *args: (args,))
+    return single(lambda: compile_routed_experts(latent, intermediate, cluster), cluster)
 
 
 class RoutedExpertsKernel:

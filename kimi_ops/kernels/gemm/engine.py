@@ -76,17 +76,7 @@ from ..ptx import (
     store_words,
     wgmma_bf16,
 )
-from ..ring import (
-    CHUNK,
-    descriptor,
-    expect,
-    hand_back,
-    landed,
-    paced,
-    swizzled,
-    swizzled_stages,
-    wait_handed_back,
-)
+from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
 from .plan import (
     CONSUMER_WARPS,
     PACE,

@@ -16,7 +16,7 @@ from ...ops import oproj as oproj_op
 from ..arguments import addresses, aligned, placeholder, register_addresses
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..ring import CHUNK
-from ..variant import Unsupported, Variant, prepare_all, reason
+from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .engine import DecodeGemm, Outputs
 from .plan import MAX_BATCH, TOKEN_TILES, gemm_plan, partition, token_tile
 
@@ -67,7 +67,7 @@ def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
     if why:
         raise Unsupported(why)
     tokens = token_tile(batch)
-    return Variant(gemm_plan(n, k, tokens), lambda: (compile_gemm(n, k, tokens, *outputs),), lambda *args: (args,))
+    return single(lambda: compile_gemm(n, k, tokens, *outputs), gemm_plan(n, k, tokens))
 
 
 class GemmKernel:

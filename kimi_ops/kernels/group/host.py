@@ -1,5 +1,7 @@
 """The group barrier's host side: its compile and the adapter of ``kimi::group_barrier``."""
 
+import functools
+
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
@@ -7,13 +9,10 @@ from ... import backend
 from ...ops import boxes as boxes_op
 from ..arguments import addresses, register_addresses
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from ..variant import Variant, prepare_all, single
+from .kernels import GroupBarrier
 
 SLOT_BYTES = 16  # one packet per rank in a sync box
-
-
-from .kernels import (
-    GroupBarrier,
-)
 
 
 @compiled
@@ -24,20 +23,25 @@ def compile_barrier(tp: int):
     )
 
 
+@functools.cache
+def barrier_variant(tp: int) -> Variant:
+    return single(lambda: compile_barrier(tp))
+
+
 class GroupBarrierKernel:
     """``kimi::group_barrier`` on CUDA."""
 
     check = staticmethod(boxes_op.check_group_barrier)
 
     def prepare(self, tp: int, peer_lists=()) -> None:
-        compile_barrier(tp)
+        prepare_all([lambda: barrier_variant(tp)])
         register_addresses(peer_lists)
 
     def unsupported(self, boxes, ticket, error, rank):
         return hopper(ticket)
 
     def __call__(self, boxes, ticket, error, rank):
-        compile_barrier(len(boxes))(addresses(boxes), ticket, error, rank)
+        barrier_variant(len(boxes)).run(addresses(boxes), ticket, error, rank)
 
 
 def register() -> None:

@@ -1,5 +1,7 @@
-"""Routing's host side: compiles and the adapters of ``kimi::moe_route``,
-``kimi::moe_route_poll`` and ``kimi::situ``."""
+"""Routing's host side: compiles, each call's variant and the adapters of
+``kimi::moe_route``, ``kimi::moe_route_poll`` and ``kimi::situ``."""
+
+import functools
 
 import cutlass.cute as cute
 import torch
@@ -10,15 +12,10 @@ from ...config import TOP_K
 from ...mailbox import box_row
 from ...ops import route as route_op
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from ..variant import Unsupported, Variant, prepare_all, reason, single
+from .kernels import Route, RoutePoll, Situ
 
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
-
-
-from .kernels import (
-    Route,
-    RoutePoll,
-    Situ,
-)
 
 
 @compiled
@@ -53,14 +50,38 @@ def compile_situ(width: int, dtype: str):
     )
 
 
+@functools.cache
+def route_variant(experts: int, renorm: bool, batch: int) -> Variant:
+    """``kimi::moe_route``'s kernel for a batch: the lean ranking above LEAN_ABOVE tokens."""
+    return single(lambda: compile_route(experts, renorm, batch > LEAN_ABOVE))
+
+
+@functools.cache
+def route_poll_variant(experts: int, latent: int, renorm: bool, batch: int) -> Variant:
+    """``kimi::moe_route_poll``'s kernel for a batch; Unsupported (why) where none takes it."""
+    if experts % 4 or latent % 8:
+        raise Unsupported(f"the polled kernel needs E % 4 == 0 and L % 8 == 0 (E={experts}, L={latent})")
+    return single(lambda: compile_route_poll(experts, latent, renorm, batch > LEAN_ABOVE))
+
+
+@functools.cache
+def situ_variant(width: int, dtype: str) -> Variant:
+    if width % 8:
+        raise Unsupported(f"the kernel reads 16-byte packets: S must be a multiple of 8, got {width}")
+    return single(lambda: compile_situ(width, dtype))
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 class RouteKernel:
     """``kimi::moe_route`` on CUDA."""
 
     check = staticmethod(route_op.check_moe_route)
 
     def prepare(self, experts: int, renorm: bool) -> None:
-        for lean in (False, True):
-            compile_route(experts, renorm, lean)
+        prepare_all(lambda batch=batch: route_variant(experts, renorm, batch) for batch in (1, LEAN_ABOVE + 1))
 
     def unsupported(self, logits, bias, scale, renorm):
         return hopper(logits)
@@ -70,7 +91,7 @@ class RouteKernel:
         ids = logits.new_empty((batch, TOP_K), dtype=torch.int32)
         weights = logits.new_empty((batch, TOP_K), dtype=torch.bfloat16)
         if batch:
-            compile_route(logits.shape[1], bool(renorm), batch > LEAN_ABOVE)(logits, bias, ids, weights, scale)
+            route_variant(logits.shape[1], bool(renorm), batch).run(logits, bias, ids, weights, scale)
         return ids, weights
 
 
@@ -80,18 +101,16 @@ class SituKernel:
     check = staticmethod(route_op.check_situ)
 
     def prepare(self, width: int, dtype: str) -> None:
-        compile_situ(width, dtype)
+        prepare_all([lambda: situ_variant(width, dtype)])
 
     def unsupported(self, gate_up, beta, linear_beta):
-        if gate_up.shape[1] % 16:
-            return f"the kernel reads 16-byte packets: S must be a multiple of 8, got {gate_up.shape[1] // 2}"
-        return hopper(gate_up)
+        return reason(lambda: situ_variant(gate_up.shape[1] // 2, dtype_name(gate_up))) or hopper(gate_up)
 
     def __call__(self, gate_up, beta, linear_beta):
         batch, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty((batch, width), dtype=torch.bfloat16)
         if batch:
-            compile_situ(width, str(gate_up.dtype).removeprefix("torch."))(gate_up, out, beta, linear_beta)
+            situ_variant(width, dtype_name(gate_up)).run(gate_up, out, beta, linear_beta)
         return out
 
 
@@ -101,23 +120,22 @@ class RoutePollKernel:
     check = staticmethod(route_op.check_moe_route_poll)
 
     def prepare(self, experts: int, latent: int, renorm: bool) -> None:
-        for lean in (False, True):
-            compile_route_poll(experts, latent, renorm, lean)
+        prepare_all(lambda batch=batch: route_poll_variant(experts, latent, renorm, batch)
+                    for batch in (1, LEAN_ABOVE + 1))
 
     def unsupported(self, box, bias, scale, renorm, parity, batch, error):
-        latent = box.shape[3] - 2 * bias.shape[0]
-        if bias.shape[0] % 4 or latent % 8:
-            return f"the polled kernel needs E % 4 == 0 and L % 8 == 0 (E={bias.shape[0]}, L={latent})"
-        return hopper(box)
+        experts = bias.shape[0]
+        return (reason(lambda: route_poll_variant(experts, box.shape[3] - 2 * experts, bool(renorm), batch))
+                or hopper(box))
 
     def __call__(self, box, bias, scale, renorm, parity, batch, error):
-        latent_width = box.shape[3] - 2 * bias.shape[0]
+        experts = bias.shape[0]
+        latent_width = box.shape[3] - 2 * experts
         ids = box.new_empty((batch, TOP_K), dtype=torch.int32)
         weights = box.new_empty((batch, TOP_K))
         latent = box.new_empty((batch, latent_width))
-        kernel = compile_route_poll(bias.shape[0], latent_width, bool(renorm), batch > LEAN_ABOVE)
-        capacity = box.shape[2]
-        kernel(box.view(-1, box.shape[3]), bias, ids, weights, latent, error, scale, box_row(parity, 0, 0, 1, capacity))
+        route_poll_variant(experts, latent_width, bool(renorm), batch).run(
+            box.view(-1, box.shape[3]), bias, ids, weights, latent, error, scale, box_row(parity, 0, 0, 1, box.shape[2]))
         return ids, weights, latent
 
 

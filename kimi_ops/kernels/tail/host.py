@@ -15,7 +15,7 @@ from ..arguments import addresses, aligned, placeholder, register_addresses
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import multiprocessors
 from ..ring import CHUNK
-from ..variant import Unsupported, Variant
+from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .fronts import LatentReduce, NormFront, PollNormFront, ShardPush, TailFront
 from .split import MoeTail
 from .split_plan import CLUSTER, TILE_ROWS, Plan
@@ -206,6 +206,23 @@ def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, st
                    lambda: (compile_tail(tp, shard, latent, groups, True, *extra),), arguments)
 
 
+@functools.cache
+def publish_variant(latent: int, tp: int, chunk: int) -> Variant:
+    """``kimi::moe_tail_publish``'s TailFront; ``chunk``: 0 for latent boxes, L/TP for
+    two-shot's receive boxes."""
+    return single(lambda: compile_front(latent, tp, chunk))
+
+
+@functools.cache
+def push_variant(hidden: int, tp: int) -> Variant:
+    return single(lambda: compile_push(hidden, tp))
+
+
+@functools.cache
+def reduce_variant(chunk: int, tp: int) -> Variant:
+    return single(lambda: compile_reduce(chunk, tp))
+
+
 class TailKernel:
     """``kimi::moe_tail`` on CUDA (TP1): NormFront, then :func:`functional_variant`'s tail on
     the normalized rows. ``stamps`` (benchmarks only): an int64 buffer of Stamps pairs per
@@ -220,21 +237,14 @@ class TailKernel:
         """Compile what the op will run for ``batches``."""
         for per_sm in (1, 2):  # front_per_sm's choices
             compile_norm_front(latent, per_sm)
-        for groups in sorted({groups_of(b) for b in batches}):
-            try:
-                variant = functional_variant(hidden, latent, groups, self.stamps is not None)
-            except Unsupported:
-                continue  # the reference runs it: nothing to compile
-            variant.kernels()
+        prepare_all(lambda groups=groups: functional_variant(hidden, latent, groups, self.stamps is not None)
+                    for groups in sorted({groups_of(b) for b in batches}))
 
     def unsupported(self, expanded, weights, shared, gamma, w_up, eps):
         if not aligned(expanded, shared, gamma, w_up):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
-        try:
-            functional_variant(w_up.shape[0], expanded.shape[2], groups_of(expanded.shape[0]))
-        except Unsupported as why:
-            return str(why)
-        return hopper(expanded)
+        return (reason(lambda: functional_variant(w_up.shape[0], expanded.shape[2], groups_of(expanded.shape[0])))
+                or hopper(expanded))
 
     def __call__(self, expanded, weights, shared, gamma, w_up, eps):
         out = shared.new_empty((expanded.shape[0], w_up.shape[0]))
@@ -263,8 +273,7 @@ class TailPublishKernel:
 
     def prepare(self, latent: int, tp: int, peer_lists=(), chunks=(0,)) -> None:
         """``chunks``: 0 for latent boxes, L/TP for two-shot receive boxes."""
-        for chunk in chunks:
-            compile_front(latent, tp, chunk)
+        prepare_all(lambda chunk=chunk: publish_variant(latent, tp, chunk) for chunk in chunks)
         register_addresses(peer_lists)
 
     def unsupported(self, expanded, weights, latent_boxes, parity, rank):
@@ -275,7 +284,7 @@ class TailPublishKernel:
     def __call__(self, expanded, weights, latent_boxes, parity, rank):
         latent, width = expanded.shape[2], latent_boxes[0].shape[3]
         tp, capacity = len(latent_boxes), latent_boxes[0].shape[2]
-        compile_front(latent, tp, 0 if width == latent else width)(
+        publish_variant(latent, tp, 0 if width == latent else width).run(
             expanded, weights, addresses(latent_boxes), box_row(parity, rank, 0, tp, capacity))
 
 
@@ -285,7 +294,7 @@ class LatentReduceKernel:
     check = staticmethod(tail_op.check_moe_latent_reduce)
 
     def prepare(self, chunk: int, tp: int, peer_lists=()) -> None:
-        compile_reduce(chunk, tp)
+        prepare_all([lambda: reduce_variant(chunk, tp)])
         register_addresses(peer_lists)
 
     def unsupported(self, recv_box, gathered_boxes, error, parity, rearm_parity, rearm_batch, rank, batch):
@@ -294,7 +303,7 @@ class LatentReduceKernel:
         return hopper(recv_box)
 
     def __call__(self, recv_box, gathered_boxes, error, parity, rearm_parity, rearm_batch, rank, batch):
-        compile_reduce(recv_box.shape[3], recv_box.shape[1])(
+        reduce_variant(recv_box.shape[3], recv_box.shape[1]).run(
             recv_box, addresses(gathered_boxes), error, parity, rearm_parity, rearm_batch, rank, batch)
 
 
@@ -304,7 +313,7 @@ class TailPushKernel:
     check = staticmethod(tail_op.check_moe_tail_push)
 
     def prepare(self, hidden: int, tp: int, peer_lists=()) -> None:
-        compile_push(hidden, tp)
+        prepare_all([lambda: push_variant(hidden, tp)])
         register_addresses(peer_lists)
 
     def unsupported(self, shared, rs_boxes, parity, rank):
@@ -314,7 +323,7 @@ class TailPushKernel:
 
     def __call__(self, shared, rs_boxes, parity, rank):
         tp, capacity = len(rs_boxes), rs_boxes[0].shape[2]
-        compile_push(shared.shape[1], tp)(shared, addresses(rs_boxes), box_row(parity, rank, 0, tp, capacity))
+        push_variant(shared.shape[1], tp).run(shared, addresses(rs_boxes), box_row(parity, rank, 0, tp, capacity))
 
 
 class TailPollKernel:
@@ -324,31 +333,23 @@ class TailPollKernel:
 
     def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=(), gathered_batches=()) -> None:
         """``gathered_batches``: those of ``batches`` that poll two-shot's gathered box (one source)."""
-        for groups, sources in sorted({(groups_of(b), 1 if b in gathered_batches else tp) for b in batches}):
-            try:
-                variant = poll_variant(tp, shard, latent, groups, sources)
-            except Unsupported:
-                continue  # the reference runs it: nothing to compile
-            variant.kernels()
+        prepare_all(lambda groups=groups, sources=sources: poll_variant(tp, shard, latent, groups, sources)
+                    for groups, sources in sorted({(groups_of(b), 1 if b in gathered_batches else tp) for b in batches}))
         register_addresses(peer_lists)
 
     def unsupported(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                     rearm_batch, rank, batch):
         if not aligned(latent_box, rs_box, gamma, w_up, *out_boxes):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
-        try:
-            poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch), latent_box.shape[1])
-        except Unsupported as why:
-            return str(why)
-        return hopper(latent_box)
+        return reason(lambda: poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
+                                           latent_box.shape[1])) or hopper(latent_box)
 
     def __call__(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
                  rank, batch):
         variant = poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
                                latent_box.shape[1])
-        for launch in variant.launches(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
-                                       rearm_batch, rank, batch):
-            launch()
+        variant.run(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank,
+                    batch)
 
 
 class TailServeKernel:

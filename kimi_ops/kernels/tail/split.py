@@ -64,15 +64,7 @@ from ..ptx import (
     store_shared,
     store_words,
 )
-from ..ring import (
-    CHUNK,
-    expect,
-    hand_back,
-    landed,
-    paced,
-    swizzled_stages,
-    wait_handed_back,
-)
+from ..ring import CHUNK, expect, hand_back, landed, paced, swizzled_stages, wait_handed_back
 from ..values import Stamps
 from .common import (
     LATENT_POLL,

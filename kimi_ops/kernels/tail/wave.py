@@ -25,17 +25,7 @@ from ..ptx import (
     store_words,
     wgmma_bf16,
 )
-from ..ring import (
-    CHUNK,
-    descriptor,
-    expect,
-    hand_back,
-    landed,
-    paced,
-    swizzled,
-    swizzled_stages,
-    wait_handed_back,
-)
+from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
 from ..values import Stamps, Values
 from .common import PHASES, Outbox, output_packet, publish_out, reduced_shared
 
