@@ -53,6 +53,16 @@ def test_one_token_per_cluster_each_cta_a_slice_of_whole_packets():
     assert attn_res_kernels.AttnRes(HIDDEN, 1, 8, 0).threads == 128
 
 
+def test_large_batches_take_one_cta_a_token(clean_ptxas):
+    """Above ONE_CTA_ABOVE tokens a CTA takes a token's whole H while its stash fits
+    ONE_CTA_STASH (bench_attn_res); deeper stashes keep the cluster."""
+    assert [attn_res_plan.cluster_for(HIDDEN, b, 4) for b in (1, 8, 16, 17, 64)] == [8, 8, 8, 1, 1]
+    assert attn_res_plan.cluster_for(HIDDEN, 64, 6) == 8
+    for polled in (False, True):
+        assert attn_res.compile_attn_res.build(HIDDEN, 1, 1, 4, polled) is not None
+    clean_ptxas()
+
+
 def test_every_exchange_round_has_slots_of_its_own():
     kernel = attn_res_kernels.AttnRes(HIDDEN, 8, 8, 6)
     slots = ([kernel.block_ss + n for n in range(6)] + [kernel.block_dot + n for n in range(6)]
@@ -80,6 +90,9 @@ def test_prepare_compiles_each_bucket_once(monkeypatch):
     compiled.clear()
     attn_res.AttnResTakeKernel().prepare(HIDDEN, (2,), [0, 3, 30])
     assert compiled == [(HIDDEN, 2, 8, rows, True) for rows in (0, 3, 32)]
+    compiled.clear()
+    attn_res.AttnResTakeKernel().prepare(HIDDEN, (1,), [1], batches=(8, 64))
+    assert compiled == [(HIDDEN, 1, 8, 1, True), (HIDDEN, 1, 1, 1, True)]
 
 
 def kernel_model(blocks, partial, sublayer, query, key_w, out_w, eps, cluster):

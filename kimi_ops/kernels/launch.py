@@ -12,6 +12,11 @@ THREADS = 256  # every kernel's CTA (launch)
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
 
 
+# PDL: kernels release their dependents at entry (griddepcontrol.launch_dependents first):
+# a dependent's grid launches once every CTA of ours has released it, so ours are all
+# resident by then and the dependent cannot take SMs we still need; its
+# griddepcontrol.wait still waits for our whole grid to finish and flush. In between it
+# prefetches its weights on the SMs we leave free (benchmarks/timeline.py shows it).
 # KIMI_OPS_PDL=0: every kernel launched without programmatic dependent launch (each starts
 # when its predecessor has ended): bench_layer's "without PDL" row. Part of the cache key.
 PDL = os.environ.get("KIMI_OPS_PDL", "1") != "0"

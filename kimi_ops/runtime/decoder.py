@@ -182,8 +182,8 @@ class KimiDecoder(nn.Module):
                 for prepared in (part.index, part.oproj, part.front, part.tail):
                     prepared.prepare(batches, boxes)
         counts = range((self.num_layers - 1) // self.config.attn_res_block + 1)  # the completed blocks a residual sees
-        backend.prepare("attn_res", self.config.hidden, (1,), counts)  # the embedding's
-        backend.prepare("attn_res_take", self.config.hidden, (tp, 1), counts)  # o-proj rows (TP sources), tail rows
+        backend.prepare("attn_res", self.config.hidden, (1,), counts, batches)  # the embedding's
+        backend.prepare("attn_res_take", self.config.hidden, (tp, 1), counts, batches)  # o-proj rows (TP sources), tail rows
         if self.group.barrier:
             backend.prepare("group_barrier", tp, [boxes.peers("sync", r) for r in self.group.ranks])
 

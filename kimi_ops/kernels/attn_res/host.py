@@ -40,7 +40,7 @@ def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool
     )
 
 
-def unsupported_shape(hidden: int, tp: int, count: int) -> str | None:
+def unsupported_shape(hidden: int, tp: int, count: int, batch: int = 1) -> str | None:
     if hidden <= 0 or hidden % 8:
         return f"the kernel reads 16-byte packets: H must be a positive multiple of 8, got {hidden}"
     if tp > MAX_TP:
@@ -48,20 +48,21 @@ def unsupported_shape(hidden: int, tp: int, count: int) -> str | None:
     rows = stash_rows(count)
     if rows is None:
         return f"the kernel stashes at most {ROW_BUCKETS[-1]} completed blocks, got N = {count}"
-    if AttnRes(hidden, tp, cluster_for(hidden), rows).smem_bytes() > SMEM_BYTES:
+    if AttnRes(hidden, tp, cluster_for(hidden, batch, rows), rows).smem_bytes() > SMEM_BYTES:
         return f"N = {count} blocks of H = {hidden} pass a CTA's shared memory"
     return None
 
 
 @functools.cache  # asked by unsupported and the call: built once a shape
-def attn_res_variant(hidden: int, tp: int, count: int, polled: bool) -> Variant:
-    """A call's variant: H, the sources, N's stash bucket (its plan: (cluster, stash rows));
-    the kernel takes the adapter's arguments as they are. Unsupported (why) where no
-    variant takes the shape."""
-    why = unsupported_shape(hidden, tp, count)
+def attn_res_variant(hidden: int, tp: int, count: int, polled: bool, batch: int) -> Variant:
+    """A call's variant: H, the sources, N's stash bucket, the batch (its plan: (cluster,
+    stash rows)); the kernel takes the adapter's arguments as they are. Unsupported (why)
+    where no variant takes the shape."""
+    why = unsupported_shape(hidden, tp, count, batch)
     if why:
         raise Unsupported(why)
-    cluster, rows = cluster_for(hidden), stash_rows(count)
+    rows = stash_rows(count)
+    cluster = cluster_for(hidden, batch, rows)
     return single(lambda: compile_attn_res(hidden, tp, cluster, rows, polled), (cluster, rows))
 
 
@@ -71,21 +72,21 @@ class AttnResKernel:
     check = staticmethod(attn_res_op.check_attn_res)
     polled = False
 
-    def prepare(self, hidden: int, tps, counts) -> None:
-        """Every variant calls with these source counts (TP, or the box's sources) and
-        block counts take."""
+    def prepare(self, hidden: int, tps, counts, batches=(1,)) -> None:
+        """Every variant calls with these source counts (TP, or the box's sources), block
+        counts and batches take."""
         buckets = sorted({stash_rows(count) for count in counts})  # a bucket is its own bucket
-        prepare_all(lambda tp=tp, rows=rows: attn_res_variant(hidden, tp, rows, self.polled)
-                    for tp in tps for rows in buckets)
+        prepare_all(lambda tp=tp, rows=rows, batch=batch: attn_res_variant(hidden, tp, rows, self.polled, batch)
+                    for tp in tps for rows in buckets for batch in sorted(set(batches)))
 
-    def unsupported_call(self, hidden, tp, count, tensors) -> str | None:
-        why = reason(lambda: attn_res_variant(hidden, tp, count, self.polled))
+    def unsupported_call(self, hidden, tp, count, batch, tensors) -> str | None:
+        why = reason(lambda: attn_res_variant(hidden, tp, count, self.polled, batch))
         if why is None and not aligned(*tensors):
             why = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
         return why or hopper(tensors[0])
 
     def unsupported(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
-        return self.unsupported_call(partial.shape[1], sublayer_out.shape[0], blocks.shape[0],
+        return self.unsupported_call(partial.shape[1], sublayer_out.shape[0], blocks.shape[0], partial.shape[0],
                                      (partial, blocks, sublayer_out, query, key_norm_w, out_norm_w))
 
     def __call__(self, blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps):
@@ -94,7 +95,7 @@ class AttnResKernel:
         outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
         if batch:
             sources = sublayer_out.view(-1, hidden) if tp else partial  # an empty tensor is never read
-            attn_res_variant(hidden, tp, count, False).run(block_rows(blocks, partial), partial, sources, query,
+            attn_res_variant(hidden, tp, count, False, batch).run(block_rows(blocks, partial), partial, sources, query,
                                                            key_norm_w, out_norm_w, *outputs, count, eps)
         return tuple(outputs)
 
@@ -106,13 +107,13 @@ class AttnResTakeKernel(AttnResKernel):
     polled = True
 
     def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
-        return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0],
+        return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0], batch,
                                      (box, blocks, partial, query, key_norm_w, out_norm_w))
 
     def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
         hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
         outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
-        attn_res_variant(hidden, tp, blocks.shape[0], True).run(
+        attn_res_variant(hidden, tp, blocks.shape[0], True, batch).run(
             block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
             *outputs, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
         return tuple(outputs)

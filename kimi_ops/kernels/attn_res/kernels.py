@@ -39,7 +39,7 @@ Shared memory a CTA: the stash (H = 7168: 1.75 KB a row), 8 bytes a slot per war
 CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 CTAs an
 SM) while the stash bucket is ≤ 24 rows (N ≤ 24); deeper stacks run in two (not measured).
 
-PDL: the dependents are triggered once the outputs are written.
+PDL: the dependents are released at entry (kernels/launch.py says why).
 """
 
 from typing import NamedTuple
@@ -114,13 +114,13 @@ class AttnRes:
                        for s in range(self.tp)]
             rows.append([load_words(address) for address in own + sources])
         self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
-        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
     @cute.jit
     def start(self, blocks, partial, query, key_norm_w, out_norm_w, count, eps):
         """What precedes the wait: the weights' packets and step 1. Returns the thread's
         :class:`Place`, its :class:`AttnResSpace`, each round's first column and the
         :class:`Weights`' packets."""
+        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         token, part = cta // self.cluster, cta % self.cluster
@@ -369,7 +369,6 @@ class AttnResTake(AttnRes):
         rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
                 + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
         self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
-        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
 
 @cute.jit

@@ -142,7 +142,9 @@ class RoutedExperts:
         if cutlass.const_expr(self.cluster > 1):
             if served != 2:
                 cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
-        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
+        # At the end, not at entry (launch.py): the tail's kernels launched beside us took SMs
+        # from our later CTAs and ran 3-5 µs slower at B <= 8 (benchmarks/timeline.py).
+        cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:

@@ -14,7 +14,7 @@ Situ: gate and up each rounded to BF16, g · sigmoid(beta · g) · (u + linear_b
 BF16 out; 16-byte packets, 256 of them of one token per CTA.
 
 PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; the dependents are
-triggered once the outputs are written.
+released at entry (kernels/launch.py says why).
 """
 
 import cutlass
@@ -55,6 +55,7 @@ class Route:
     def kernel(self, logits: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, scale: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
+        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         offsets = self.load_bias(bias, tid)
         cute.arch.griddepcontrol_wait()
         raw = cute.make_rmem_tensor(self.slots, Float32)
@@ -63,7 +64,6 @@ class Route:
             if self.expert(tid, i) < self.experts:
                 raw[i] = logits[token, self.expert(tid, i)]
         self.route(raw, offsets, ids, weights, scale, token, tid)
-        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
     @cute.jit
     def load_bias(self, bias: cute.Tensor, tid):
@@ -208,6 +208,7 @@ class RoutePoll(Route):
                latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         batch = ids.shape[0]
         token = cta % batch
         row = rows.iterator + (first_row + token) * rows.stride[0]
@@ -233,7 +234,6 @@ class RoutePoll(Route):
                     rearm(packet)
                     cute.arch.griddepcontrol_wait()
                     store_words(latent.iterator + token * latent.stride[0] + packet_index * 8, words)
-        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
 
 class Situ:
@@ -254,6 +254,7 @@ class Situ:
     def kernel(self, gate_up: cute.Tensor, out: cute.Tensor, beta: Float32, linear_beta: Float32):
         tid, _, _ = cute.arch.thread_idx()
         token, chunk, _ = cute.arch.block_idx()
+        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         first = (chunk * THREADS + tid) * self.columns
         cute.arch.griddepcontrol_wait()
         if first < self.width:
@@ -262,7 +263,6 @@ class Situ:
             values = [situ_value(g, u, beta, linear_beta) for g, u in zip(gate, up)]
             words = pack_values(values)
             store_words(out.iterator + token * out.stride[0] + first, words)
-        cute.arch.griddepcontrol_launch_dependents()  # outputs written: dependents cannot take our SMs
 
     @cute.jit
     def unpack(self, words):

@@ -251,11 +251,11 @@ class ShardPush:
         tid, _, _ = cute.arch.thread_idx()
         token, part, _ = cute.arch.block_idx()
         column = (part * THREADS + tid) * 8
+        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         cute.arch.griddepcontrol_wait()
         if column < self.hidden:
             store_to_owner(peers, self.shard, row0 + token, column,
                            load_words(shared.iterator + token * shared.stride[0] + column))
-        cute.arch.griddepcontrol_launch_dependents()
 
 
 @cute.jit
