@@ -22,7 +22,8 @@ setup(
     description="Kimi-K3 decode kernels (CuTe DSL) as torch.ops.kimi custom ops",
     packages=find_packages(include=["kimi_ops", "kimi_ops.*"]),
     python_requires=">=3.11",
-    install_requires=["torch>=2.11,<2.15"],
+    # numpy: torch warns "Failed to initialize NumPy" on its first tensor from Python data without it
+    install_requires=["torch>=2.11,<2.15", "numpy"],
     extras_require={
         "test": ["pytest", "expecttest", "numpy", "hypothesis"],
         "cute": ["nvidia-cutlass-dsl==4.8.1", "cuda-python", "apache-tvm-ffi>=0.1.15"],

@@ -24,9 +24,14 @@ def main() -> None:
     args = parser.parse_args()
 
     config = getattr(KimiConfig, args.config)()
+    print(f"config {args.config}  device {args.device}  batch {args.batch}: drawing the random weights ...", flush=True)
+    began = time.perf_counter()
     gen = torch.Generator().manual_seed(args.seed)
     weights = MoeWeights.random(config, gen, args.device)
     x = torch.randn(args.batch, config.hidden, generator=gen).bfloat16().to(args.device)
+    nbytes = sum(tensor.nbytes for tensor in vars(weights).values())
+    print(f"  {nbytes / 1e9:.2f} GB in {time.perf_counter() - began:.1f} s; {args.repeats} steps (the first compiles "
+          "or loads the kernels on a GPU) ...", flush=True)
 
     times = []
     for _ in range(args.repeats):
@@ -36,7 +41,6 @@ def main() -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
 
-    print(f"config {args.config}  device {args.device}  batch {args.batch}")
     for name, tensor in vars(weights).items():
         print(f"  {name:15s} {str(list(tensor.shape)):22s} {tensor.dtype}")
     print(f"input  {list(x.shape)} {x.dtype}")

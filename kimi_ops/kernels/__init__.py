@@ -1,5 +1,16 @@
-"""CuTe DSL kernels (Hopper first). Importing this package needs ``nvidia-cutlass-dsl``;
-:func:`register` puts the kernels under the ``kimi`` ops' CUDA dispatch."""
+"""CuTe DSL kernels (Hopper first). Importing its modules needs ``nvidia-cutlass-dsl``
+(this one does not); :func:`register` puts the kernels under the ``kimi`` ops' CUDA
+dispatch."""
+
+import os
+import pathlib
+import tempfile
+
+
+def cache_root() -> pathlib.Path:
+    """Where compiled kernels are cached: ``$KIMI_OPS_CACHE_DIR``, else the temp dir's
+    ``kimi_ops_cache`` (one folder below it per kernel-source fingerprint)."""
+    return pathlib.Path(os.environ.get("KIMI_OPS_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "kimi_ops_cache"))
 
 
 def register() -> bool:

@@ -41,9 +41,11 @@ def addresses(tensors) -> torch.Tensor:
 
 def register_addresses(peer_lists) -> None:
     """Build the address tables of these box lists now (wrapper construction): never in a
-    capture, and never in a cudagraph-tree warm-up, whose pool would hold them."""
+    capture, and never in a cudagraph-tree warm-up, whose pool would hold them. CPU boxes
+    (kimi_ops.prepare's work list) have none."""
     for boxes in peer_lists:
-        addresses(boxes)
+        if boxes and boxes[0].is_cuda:
+            addresses(boxes)
 
 
 def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:

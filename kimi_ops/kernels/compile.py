@@ -1,16 +1,17 @@
 """Compiling the kernels: compile-time fakes, the target arch, and the on-disk compile
 cache keyed by the kernels' sources, the toolchain and the compiled-in settings."""
 
+import contextlib
 import functools
 import hashlib
 import os
 import pathlib
-import tempfile
 
 import cutlass
 import cutlass.cute as cute
 import torch
 
+from . import cache_root
 from .launch import PDL
 from .mailbox import BARRIER_TIMEOUT_NS, POLL_TIMEOUT_NS
 
@@ -55,8 +56,7 @@ def source_fingerprint() -> str:
 
 
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("KIMI_OPS_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "kimi_ops_cache")
-    path = pathlib.Path(root) / source_fingerprint()
+    path = cache_root() / source_fingerprint()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -70,6 +70,36 @@ def compile_options() -> str:
     return "--enable-tvm-ffi" + remarks
 
 
+BUILDS = {}  # every compiled() getter by its build's name: kimi_ops.prepare's processes call them
+_collected: set | None = None  # collecting(): the kernels a block would compile or load
+_report = None  # reporting(): told of each kernel compiled or loaded
+
+
+@contextlib.contextmanager
+def collecting():
+    """Within the block a kernel not yet in memory is only named: its getter adds (build
+    name, key) to the yielded set and returns None (what a prepare would compile or load:
+    the decoder's progress total, kimi_ops.prepare's work list)."""
+    global _collected
+    before, _collected = _collected, set()
+    try:
+        yield _collected
+    finally:
+        _collected = before
+
+
+@contextlib.contextmanager
+def reporting(report):
+    """Within the block ``report(cached)`` follows each kernel compiled (False) or loaded
+    from the on-disk cache (True); kernels already in memory are not reported."""
+    global _report
+    before, _report = _report, report
+    try:
+        yield
+    finally:
+        _report = before
+
+
 def compiled(build):
     """Decorator: ``build(*key)`` returns a ``cute.compile`` result; cache it in memory and
     as an exported object file keyed by (source, arch, build name, key)."""
@@ -80,6 +110,9 @@ def compiled(build):
         key = (arch(), *key)
         if key in memory:
             return memory[key]
+        if _collected is not None:
+            _collected.add((build.__qualname__, key[1:]))
+            return None
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"{build.__name__}{key[1:]} was not compiled before CUDA-graph capture: "
@@ -87,7 +120,8 @@ def compiled(build):
             )
         name = hashlib.sha256(repr((build.__qualname__, key)).encode()).hexdigest()[:24]
         path = cache_dir() / f"{name}.o"
-        if path.exists():
+        cached = path.exists()
+        if cached:
             function = cute.runtime.load_module(str(path), enable_tvm_ffi=True)[EXPORT_NAME]
         else:
             function = build(*key[1:])
@@ -95,9 +129,12 @@ def compiled(build):
             function.export_to_c(object_file_path=str(partial), function_name=EXPORT_NAME)
             os.replace(partial, path)  # atomic: no reader sees half a file
         memory[key] = function
+        if _report is not None:
+            _report(cached)
         return function
 
     get.build = build  # compile only, no cache (CI compiles every variant on the CPU)
+    BUILDS[build.__qualname__] = get
     return get
 
 

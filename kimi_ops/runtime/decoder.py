@@ -12,6 +12,7 @@ columns. Routed experts are a stand-in in the latent space (``kimi::routed_exper
 rank r serves experts [r·E/TP, (r+1)·E/TP) and zeroes the rows of the others.
 """
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from ..checks import fail_setting, is_int
 from ..config import INDEX_DIM, INDEX_HEADS, PACKED, KimiConfig
 from ..mailbox import KimiMailboxError, parities, raise_if_error
 from ..moe import MoeWeights
+from ..progress import Progress
 from .boxes import DecodeBoxes
 from .groups import make_group
 from .prepared import PreparedFront, PreparedIndexFront, PreparedOproj, PreparedTail
@@ -102,6 +104,15 @@ class RankLayer(nn.Module):
         return None
 
 
+def prepare_residuals(config: KimiConfig, num_layers: int, tp: int, batches) -> None:
+    """The AttnRes kernels of a decoder of ``num_layers`` layers: the embedding's, and after
+    each sublayer the o-proj rows (TP sources) and the tail's rows, for every count of
+    completed blocks a residual sees."""
+    counts = range((num_layers - 1) // config.attn_res_block + 1)
+    backend.prepare("attn_res", config.hidden, (1,), counts, batches)
+    backend.prepare("attn_res_take", config.hidden, (tp, 1), counts, batches)
+
+
 class KimiDecoder(nn.Module):
     """``num_layers`` Kimi-K3 decode layers (every layer MoE) over one TP group.
 
@@ -117,11 +128,15 @@ class KimiDecoder(nn.Module):
     call :meth:`check` (a host sync) when they choose. After a fault the error word stays
     set (every later step raises) until :meth:`reset`.
 
+    On CUDA the kernels of every batch bucket are compiled or loaded here; ``progress``
+    reports them on stderr (None: where stderr is a TTY; :meth:`prepare`).
+
     Bad settings raise :class:`~kimi_ops.KimiArgumentError` here, bad ``forward``
     arguments there, naming what was wrong.
     """
 
-    def __init__(self, config: KimiConfig, num_layers: int, tp=1, seed: int = 0, device=None):
+    def __init__(self, config: KimiConfig, num_layers: int, tp=1, seed: int = 0, device=None,
+                 progress: bool | None = None):
         super().__init__()
         if not isinstance(config, KimiConfig):
             fail_setting("KimiDecoder", "config", "a KimiConfig", type(config).__name__)
@@ -129,6 +144,8 @@ class KimiDecoder(nn.Module):
             fail_setting("KimiDecoder", "num_layers", "a positive int", num_layers)
         if not is_int(seed):
             fail_setting("KimiDecoder", "seed", "an int", seed)
+        if not (progress is None or isinstance(progress, bool)):
+            fail_setting("KimiDecoder", "progress", "None, True or False", progress)
         self.config, self.num_layers = config, num_layers
         self.group = group = make_group(tp)
         # Each rank's shard of a mailbox row is whole packets (KimiConfig checks TP1).
@@ -166,24 +183,41 @@ class KimiDecoder(nn.Module):
         # unsupported shape) its polls would not wait for peers publishing concurrently.
         self.serving = group.tp == 1
         if device.type == "cuda":  # compile kernels now, not in a capture
-            self.prepare()
+            self.prepare(progress)
         # Every rank built, its kernels compiled or loaded: the first step starts together (a
         # kernel loaded inside a step delays its rank past the group barrier's bound).
         group.host_barrier()
         if device.type == "cuda" and group.barrier:
             self.warm_up()
 
-    def prepare(self) -> None:
-        """Every kernel of every batch bucket compiled or loaded: each part's own calls,
-        then the residuals' and the barrier's."""
+    def prepare(self, progress: bool | None = None) -> None:
+        """Every kernel of every batch bucket compiled or loaded (:meth:`prepare_calls`);
+        ``progress``: ``k/N kernels (c cached)`` on stderr as they come (None: where stderr
+        is a TTY)."""
+        if progress is None:
+            progress = sys.stderr.isatty()
+        if not (progress and backend.KERNELS):
+            self.prepare_calls()
+            return
+        from ..kernels import compile as kernel_compile  # kernels are registered: CuTe DSL is installed
+
+        with kernel_compile.collecting() as needed:
+            self.prepare_calls()
+        if not needed:
+            return
+        tally = Progress(len(needed))
+        with kernel_compile.reporting(tally):
+            self.prepare_calls()
+        tally.close()
+
+    def prepare_calls(self) -> None:
+        """Each part's own calls, then the residuals' and the barrier's."""
         batches, boxes, tp = self.buckets(), self.boxes, self.group.tp
         for layer in self.layers:
             for part in layer:
                 for prepared in (part.index, part.oproj, part.front, part.tail):
                     prepared.prepare(batches, boxes)
-        counts = range((self.num_layers - 1) // self.config.attn_res_block + 1)  # the completed blocks a residual sees
-        backend.prepare("attn_res", self.config.hidden, (1,), counts, batches)  # the embedding's
-        backend.prepare("attn_res_take", self.config.hidden, (tp, 1), counts, batches)  # o-proj rows (TP sources), tail rows
+        prepare_residuals(self.config, self.num_layers, tp, batches)
         if self.group.barrier:
             backend.prepare("group_barrier", tp, [boxes.peers("sync", r) for r in self.group.ranks])
 
