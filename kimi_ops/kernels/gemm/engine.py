@@ -363,10 +363,10 @@ class DecodeGemm:
         sums = cute.make_rmem_tensor((count,), Float32)
         chunk_sums = cute.make_rmem_tensor((plan.sets, count), Float32)
         zeros = pinned([Float32(0.0)] * count)
-        for k in cutlass.range_constexpr(count):
-            sums[k] = zeros[k]
+        for k, zero in enumerate(zeros):  # a static loop (range_constexpr warns from 64 on)
+            sums[k] = zero
             for s in cutlass.range_constexpr(plan.sets):
-                chunk_sums[s, k] = zeros[k]
+                chunk_sums[s, k] = zero
         base = ring.toint()
         for first in cutlass.range(0, plan.chunks, plan.sets, unroll=1):
             for s in cutlass.range_constexpr(plan.sets):
@@ -388,9 +388,9 @@ class DecodeGemm:
             for s in cutlass.range_constexpr(plan.sets):
                 warpgroup.wait_group(plan.sets - 1 - s)
                 done = pinned([chunk_sums[s, k] for k in range(count)])
-                for k in cutlass.range_constexpr(count):
-                    chunk_sums[s, k] = done[k]
-                    sums[k] = sums[k] + done[k]
+                for k, value in enumerate(done):
+                    chunk_sums[s, k] = value
+                    sums[k] = sums[k] + value
                 hand_back(empty + (first + s) % plan.depth, lane)
         return [sums[k] for k in range(count)]
 

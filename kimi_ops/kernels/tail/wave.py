@@ -338,8 +338,8 @@ class WaveMoeTail:
         plan = self.plan
         acc = cute.make_rmem_tensor((plan.accumulators,), Float32)
         zeros = pinned([Float32(0.0)] * plan.accumulators)  # set before the first wgmma.fence
-        for k in cutlass.range_constexpr(plan.accumulators):
-            acc[k] = zeros[k]
+        for k, zero in enumerate(zeros):  # a static loop (range_constexpr warns from 64 on)
+            acc[k] = zero
         # Unrolled: across a loop's back edge with a chunk in flight ptxas serializes the
         # wgmmas (C7514).
         for j in cutlass.range_constexpr(plan.chunks // 2):
