@@ -47,6 +47,7 @@ import torch
 
 import kimi_ops  # noqa: F401
 from kimi_ops import KimiConfig, KimiDecoder
+from kimi_ops.debug import KimiOpMode
 from kimi_ops.testing import guard
 from kimi_ops.testing.composite import CompositeDecoder
 
@@ -195,6 +196,28 @@ def rotating_unit(unit: Unit):
     return rotating(lambda weights: unit.call(*weights), sets), max(20, copies)
 
 
+class RoutedIds(KimiOpMode):
+    """The decoder's routed ids per layer (``moe_route_poll``'s first output), eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids = []
+
+    def kimi_op(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if func._schema.name == "kimi::moe_route_poll":
+            self.ids.append(out[0])
+        return out
+
+
+def same_routes(ours, theirs) -> torch.Tensor:
+    """Per token: True where both routed it to the same 16 experts in every layer."""
+    same = torch.ones(ours[0].shape[0], dtype=torch.bool, device=ours[0].device)
+    for a, b in zip(ours, theirs, strict=True):
+        same &= (a.long().sort(-1).values == b.long().sort(-1).values).all(-1)
+    return same
+
+
 def rel_l2(got, want) -> torch.Tensor:
     """Per-token relative L2 error of got against want."""
     return (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-30)
@@ -280,16 +303,20 @@ def measure(decoder, composite, batch, smoke, replays) -> dict:
     config, layers = decoder.config, decoder.num_layers
     device = decoder.boxes.error(0).device
     hidden, slots = inputs(config, batch, device)
-    trace = {}
+    trace, routed = {}, RoutedIds()
     with torch.no_grad():
         got, _ = composite(hidden, slots, trace)
-        want = decoder(hidden, slots)
+        with routed:
+            want = decoder(hidden, slots)
     err = rel_l2(got, want)
+    same = same_routes(routed.ids, trace["ids"])  # TP1: one routing a layer
     floors = layer_weight_bytes(composite, trace["ids"])
     floor = sum(floors) / layers / HBM_BYTES_PER_US
     row = {"B": batch, "eager_us": None, "eager_graph_us": None, "compiled_us": None, "ours_us": None,
            "ours_no_pdl_us": None, "floor_us": floor, "cudagraph_skips": None, "replays": 0, "replays_equal": None,
-           "rel_l2_max": float(err.max()), "rel_l2_mean": float(err.mean()), "compiled_rel_l2_max": None}
+           "rel_l2_max": float(err.max()), "rel_l2_mean": float(err.mean()), "compiled_rel_l2_max": None,
+           "same_routes": float(same.double().mean()),
+           "rel_l2_max_same_routes": float(err[same].max()) if bool(same.any()) else None}
     guard_row(decoder, batch, row)
     cuda = hidden.is_cuda
     if cuda and not smoke:
@@ -326,6 +353,8 @@ NOTES = [
     "compiled: torch.compile(mode='reduce-overhead') of the composite; cudagraph_skips should be 0",
     "err eager / err comp.: the largest per-token relative L2 error of the composite's h (eager / compiled) "
     "against ours",
+    "same route: the tokens the composite and ours routed to the same 16 experts in every layer; err same: "
+    "err eager over those tokens alone (a near-tie routing flip moves a token's h by far more than rounding)",
     "floor: weight bytes (routed experts: the distinct experts routed to) at 4.3 TB/s; activations not counted",
     "= eager: graph replays on fresh inputs equal to eager steps, bit for bit",
     "guard: ours against the reference backend on the same decoder (3 steps), per-token relative L2 at q50 / q90, "
@@ -367,7 +396,7 @@ def main(argv=None) -> dict:
     print(f"{where}, {name} TP1, {LAYERS}-layer KimiDecoder, median µs per layer"
           + (" (smoke: no timing)" if args.smoke else ""))
     columns = ("B", "eager", "eager graph", "compiled", "ours no PDL", "ours PDL", "floor", "ours/floor",
-               "comp./ours", "skips", "= eager", "err eager", "err comp.")
+               "comp./ours", "skips", "= eager", "err eager", "err comp.", "same route", "err same")
     rows = []
     for b, result in results.items():
         r = result["row"]
@@ -376,7 +405,9 @@ def main(argv=None) -> dict:
         rows.append(tuple("-" if v is None else v for v in (
             b, r["eager_us"], r["eager_graph_us"], r["compiled_us"], r["ours_no_pdl_us"], r["ours_us"], r["floor_us"],
             ratio, speedup, r["cudagraph_skips"], f"{r['replays_equal']}/{r['replays']}" if r["replays"] else None,
-            f"{r['rel_l2_max']:.2e}", None if r["compiled_rel_l2_max"] is None else f"{r['compiled_rel_l2_max']:.2e}")))
+            f"{r['rel_l2_max']:.2e}", None if r["compiled_rel_l2_max"] is None else f"{r['compiled_rel_l2_max']:.2e}",
+            f"{100 * r['same_routes']:.1f}%",
+            None if r["rel_l2_max_same_routes"] is None else f"{r['rel_l2_max_same_routes']:.2e}")))
     print_table(rows, columns)
     print("\nguard: drift of ours from the reference backend vs the reference's spread (per-token relative L2)")
     print_table([(b, *(f"{v:.4f}" for v in r["row"]["guard_drift"] + r["row"]["guard_spread"]),

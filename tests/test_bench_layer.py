@@ -35,6 +35,7 @@ def test_smoke_runs_every_path(tmp_path):
     for row in out["rows"]:
         assert row["floor_us"] > 0 and row["ours_us"] is None  # smoke: no timing claims
         assert row["rel_l2_max"] <= MAX_REL_L2 and row["rel_l2_mean"] <= MEAN_REL_L2
+        assert SAME_EXPERTS <= row["same_routes"] <= 1 and row["rel_l2_max_same_routes"] <= row["rel_l2_max"]
     for ops in out["breakdown"].values():
         names = [op["op"] for op in ops]
         assert len(names) == len(set(names)) == 15
@@ -81,6 +82,14 @@ def test_composite_matches_decoder(batch, monkeypatch):
         written = layer.index_cache.any(-1)
         assert torch.equal(written, part[0].index.index_cache.any(-1)) and int(written.sum()) == batch
     assert len(indexer) == bench.LAYERS and indexer[0][0].dtype == torch.float8_e4m3fn
+
+
+def test_same_routes_needs_every_layer_to_agree():
+    ours = [torch.tensor([[1, 2], [3, 4]]), torch.tensor([[5, 6], [7, 8]])]
+    theirs = [torch.tensor([[2, 1], [3, 4]]), torch.tensor([[5, 6], [7, 9]])]  # order within a set is free
+    assert bench.same_routes(ours, theirs).tolist() == [True, False]
+    with pytest.raises(ValueError):
+        bench.same_routes(ours, theirs[:1])
 
 
 def test_tp8_rank_config_runs_the_shard_shapes():
