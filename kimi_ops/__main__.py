@@ -7,20 +7,17 @@ each ``kimi`` op here and why, the kernel cache, and MPS (TP ranks sharing one G
 import argparse
 import importlib.metadata
 import importlib.util
-import os
-import pathlib
 import platform
 import shutil
 import subprocess
 
 import torch
 
-from . import backend
+from . import backend, launch
 from .kernels import cache_root
 from .ops import OPS
 
 PACKAGES = ("nvidia-cutlass-dsl", "cuda-python", "apache-tvm-ffi")
-MPS_PIPE = "/tmp/nvidia-mps"  # the MPS control daemon's default pipe directory
 
 
 def versions() -> list[tuple[str, str]]:
@@ -96,9 +93,8 @@ def cache() -> list[tuple[str, str]]:
 
 
 def mps() -> list[tuple[str, str]]:
-    pipe = pathlib.Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE))
-    if (pipe / "control").exists():
-        return [("MPS", f"control daemon running (pipe directory {pipe})")]
+    if launch.mps_running():
+        return [("MPS", f"control daemon running (pipe directory {launch.mps_pipes()})")]
     hint = "nvidia-cuda-mps-control -d" if shutil.which("nvidia-cuda-mps-control") else "no nvidia-cuda-mps-control"
     return [("MPS", f"not running: TP ranks sharing one GPU need it ({hint})")]
 

@@ -50,10 +50,14 @@ def rank_env(rank: int, tp: int, port: int, devices: int) -> dict[str, str]:
     return env
 
 
+def mps_pipes() -> str:
+    """The MPS control daemon's pipe directory for this environment's clients."""
+    return os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+
+
 def mps_running() -> bool:
     """Whether an MPS control daemon serves this environment's clients."""
-    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    return os.path.exists(os.path.join(pipes, "control"))
+    return os.path.exists(os.path.join(mps_pipes(), "control"))
 
 
 def device_count() -> int:
