@@ -163,8 +163,9 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
                                 extra_bytes=front.bias.nbytes)
     gate_up = unit("oproj shared gate_up", lambda w: kimi.oproj(x, w), front.shared_gate_up)
     act = unit("situ", lambda: kimi.situ(gate_up, 1.0, 0.0))
-    shared = unit("oproj shared down", lambda w: kimi.oproj(act, w), front.shared_down)
     rs_boxes, latent_boxes = boxes.peers("rs", 0), boxes.peers("latent", 0)
+    unit("oproj_push shared down", lambda w: kimi.oproj_push(act, w, rs_boxes, front.parity, 0), front.shared_down)
+    shared = kimi.oproj(act, front.shared_down)  # the same rows, for the tail chain's push
     unit("moe_tail_push", lambda: kimi.moe_tail_push(shared, rs_boxes, front.parity, 0), in_layer=False)
     expanded = unit("routed experts (stand-in)", lambda g, d: kimi.routed_experts(latent, ids, g, d, 0, 1),
                     front.expert_gate_up, front.expert_down)
@@ -172,7 +173,7 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     unit("moe_tail_publish", lambda: kimi.moe_tail_publish(expanded, weights, latent_boxes, tail.parity, 0),
          in_layer=False)
 
-    def tail_chain(w, partial=partial):  # the decoder's serving path (TP1)
+    def tail_chain(w, partial=partial):  # the decoder's serving path (TP1); the push stands in for oproj_push's
         kimi.moe_tail_push(shared, rs_boxes, tail.parity, 0)
         kimi.moe_tail_serve(expanded, weights, latent_boxes, boxes.own("rs", 0), tail.gamma, w, eps,
                             boxes.peers("out", 0), error, tail.parity, tail.rearm, c.capacity if tail.wrap else batch, 0)

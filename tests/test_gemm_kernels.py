@@ -44,6 +44,22 @@ def test_gemm_middle_buckets_compile(n, k, tokens, clean_ptxas):
     clean_ptxas()
 
 
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_oproj_push_compiles(tp, tokens, clean_ptxas):
+    """The shared expert's down projection with the reduce-scatter stores in its epilogue."""
+    assert gemm.compile_gemm.build(7168, 6144 // tp, tokens, False, 0, tp, True) is not None
+    clean_ptxas()
+
+
+def test_push_epilogue_takes_a_ctas_rows_into_one_owner():
+    for tp in (1, 2, 8, 16):  # the decoder's shared down shapes, every bucket
+        for tokens in gemm_plans.TOKEN_TILES:
+            assert gemm.gemm_variant(7168, 6144 // tp, tokens, (False, 0, tp, True)).plan.owned > 0
+    with pytest.raises(gemm.Unsupported, match="N/TP must be a multiple"):  # 48 rows a CTA, 2240 an owner
+        gemm.gemm_variant(4480, 7168, 8, (False, 0, 2, True))
+
+
 @pytest.mark.parametrize("variant", variants(), ids=lambda v: "-".join(map(str, v)))
 def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
     _, n, k, n_logits, _ = variant
@@ -205,6 +221,25 @@ def test_oproj_publish_stores_the_functional_rows_in_every_box(tp, batch):
         assert torch.equal(box[0, rank, :batch], rows)
         assert armed(box[0, rank, batch:]) and armed(box[0, :rank]) and armed(box[0, rank + 1 :])
         assert not (box[0, rank, :batch].view(torch.int32) == SENTINEL).any()
+
+
+@on_hopper
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_oproj_push_stores_each_shard_in_its_owners_box(tp, batch):
+    n, k = 7168, 6144 // tp
+    x, w = inputs(batch, n, k, seed=tp * 1000 + batch)
+    x[0] = 0.0  # a zero row: +0 words, never the sentinel
+    rank, parity, capacity, shard = tp - 1, 2, 64, n // tp
+    boxes = [armed_box(3, tp, capacity, shard) for _ in range(tp)]
+    kimi.oproj_push(x, w, boxes, parity, rank)
+    rows = canonical(kimi.oproj(x, w))
+    for owner, box in enumerate(boxes):
+        assert torch.equal(box[parity, rank, :batch], rows[:, owner * shard : (owner + 1) * shard])
+        assert armed(box[parity, rank, batch:]) and armed(box[parity, :rank]) and armed(box[:parity])
+    want = [armed_box(3, tp, capacity, shard) for _ in range(tp)]
+    reference(kimi.oproj_push, x, w, want, parity, rank)
+    assert all(torch.equal(got, ref) for got, ref in zip(boxes, want))  # the functional op's boxes
 
 
 @on_hopper

@@ -68,7 +68,7 @@ def test_recorder_replays_every_op_bit_for_bit(decoder):
         decoder(guard.random_steps(decoder, 8)[0])
     ops = {call.op for call in recorder.calls}
     assert {"oproj", "dsa_index_front", "dsa_index_key_insert", "oproj_publish", "attn_res_take", "moe_front_publish",
-            "moe_route_poll", "situ", "moe_tail_push", "routed_experts", "attn_res"} <= ops
+            "moe_route_poll", "situ", "oproj_push", "routed_experts", "attn_res"} <= ops
     layers = {call.where.split(" rank")[0] for call in recorder.calls}
     assert layers == {"embed"} | {f"layer {i}" for i in range(len(decoder.layers))}
     rows = replay(recorder.calls)

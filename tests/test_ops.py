@@ -115,6 +115,21 @@ def test_oproj(gen, device, batch):
     assert_bf16_close(kimi.oproj(x, w), oracle.linear(x.cpu(), w.cpu()).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_oproj_push_is_oproj_then_the_push(gen, tp, batch):
+    """Each rank's shard of BF16(x @ w.T) at source ``rank`` of its box: the boxes the
+    functional oproj and moe_tail_push leave (poisoned rows elsewhere untouched)."""
+    x = randn(gen, batch, 256, dtype=torch.bfloat16)
+    w = randn(gen, 128, 256, dtype=torch.bfloat16, scale=0.05)
+    got = [torch.full((3, tp, 16, 128 // tp), 7.0, dtype=torch.bfloat16) for _ in range(tp)]
+    want = [box.clone() for box in got]
+    kimi.oproj_push(x, w, got, 1, tp - 1)
+    kimi.moe_tail_push(kimi.oproj(x, w), want, 1, tp - 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[0][1, tp - 1, :batch], want[0][0, 0, :batch])  # rows were written
+
+
 def tail_inputs(gen, batch, hidden, latent, device):
     return (
         randn(gen, batch, 16, latent, dtype=torch.bfloat16, device=device),

@@ -56,6 +56,18 @@ def store_to_peers(bases, offset: Int64, words, fp32: cutlass.Constexpr[bool] = 
 
 
 @cute.jit
+def store_to_owner(peers, width: cutlass.Constexpr[int], row, column, words, base=None):
+    """A packet at ``column`` of a row split into chunks of ``width``, one a rank (the
+    reduce-scatter and two-shot receive boxes): into the chunk owner's box (``peers``: the
+    bases; ``base``: the owner's, loaded already), row ``row`` of rows of ``width``, made
+    unable to equal the sentinel."""
+    offset = (Int64(row) * width + column % width) * 2
+    if cutlass.const_expr(base is None):
+        base = Int64(peers[column // width])
+    store_words(base + offset, [canonical_pair(w) for w in words], mailbox=True)
+
+
+@cute.jit
 def canonical_pair(word: Uint32) -> Uint32:
     """A BF16 pair made unable to equal the sentinel: −0 halves become +0 and NaN halves
     the canonical NaN (kimi_ops.mailbox.canonical)."""

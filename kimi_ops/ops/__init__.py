@@ -21,6 +21,7 @@ OPS = {
     "mailbox_take": (boxes.mailbox_take, boxes.mailbox_take_fake),
     "attn_res_take": (attn_res.attn_res_take, attn_res.attn_res_take_fake),
     "oproj_publish": (oproj.oproj_publish, boxes.fake_of(oproj.check_oproj_publish)),
+    "oproj_push": (oproj.oproj_push, boxes.fake_of(oproj.check_oproj_push)),
     "moe_front_publish": (front.moe_front_publish, boxes.fake_of(front.check_moe_front_publish)),
     "moe_route_poll": (route.moe_route_poll, route.moe_route_poll_fake),
     "moe_tail_push": (tail.moe_tail_push, boxes.fake_of(tail.check_moe_tail_push)),

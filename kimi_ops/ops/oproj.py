@@ -48,3 +48,22 @@ def oproj_publish(x, w, boxes, rank: int) -> None:
     partial = canonical(oproj(x, w))
     for box in boxes:
         box[0, rank, :batch].copy_(partial)
+
+
+def check_oproj_push(x, w, rs_boxes, parity, rank) -> int:
+    op = "oproj_push"
+    batch, _ = check_oproj(x, w, op)
+    tp = check_boxes(op, "rs_boxes", rs_boxes, rank, parity, batch, len(rs_boxes), "x.shape[0] (batch)")
+    if rs_boxes[0].shape[3] * tp != w.shape[0]:
+        fail(op, "rs_boxes", f"rows of width N/TP = {w.shape[0]}/{tp}", rs_boxes[0].shape[3])
+    check_placement(op, dict(rs_boxes=rs_boxes), dict(x=x, w=w))
+    return batch
+
+
+def oproj_push(x, w, rs_boxes, parity: int, rank: int) -> None:
+    """``kimi::moe_tail_push(kimi::oproj(x, w), ...)`` in one op (the shared expert's down
+    projection and its reduce-scatter stores): column shard d of BF16(x @ w.T) [B, N]
+    goes to source ``rank`` of rank d's box [3, TP, CAP, N/TP]."""
+    batch = check_oproj_push(x, w, rs_boxes, parity, rank)
+    for box, columns in zip(rs_boxes, canonical(oproj(x, w)).chunk(len(rs_boxes), dim=1)):
+        box[parity, rank, :batch].copy_(columns)

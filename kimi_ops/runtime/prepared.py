@@ -108,8 +108,7 @@ class PreparedFront(Prepared):
         backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
         backend.prepare("oproj", *self.shared_gate_up.shape, batches)
         backend.prepare("situ", self.shared_gate_up.shape[0] // 2, "bfloat16")
-        backend.prepare("oproj", *self.shared_down.shape, batches)
-        backend.prepare("moe_tail_push", config.hidden, tp, [boxes.peers("rs", rank)])
+        backend.prepare("oproj_push", *self.shared_down.shape, tp, batches, [boxes.peers("rs", rank)])
         backend.prepare("routed_experts", config.latent, self.expert_down.shape[2])
 
     def publish(self, x, boxes: DecodeBoxes):
@@ -117,15 +116,16 @@ class PreparedFront(Prepared):
         kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
 
     def run(self, x, boxes: DecodeBoxes):
-        """Route (polled), push the shared expert's reduce-scatter shards; returns this
-        rank's expert rows [B, 16, L] and the routing weights."""
+        """Route (polled), the shared expert with its reduce-scatter shards pushed by its
+        down projection's epilogue; returns this rank's expert rows [B, 16, L] and the
+        routing weights."""
         config, rank = self.config, self.rank
         ids, weights, latent = kimi.moe_route_poll(
             boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
             self.parity, x.shape[0], boxes.error(rank),
         )
-        shared = kimi.oproj(kimi.situ(kimi.oproj(x, self.shared_gate_up), 1.0, 0.0), self.shared_down)
-        kimi.moe_tail_push(shared, boxes.peers("rs", rank), self.parity, rank)
+        act = kimi.situ(kimi.oproj(x, self.shared_gate_up), 1.0, 0.0)
+        kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
         return self.experts(latent, ids), weights
 
     def experts(self, latent, ids):

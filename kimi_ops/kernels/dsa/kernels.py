@@ -122,7 +122,7 @@ class IndexFront(DecodeGemm):
                head_w: cute.Tensor, head_in: cute.Tensor, eps: Float32):
         self.body(w_copy, w_boxes, x, (q, head_w, head_in), (gamma, eps) if self.norm else None)
 
-    def prefetched(self, outs):
+    def prefetched(self, outs, block, part):
         return outs  # no mailbox: nothing to load before the epilogue
 
     @cute.jit

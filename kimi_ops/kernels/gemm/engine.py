@@ -58,7 +58,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..launch import PDL
-from ..mailbox import peer_bases, store_to_peers
+from ..mailbox import peer_bases, store_to_owner, store_to_peers
 from ..packets import butterfly_sum, clamp, unpack_words
 from ..ptx import (
     copy_async,
@@ -91,14 +91,19 @@ class Outputs:
     """Where the rows go: ``front`` rows [0, n_logits) are FP32 logits, the rest BF16
     latent (else every row BF16); ``tp`` 0 to tensors, else into ``tp`` peers' boxes of
     rows of ``width`` (oproj_publish: [1, TP, CAP, N]; moe_front_publish: [3, 1, CAP,
-    TP·(L/TP + 2·E/TP)])."""
+    TP·(L/TP + 2·E/TP)]); ``scatter``: row n only into its owner's box, rank n // (N/TP),
+    rows of N/TP (oproj_push: the shared expert's reduce-scatter boxes [3, TP, CAP, N/TP];
+    a CTA's owned rows lie in one owner's shard: :func:`~.host.gemm_variant` checks it)."""
 
-    def __init__(self, n: int, front: bool = False, n_logits: int = 0, tp: int = 0):
-        self.n, self.front, self.n_logits, self.tp = n, front, n_logits, tp
-        self.width = tp * (n + n_logits) if front else n
+    def __init__(self, n: int, front: bool = False, n_logits: int = 0, tp: int = 0, scatter: bool = False):
+        self.n, self.front, self.n_logits, self.tp, self.scatter = n, front, n_logits, tp, scatter
+        self.width = tp * (n + n_logits) if front else n // tp if scatter else n
 
-    def bases(self, peers: cute.Tensor):
-        """The peers' box bases (none to tensors), loaded before the epilogue's stores."""
+    def bases(self, peers: cute.Tensor, first_row):
+        """The peers' box bases (none to tensors; ``scatter``: the owner's of our first owned
+        row ``first_row``), loaded before the epilogue's stores."""
+        if cutlass.const_expr(self.scatter):
+            return [Int64(peers[first_row // self.width])]
         return peer_bases(peers, self.tp) if self.tp else []  # self.tp: a Python int
 
     @cute.jit
@@ -109,7 +114,9 @@ class Outputs:
         (``bases``): row ``row0 + token``, latent at column ``col0``, logits at ``col1``."""
         bf16 = pack_values(values)
         box_row = Int64(row0 + token) * self.width
-        if cutlass.const_expr(not self.front):
+        if cutlass.const_expr(self.scatter):
+            store_to_owner(None, self.width, row0 + token, n0, bf16, base=bases[0])
+        elif cutlass.const_expr(not self.front):
             if cutlass.const_expr(self.tp):
                 store_to_peers(bases, (box_row + n0) * 2, bf16)
             else:
@@ -203,7 +210,7 @@ class DecodeGemm:
                 cute.arch.cluster_wait()
             cute.arch.griddepcontrol_wait()  # before our stores (x arrives after the producers')
             acc = self.consume(ring, full, empty, warp, lane)
-            prefetched = self.prefetched(outs)
+            prefetched = self.prefetched(outs, block, part)
             cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer
             cute.arch.cluster_wait()
             self.scatter(acc, cute.recast_ptr(ring, dtype=Float32), part, warp, lane)
@@ -422,11 +429,11 @@ class DecodeGemm:
                                       owner)
 
     @cute.jit
-    def prefetched(self, outs):
+    def prefetched(self, outs, block, part):
         """:meth:`finish`'s arguments with the peers' bases loaded: issued before the cluster
         barriers, they are back by the first store."""
         first, second, peers, *rest = outs
-        return (first, second, self.outputs.bases(peers), *rest)
+        return (first, second, self.outputs.bases(peers, block * self.plan.rows + part * self.plan.owned), *rest)
 
     @cute.jit
     def finish(self, receive, batch, block, part, tid, first, second, bases, row0, col0, col1):

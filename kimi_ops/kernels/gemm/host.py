@@ -1,7 +1,7 @@
 """The engine's host side: its compiles, a call's variant (chosen once by
 :func:`gemm_variant`, which every adapter's ``prepare``, ``unsupported`` and call ask) and
-the adapters of ``kimi::oproj``, ``kimi::moe_front``, ``kimi::oproj_publish`` and
-``kimi::moe_front_publish``."""
+the adapters of ``kimi::oproj``, ``kimi::moe_front``, ``kimi::oproj_publish``,
+``kimi::oproj_push`` and ``kimi::moe_front_publish``."""
 
 import functools
 
@@ -25,7 +25,8 @@ from .plan import MAX_BATCH, TOKEN_TILES, gemm_plan, partition, token_tile
 
 
 @compiled
-def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int = 0, tp: int = 0):
+def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int = 0, tp: int = 0,
+                 scatter: bool = False):
     batch = cute.sym_int()
     if tp or not front:
         latent, logits = (fake(BFloat16, (1, 1)) if tp else fake(BFloat16, (batch, n))), fake(Float32, (1, 1))
@@ -33,7 +34,7 @@ def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int
         latent = fake(BFloat16, (batch, n - n_logits)) if n > n_logits else fake(BFloat16, (1, 1))
         logits = fake(Float32, (batch, n_logits)) if n_logits else fake(Float32, (1, 1))
     return cute.compile(
-        DecodeGemm(gemm_plan(n, k, tokens), Outputs(n, front, n_logits, tp)),
+        DecodeGemm(gemm_plan(n, k, tokens), Outputs(n, front, n_logits, tp, scatter)),
         fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)), latent, logits, fake(Int64, (max(tp, 1),), align=8),
         Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
     )
@@ -61,13 +62,18 @@ def tokens_of(batches) -> list[int]:
 def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
     """The engine's variant for ``batch`` tokens of an [N, K] weight; ``outputs``:
     compile_gemm's key past (N, K, T) — () rows, (True, n_logits) the front, (False, 0,
-    TP) o-proj's boxes, (True, n_logits, TP) the front's boxes. Its kernel takes the
-    adapter's arguments as they are. Unsupported (why) where the engine does not take it."""
+    TP) o-proj's boxes, (True, n_logits, TP) the front's boxes, (False, 0, TP, True) the
+    reduce-scatter boxes. Its kernel takes the adapter's arguments as they are.
+    Unsupported (why) where the engine does not take it."""
     why = unsupported_shape(n, k, batch, outputs[1] if len(outputs) > 1 else 0)
     if why:
         raise Unsupported(why)
     tokens = token_tile(batch)
-    return single(lambda: compile_gemm(n, k, tokens, *outputs), gemm_plan(n, k, tokens))
+    plan = gemm_plan(n, k, tokens)
+    if outputs[3:] == (True,) and (n % outputs[2] or (n // outputs[2]) % plan.owned):
+        raise Unsupported(f"the reduce-scatter epilogue stores a CTA's {plan.owned} rows into one owner: "
+                          f"N/TP must be a multiple of them (N={n}, TP={outputs[2]})")
+    return single(lambda: compile_gemm(n, k, tokens, *outputs), plan)
 
 
 class GemmKernel:
@@ -157,6 +163,27 @@ class OprojPublishKernel(GemmKernel):
         )
 
 
+class OprojPushKernel(GemmKernel):
+    """``kimi::oproj_push`` on CUDA: the shared expert's down projection, each row block
+    into its owner's reduce-scatter box [3, TP, CAP, N/TP] at source ``rank`` (the push's
+    stores in the GEMM's epilogue: no launch of their own)."""
+
+    check = staticmethod(oproj_op.check_oproj_push)
+    writes = "stores 16-byte packets: x, w and the boxes must be"
+
+    def shape(self, x, w, rs_boxes, parity, rank):
+        return w.shape[0], w.shape[1], x.shape[0], (False, 0, len(rs_boxes), True)
+
+    def prepare(self, n: int, k: int, tp: int, batches=None, peer_lists=()) -> None:
+        self.prepare_buckets(n, k, (False, 0, tp, True), batches, peer_lists)
+
+    def __call__(self, x, w, rs_boxes, parity, rank):
+        self.variant(x, w, rs_boxes, parity, rank).run(
+            x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(rs_boxes),
+            box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]), 0, 0,
+        )
+
+
 class FrontPublishKernel(GemmKernel):
     """``kimi::moe_front_publish`` on CUDA: logits (FP32 words) and the latent shard into
     the front row of every rank's box [3, 1, CAP, TP·(L/TP + 2·E/TP)]."""
@@ -182,4 +209,5 @@ def register() -> None:
     backend.KERNELS["oproj"] = OprojKernel()
     backend.KERNELS["moe_front"] = FrontKernel()
     backend.KERNELS["oproj_publish"] = OprojPublishKernel()
+    backend.KERNELS["oproj_push"] = OprojPushKernel()
     backend.KERNELS["moe_front_publish"] = FrontPublishKernel()

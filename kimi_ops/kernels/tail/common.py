@@ -11,9 +11,9 @@ from cutlass import BFloat16, Float32, Float64, Int64
 from ...mailbox import TAIL_LATENT_POLL as LATENT_POLL  # noqa: F401  (the error word's bits, for the tail's kernels)
 from ...mailbox import TAIL_SHARED_POLL as SHARED_POLL
 from ...mailbox import TWO_SHOT_POLL  # noqa: F401
-from ..mailbox import box_row, canonical_pair, poll_all, rearm, store_to_peers
+from ..mailbox import box_row, poll_all, rearm, store_to_peers
 from ..packets import unpack_words
-from ..ptx import pack_values, store_words
+from ..ptx import pack_values
 from ..values import Values
 
 # The functional tails' phases (kernels.Stamps, for benchmarks/profile_tail.py),
@@ -75,15 +75,6 @@ def publish_out(bases, shard: cutlass.Constexpr[int], rank, token, row, words):
     """An output packet (``row`` of our shard) to columns [rank · shard, …) of ``token``'s
     row in every rank's output box [1, CAP, H] (``bases``: theirs, kernels.peer_bases)."""
     store_to_peers(bases, (Int64(token) * shard * len(bases) + rank * shard + row) * 2, words)
-
-
-@cute.jit
-def store_to_owner(peers, width: cutlass.Constexpr[int], row, column, words):
-    """A packet at ``column`` of a row split into chunks of ``width``, one a rank (the
-    reduce-scatter and two-shot receive boxes): into the chunk owner's box (``peers``: the
-    bases), row ``row`` of rows of ``width``, made unable to equal the sentinel."""
-    offset = (Int64(row) * width + column % width) * 2
-    store_words(Int64(peers[column // width]) + offset, [canonical_pair(w) for w in words], mailbox=True)
 
 
 @cute.jit

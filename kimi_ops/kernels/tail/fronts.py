@@ -41,7 +41,7 @@ from cutlass.memory import SmemAllocator
 
 from ...config import TOP_K
 from ..launch import PDL, THREADS, launch
-from ..mailbox import box_row, peer_bases, poll_all, store_to_peers
+from ..mailbox import box_row, peer_bases, poll_all, store_to_owner, store_to_peers
 from ..packets import butterfly_sum, clamp, inverse_rms, normalized, unpack_words
 from ..ptx import load_words, pack_values, store_words
 from .common import (
@@ -49,7 +49,6 @@ from .common import (
     TWO_SHOT_POLL,
     rank_sums,
     rearm_previous,
-    store_to_owner,
     sum_of_squares,
 )
 
