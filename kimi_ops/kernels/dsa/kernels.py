@@ -46,6 +46,7 @@ from cutlass import BFloat16, Float32, Float64, Int64, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
 from ...config import INDEX_DIM
+from ...numerics import E4M3_MAX
 from ..gemm.engine import DecodeGemm
 from ..gemm.plan import CONSUMER_WARPS, GemmPlan
 from ..launch import launch
@@ -64,11 +65,7 @@ from ..ptx import (
     rsqrt_like_torch,
     store_word,
 )
-from .plan import (
-    E4M3_MAX,
-    FOLD,
-    KEY_WARPS,
-)
+from .plan import FOLD, KEY_WARPS
 
 
 @cute.jit

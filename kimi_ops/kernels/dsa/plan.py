@@ -19,7 +19,6 @@ from ..ring import CHUNK
 N = INDEX_HEADS * INDEX_DIM  # wq_b's rows
 TILES = INDEX_DIM // TILE  # a head's rows: one CTA's block
 SPLITS = (1, 2, 3)  # K parts per head (cluster sizes; 4 would need 128 CTAs in clusters of 4: 120 resident)
-E4M3_MAX = 448.0
 FOLD = (INDEX_HEADS * INDEX_DIM) ** -0.5  # 2^-6
 NORM_REGISTERS = 160  # words of x and gamma packets a producer thread holds in raw-row mode
 KEY_WARPS = 8  # tokens per key-insert CTA

@@ -206,8 +206,5 @@ class FrontPublishKernel(GemmKernel):
 
 
 def register() -> None:
-    backend.KERNELS["oproj"] = OprojKernel()
-    backend.KERNELS["moe_front"] = FrontKernel()
-    backend.KERNELS["oproj_publish"] = OprojPublishKernel()
-    backend.KERNELS["oproj_push"] = OprojPushKernel()
-    backend.KERNELS["moe_front_publish"] = FrontPublishKernel()
+    backend.KERNELS.update(oproj=OprojKernel(), moe_front=FrontKernel(), oproj_publish=OprojPublishKernel(),
+                           oproj_push=OprojPushKernel(), moe_front_publish=FrontPublishKernel())

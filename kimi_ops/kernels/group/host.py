@@ -12,8 +12,6 @@ from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..variant import Variant, prepare_all, single
 from .kernels import GroupBarrier
 
-SLOT_BYTES = 16  # one packet per rank in a sync box
-
 
 @compiled
 def compile_barrier(tp: int):

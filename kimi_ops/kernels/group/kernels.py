@@ -23,8 +23,6 @@ from ..ptx import fence_system, load_words, nap, store_words
 SLOT_BYTES = 16  # one packet per rank in a sync box
 
 
-
-
 class GroupBarrier:
     def __init__(self, tp: int):
         self.tp = tp

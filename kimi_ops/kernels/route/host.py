@@ -13,9 +13,7 @@ from ...mailbox import box_row
 from ...ops import route as route_op
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..variant import Unsupported, Variant, prepare_all, reason, single
-from .kernels import Route, RoutePoll, Situ
-
-LEAN_ABOVE = 8  # batches above this route with the lean ranking
+from .kernels import LEAN_ABOVE, Route, RoutePoll, Situ
 
 
 @compiled

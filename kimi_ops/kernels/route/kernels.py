@@ -32,8 +32,6 @@ from ..ptx import bits_float, load_words, pack_values, store_words
 LEAN_ABOVE = 8  # batches above this route with the lean ranking
 
 
-
-
 class Route:
     """``lean`` (B > 8): candidates rank with 8 threads each (4 past 32 candidates), so
     few registers stay live; else one thread per candidate. Either falls back to one
