@@ -101,9 +101,10 @@ class Outputs:
 
     def bases(self, peers: cute.Tensor, first_row):
         """The peers' box bases (none to tensors; ``scatter``: the owner's of our first owned
-        row ``first_row``), loaded before the epilogue's stores."""
+        row ``first_row``, clamped: the last block's parts past N store nothing), loaded
+        before the epilogue's stores."""
         if cutlass.const_expr(self.scatter):
-            return [Int64(peers[first_row // self.width])]
+            return [Int64(peers[clamp(first_row // self.width, self.tp - 1)])]
         return peer_bases(peers, self.tp) if self.tp else []  # self.tp: a Python int
 
     @cute.jit
