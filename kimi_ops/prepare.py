@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from . import KimiConfig, KimiDecoder
+from . import KimiConfig, KimiDecoder, backend
 from .progress import Progress
 from .runtime.decoder import prepare_residuals
 
@@ -39,6 +39,8 @@ def work_list(config: KimiConfig, tp: int, layers: int) -> list[tuple[str, tuple
     with kernel_compile.collecting() as needed:
         decoder.prepare_calls()
         prepare_residuals(config, layers, tp, decoder.buckets())
+        if tp > 1:  # a process a rank: the phases' barrier (a simulated group has none)
+            backend.prepare("group_barrier", tp)
     return sorted(needed, key=repr)
 
 

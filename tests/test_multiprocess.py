@@ -82,6 +82,16 @@ def test_a_silent_rank_faults_every_rank_within_two_seconds_and_reset_recovers(e
 
 
 @on_hopper
+def test_a_rank_stalled_on_the_host_but_alive_does_not_trip_the_group(expected):
+    results = run_group(4, "stalled", expected(4))
+    for result in results:
+        assert result["ok"], result.get("error")
+        assert result["heartbeat"] and result["healthy"] and result["equal"], result
+        assert result["seconds"] >= 5, result  # every rank waited for the sleeper
+    print("stalled: " + json.dumps([r["seconds"] for r in results]))
+
+
+@on_hopper
 def test_a_dead_rank_faults_the_survivors_within_two_seconds(expected):
     results = run_group(4, "dead", expected(4))
     for result in results[:-1]:

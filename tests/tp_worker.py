@@ -6,6 +6,8 @@ OUTDIR/SCENARIO_RANK.json, then ends through kimi_ops.launch.finish.
   against the simulated group's outputs (OUTDIR/expected.pt); the boxes end armed.
 - ``silent``: the last rank skips its front publish in layer 2: every rank raises
   KimiMailboxError within 2 s; after reset() the next step equals the expected one.
+- ``stalled``: the last rank sleeps 5 s on the host before a barrier, alive: the step
+  completes on every rank (the barrier waits on a peer whose heartbeat still ticks).
 - ``dead``: after a healthy step the last rank exits; the others raise within 2 s.
 - ``mismatch``: rank 1 asks for another capacity: every rank gets KimiArgumentError at
   construction.
@@ -27,6 +29,7 @@ from benchmarks.common import capture  # noqa: E402  (the side-stream warm-up, t
 
 CONFIG = KimiConfig.tiny(latent=256, expert_intermediate=16)  # the tail and expert kernels (as test_gpu)
 LAYERS, SEED, BATCHES, INPUTS, REPLAYS = 6, 21, (1, 5, 64), 4, 100
+STALL = 5.0  # seconds a live rank sleeps on the host (``stalled``)
 
 
 def inputs(batch: int) -> list[torch.Tensor]:
@@ -107,6 +110,32 @@ def silent(group, out: pathlib.Path) -> dict:
         del decoder.layers[2][0].front_publish
     decoder.reset()
     return {"healthy": healthy, **fault, "recovered": torch.equal(decoder(x), want)}
+
+
+def stalled(group, out: pathlib.Path) -> dict:
+    """The last rank sleeps STALL seconds on the host before its third barrier, alive (its
+    heartbeat ticks): every rank's step completes, equal to the expected one."""
+    decoder = KimiDecoder(CONFIG, LAYERS, tp=group, seed=SEED)
+    x = inputs(5)[0].to(group.device)
+    want = torch.load(out / "expected.pt")[5][0].to(group.device)
+    healthy = torch.equal(decoder(x), want)
+    if group.rank == group.tp - 1:
+        barrier, calls = decoder.barrier, []
+
+        def slow_barrier():
+            calls.append(None)
+            if len(calls) == 3:
+                time.sleep(STALL)
+            barrier()
+
+        decoder.barrier = slow_barrier
+    start = time.perf_counter()
+    try:
+        same, raised = torch.equal(decoder(x), want), ""
+    except KimiMailboxError as error:
+        same, raised = False, str(error)
+    return {"healthy": healthy, "equal": same, "raised": raised, "seconds": time.perf_counter() - start,
+            "heartbeat": group.heartbeat is not None}
 
 
 def dead(group, out: pathlib.Path) -> dict:

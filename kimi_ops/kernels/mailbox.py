@@ -33,6 +33,9 @@ POLL_TIMEOUT_NS = bound_ns("KIMI_OPS_POLL_TIMEOUT_MS", 50)
 
 
 BARRIER_TIMEOUT_NS = bound_ns("KIMI_OPS_BARRIER_TIMEOUT_MS", 1000)
+# With the group's heartbeat (runtime/heartbeat.py) the barrier's bound is a peer's silence
+# (BARRIER_TIMEOUT_NS without a tick), and a live peer may take up to this long.
+BARRIER_ALIVE_NS = bound_ns("KIMI_OPS_BARRIER_ALIVE_MS", 60_000)
 
 
 @cute.jit

@@ -219,7 +219,8 @@ class KimiDecoder(nn.Module):
                     prepared.prepare(batches, boxes)
         prepare_residuals(self.config, self.num_layers, tp, batches)
         if self.group.barrier:
-            backend.prepare("group_barrier", tp, [boxes.peers("sync", r) for r in self.group.ranks])
+            backend.prepare("group_barrier", tp, [boxes.peers("sync", r) for r in self.group.ranks],
+                            getattr(self.group, "pulses", 0))
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:

@@ -17,7 +17,7 @@ from .kernels import GroupBarrier
 def compile_barrier(tp: int):
     return cute.compile(
         GroupBarrier(tp), fake(Int64, (tp,), align=8), fake(Int64, (1,), align=8), fake(Int32, (1,), align=4),
-        Int32(0), fake_stream(), options=compile_options(),
+        Int32(0), Int64(0), fake_stream(), options=compile_options(),
     )
 
 
@@ -27,19 +27,24 @@ def barrier_variant(tp: int) -> Variant:
 
 
 class GroupBarrierKernel:
-    """``kimi::group_barrier`` on CUDA."""
+    """``kimi::group_barrier`` on CUDA; a group's heartbeat page (runtime/heartbeat.py) is
+    registered with its sync boxes at prepare, like their address table."""
 
     check = staticmethod(boxes_op.check_group_barrier)
+    pulses: dict[tuple, int] = {}  # the sync boxes' addresses → their group's heartbeat page
 
-    def prepare(self, tp: int, peer_lists=()) -> None:
+    def prepare(self, tp: int, peer_lists=(), pulses: int = 0) -> None:
         prepare_all([lambda: barrier_variant(tp)])
         register_addresses(peer_lists)
+        for boxes in peer_lists:
+            self.pulses[tuple(box.data_ptr() for box in boxes)] = pulses
 
     def unsupported(self, boxes, ticket, error, rank):
         return hopper(ticket)
 
     def __call__(self, boxes, ticket, error, rank):
-        barrier_variant(len(boxes)).run(addresses(boxes), ticket, error, rank)
+        pulses = self.pulses.get(tuple(box.data_ptr() for box in boxes), 0)
+        barrier_variant(len(boxes)).run(addresses(boxes), ticket, error, rank, pulses)
 
 
 def register() -> None:

@@ -1,0 +1,79 @@
+"""A TP group's pulse on one host, for its device barrier (``kimi::group_barrier``): a page
+of shared memory (``/dev/shm``) with a 64-byte word per rank, mapped for the GPU. Each
+rank's daemon thread adds one to its word every PERIOD seconds while the process lives;
+the barrier kernel fails a peer only once the peer's word has stopped moving for the
+barrier's bound, so a rank that is alive but slow on the host (compiling, paging, paused
+in a debugger's breakpoint with other threads running) does not trip the group, and a
+dead one still does within the bound.
+
+The pulse is plain host memory written by a host thread: no CUDA call, so it cannot break
+a CUDA-graph capture in another thread (a side stream's copies would, in torch's default
+global capture mode).
+"""
+
+import ctypes
+import mmap
+import os
+import threading
+
+import torch
+
+PERIOD = 0.1  # seconds between ticks (the barrier's silence bound is 10 of them)
+STRIDE = 64  # bytes a rank: one cache line each
+
+
+class Heartbeat:
+    """The page ``name`` (``/dev/shm/<name>``) of ``tp`` words; this process ticks word
+    ``rank``. ``create``: make and size the page (one rank does, before the others open
+    it). ``address``: the page's device-visible address (0 without CUDA: no GPU reads it)."""
+
+    def __init__(self, name: str, tp: int, rank: int, create: bool, period: float = PERIOD):
+        self.path, self.tp, self.rank, self.period = f"/dev/shm/{name}", tp, rank, period
+        size = tp * STRIDE
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.page = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.words = (ctypes.c_int64 * (size // 8)).from_buffer(self.page)
+        self.address = self.map_for_cuda(size)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.tick, name=f"kimi_ops heartbeat {rank}", daemon=True)
+        self.thread.start()
+
+    def map_for_cuda(self, size: int) -> int:
+        """Register the page as mapped, portable pinned memory; its device address."""
+        if not torch.cuda.is_available():
+            return 0
+        from cuda.bindings import driver
+
+        torch.cuda.synchronize()  # the device's primary context exists and is current
+        host = ctypes.addressof(self.words)
+        flags = driver.CU_MEMHOSTREGISTER_DEVICEMAP | driver.CU_MEMHOSTREGISTER_PORTABLE
+        (error,) = driver.cuMemHostRegister(host, size, flags)
+        if error == driver.CUresult.CUDA_SUCCESS:
+            error, device = driver.cuMemHostGetDevicePointer(host, 0)
+        if error != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"the group's heartbeat page: {error}")
+        return int(device)
+
+    def beat(self, rank: int) -> int:
+        """Rank ``rank``'s count so far."""
+        return self.words[rank * STRIDE // 8]
+
+    def tick(self) -> None:
+        slot = self.rank * STRIDE // 8
+        while not self.stopped.wait(self.period):
+            self.words[slot] += 1
+
+    def stop(self) -> None:
+        """Stop ticking (this rank then reads as dead to its peers' barriers)."""
+        self.stopped.set()
+        self.thread.join()
+
+    def unlink(self) -> None:
+        """Remove the page's name (every rank has it open: the mappings stay)."""
+        os.unlink(self.path)

@@ -1,0 +1,49 @@
+"""The TP group's heartbeat page (runtime/heartbeat.py) on the host: every rank's word
+moves while its process lives and stops with it; the page's name goes once every rank has
+it open. (The barrier that reads it runs in tests/test_multiprocess.py, on a GPU.)"""
+
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+from kimi_ops.runtime.heartbeat import Heartbeat
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+
+
+def wait_for(condition, seconds=5.0):
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_each_rank_ticks_its_word_until_it_stops():
+    name = f"kimi_ops_test_{uuid.uuid4().hex}"
+    first = Heartbeat(name, 2, 0, create=True, period=0.005)
+    second = Heartbeat(name, 2, 1, create=False, period=0.005)
+    first.unlink()
+    assert not os.path.exists(f"/dev/shm/{name}")  # the mappings outlive the name
+    wait_for(lambda: first.beat(1) > 3 and second.beat(0) > 3)  # each sees the other's word move
+    second.stop()
+    stopped = first.beat(1)
+    time.sleep(0.05)
+    assert first.beat(1) == stopped and second.beat(1) == stopped  # a dead rank's word stays put
+    wait_for(lambda: second.beat(0) > stopped + 3)
+    first.stop()
+    if not torch.cuda.is_available():
+        assert first.address == 0  # no GPU to map it for
+
+
+def test_a_page_is_made_once():
+    name = f"kimi_ops_test_{uuid.uuid4().hex}"
+    first = Heartbeat(name, 1, 0, create=True)
+    with pytest.raises(FileExistsError):
+        Heartbeat(name, 1, 0, create=True)
+    first.stop()
+    first.unlink()
+    with pytest.raises(FileNotFoundError):
+        Heartbeat(name, 1, 0, create=False)
