@@ -47,3 +47,35 @@ def test_a_page_is_made_once():
     first.unlink()
     with pytest.raises(FileNotFoundError):
         Heartbeat(name, 1, 0, create=False)
+
+
+def group_member(rank: int, tp: int, store: str, out: str) -> None:
+    """One process of a gloo group: start the group's heartbeat, then see every peer tick."""
+    import json
+
+    import torch.distributed as dist
+
+    from kimi_ops.runtime import heartbeat
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
+    beat = heartbeat.start(dist.group.WORLD, tp, rank)
+    seen = {}
+    if beat is not None:
+        first = [beat.beat(r) for r in range(tp)]
+        wait_for(lambda: all(beat.beat(r) > first[r] for r in range(tp)))
+        seen = {"moved": True, "page_gone": not os.path.exists(beat.path)}
+    dist.barrier()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"started": beat is not None, **seen}, f)
+    dist.destroy_process_group()
+
+
+def test_a_group_shares_one_page(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    tp = 3
+    mp.spawn(group_member, args=(tp, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=tp, join=True)
+    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(tp)]
+    assert all(r == {"started": True, "moved": True, "page_gone": True} for r in results), results

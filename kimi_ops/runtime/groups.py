@@ -6,15 +6,13 @@ the ``boxes`` argument of the publishing ops. ``owned`` are the buffers this pro
 allocated (registered as module buffers: static addresses for CUDA graphs).
 """
 
-import os
-import uuid
 from dataclasses import dataclass
 
 import torch
 
 from ..checks import fail_setting, is_int
 from ..mailbox import arm_
-from .heartbeat import Heartbeat
+from . import heartbeat
 
 
 @dataclass
@@ -78,33 +76,8 @@ class SymmMemGroup:
         self.device = torch.device(device)
         torch.cuda.set_device(self.device)
         self.handles = []
-        self.heartbeat = self.start_heartbeat()
+        self.heartbeat = heartbeat.start(self.group, self.tp, self.rank)
         self.pulses = self.heartbeat.address if self.heartbeat else 0  # group_barrier's page (0: none)
-
-    def start_heartbeat(self) -> Heartbeat | None:
-        """The group's heartbeat page (runtime/heartbeat.py): rank 0 makes it, every rank
-        maps it and ticks its word; None on every rank where some rank cannot map it (ranks
-        on other hosts: the barrier then keeps its fixed bound)."""
-        import torch.distributed as dist
-
-        name = [f"kimi_ops_heartbeat_{os.getpid()}_{uuid.uuid4().hex[:8]}" if self.rank == 0 else None]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
-        heartbeat = Heartbeat(name[0], self.tp, 0, create=True) if self.rank == 0 else None
-        dist.barrier(group=self.group)
-        if self.rank:
-            try:
-                heartbeat = Heartbeat(name[0], self.tp, self.rank, create=False)
-            except OSError:
-                heartbeat = None
-        mapped = [None] * self.tp
-        dist.all_gather_object(mapped, heartbeat is not None, group=self.group)
-        if self.rank == 0:
-            heartbeat.unlink()  # every rank that could has it open
-        if all(mapped):
-            return heartbeat
-        if heartbeat:
-            heartbeat.stop()
-        return None
 
     def allocate(self, shape, device) -> Boxes:
         import torch.distributed._symmetric_memory as symm_mem

@@ -15,6 +15,7 @@ import ctypes
 import mmap
 import os
 import threading
+import uuid
 
 import torch
 
@@ -39,7 +40,12 @@ class Heartbeat:
         finally:
             os.close(fd)
         self.words = (ctypes.c_int64 * (size // 8)).from_buffer(self.page)
-        self.address = self.map_for_cuda(size)
+        try:
+            self.address = self.map_for_cuda(size)
+        except RuntimeError:
+            if create:
+                os.unlink(self.path)
+            raise
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.tick, name=f"kimi_ops heartbeat {rank}", daemon=True)
         self.thread.start()
@@ -77,3 +83,34 @@ class Heartbeat:
     def unlink(self) -> None:
         """Remove the page's name (every rank has it open: the mappings stay)."""
         os.unlink(self.path)
+
+
+def start(group, tp: int, rank: int) -> Heartbeat | None:
+    """The page of a process group on one host (torch.distributed ``group``: every rank calls
+    this): rank 0 makes it, every rank maps it and ticks its word. None on every rank where
+    some rank cannot (no /dev/shm, a rank on another host, no mapping): the barrier then
+    keeps its fixed bound."""
+    import torch.distributed as dist
+
+    name = [f"kimi_ops_heartbeat_{os.getpid()}_{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+
+    def opened(create: bool) -> Heartbeat | None:
+        try:
+            return Heartbeat(name[0], tp, rank, create)
+        except (OSError, RuntimeError):
+            return None
+
+    heartbeat = opened(create=True) if rank == 0 else None
+    dist.barrier(group=group)  # the page exists (or rank 0 could not make it) before the others open it
+    if rank:
+        heartbeat = opened(create=False)
+    mapped = [None] * tp
+    dist.all_gather_object(mapped, heartbeat is not None, group=group)
+    if rank == 0 and heartbeat:
+        heartbeat.unlink()  # every rank that could has it open
+    if all(mapped):
+        return heartbeat
+    if heartbeat:
+        heartbeat.stop()
+    return None
