@@ -206,13 +206,22 @@ def armed(rows):
     return bool((rows.contiguous().view(torch.int32) == SENTINEL).all())
 
 
-@on_hopper
-@pytest.mark.parametrize("tp", TPS)
-@pytest.mark.parametrize("batch", [1, 8, 64])
+def box_cases(test):
+    """A box-storing test at every TP and at B = 1, 8, 64, on Hopper."""
+    return on_hopper(pytest.mark.parametrize("tp", TPS)(pytest.mark.parametrize("batch", [1, 8, 64])(test)))
+
+
+def published_inputs(batch, n, k, seed):
+    """x with a zero row (its rows' words +0, never the sentinel) and w."""
+    x, w = inputs(batch, n, k, seed=seed)
+    x[0] = 0.0
+    return x, w
+
+
+@box_cases
 def test_oproj_publish_stores_the_functional_rows_in_every_box(tp, batch):
     n, k = 7168, 12288 // tp
-    x, w = inputs(batch, n, k, seed=tp * 100 + batch)
-    x[0] = 0.0  # a zero row: +0 words, never the sentinel
+    x, w = published_inputs(batch, n, k, seed=tp * 100 + batch)
     rank, capacity = tp - 1, 64
     boxes = [armed_box(1, tp, capacity, n) for _ in range(tp)]
     kimi.oproj_publish(x, w, boxes, rank)
@@ -223,13 +232,10 @@ def test_oproj_publish_stores_the_functional_rows_in_every_box(tp, batch):
         assert not (box[0, rank, :batch].view(torch.int32) == SENTINEL).any()
 
 
-@on_hopper
-@pytest.mark.parametrize("tp", TPS)
-@pytest.mark.parametrize("batch", [1, 8, 64])
+@box_cases
 def test_oproj_push_stores_each_shard_in_its_owners_box(tp, batch):
     n, k = 7168, 6144 // tp
-    x, w = inputs(batch, n, k, seed=tp * 1000 + batch)
-    x[0] = 0.0  # a zero row: +0 words, never the sentinel
+    x, w = published_inputs(batch, n, k, seed=tp * 1000 + batch)
     rank, parity, capacity, shard = tp - 1, 2, 64, n // tp
     boxes = [armed_box(3, tp, capacity, shard) for _ in range(tp)]
     kimi.oproj_push(x, w, boxes, parity, rank)
@@ -242,9 +248,7 @@ def test_oproj_push_stores_each_shard_in_its_owners_box(tp, batch):
     assert all(torch.equal(got, ref) for got, ref in zip(boxes, want))  # the functional op's boxes
 
 
-@on_hopper
-@pytest.mark.parametrize("tp", TPS)
-@pytest.mark.parametrize("batch", [1, 8, 64])
+@box_cases
 def test_front_publish_stores_logit_words_and_latent_in_every_box(tp, batch):
     experts, latent_width = 896 // tp, 3584 // tp
     n, k = experts + latent_width, 7168
