@@ -62,10 +62,9 @@ def why_reference() -> str | None:
         return "no CUDA device"
     if importlib.util.find_spec("cutlass") is None:
         return "CuTe DSL (nvidia-cutlass-dsl) is not installed"
-    major, _ = torch.cuda.get_device_capability()
-    if major != 9:
-        return f"the CuTe kernels target sm_90, not {torch.cuda.get_device_name()}"
-    return None
+    from .kernels.compile import not_hopper
+
+    return not_hopper(torch.cuda.current_device())
 
 
 def ops() -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ import torch
 
 SENTINEL = -0x80000000  # as int32
 PACKET = 8  # BF16 values per 16-byte packet: box widths and offsets are multiples of it
+PULSE_STRIDE = 64  # bytes a rank in a group's heartbeat page (runtime/heartbeat.py): a cache line each
 
 # Error word bits: which poll found its row unwritten.
 ROUTE_POLL, TAIL_LATENT_POLL, TAIL_SHARED_POLL, TAKE_POLL, BARRIER_POLL, TWO_SHOT_POLL = 1, 2, 4, 8, 16, 32

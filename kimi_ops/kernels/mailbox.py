@@ -58,16 +58,21 @@ def store_to_peers(bases, offset: Int64, words, fp32: cutlass.Constexpr[bool] = 
             store_words(base + offset + 4 * first, clean[first:first + 4], mailbox=True)
 
 
+def owner_base(peers: cute.Tensor, width: int, column):
+    """The box base of the rank that owns ``column`` of rows split into chunks of ``width``,
+    one a rank (the reduce-scatter and two-shot receive boxes; ``peers``: the bases)."""
+    return Int64(peers[column // width])
+
+
 @cute.jit
-def store_to_owner(peers, width: cutlass.Constexpr[int], row, column, words, base=None):
-    """A packet at ``column`` of a row split into chunks of ``width``, one a rank (the
-    reduce-scatter and two-shot receive boxes): into the chunk owner's box (``peers``: the
-    bases; ``base``: the owner's, loaded already), row ``row`` of rows of ``width``, made
-    unable to equal the sentinel."""
+def store_to_owner(owner, width: cutlass.Constexpr[int], row, column, words):
+    """A packet at ``column`` into its owner's box, row ``row`` of rows of ``width``, made
+    unable to equal the sentinel. ``owner``: the peers' bases (the owner's looked up here,
+    after the offset) or the owner's base already loaded (:func:`owner_base`)."""
     offset = (Int64(row) * width + column % width) * 2
-    if cutlass.const_expr(base is None):
-        base = Int64(peers[column // width])
-    store_words(base + offset, [canonical_pair(w) for w in words], mailbox=True)
+    if cutlass.const_expr(isinstance(owner, cute.Tensor)):
+        owner = owner_base(owner, width, column)
+    store_words(owner + offset, [canonical_pair(w) for w in words], mailbox=True)
 
 
 @cute.jit

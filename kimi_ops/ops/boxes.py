@@ -19,6 +19,7 @@ from ..mailbox import (
     PACKET,
     TAKE_POLL,
     arm_,
+    canonical,
     flag_missing,
 )
 
@@ -54,6 +55,13 @@ def check_boxes(op, name, boxes, rank, parity, batch, sources, batch_name="batch
     if boxes[0].shape[1] != sources:
         fail(op, name, f"boxes with {sources} source slots", list(boxes[0].shape))
     return len(boxes)
+
+
+def store_shards(rows, rs_boxes, parity: int, rank: int) -> None:
+    """Column shard d of ``rows`` [B, N] (canonical) as source ``rank`` of rank d's box
+    [3, TP, CAP, N/TP]: the reduce-scatter stores of moe_tail_push and oproj_push."""
+    for box, columns in zip(rs_boxes, canonical(rows).chunk(len(rs_boxes), dim=1)):
+        box[parity, rank, : rows.shape[0]].copy_(columns)
 
 
 def check_error(op, error) -> None:

@@ -7,7 +7,7 @@ from ..mailbox import (
     canonical,
 )
 from ..numerics import bf16, matmul_f32
-from .boxes import check_boxes
+from .boxes import check_boxes, store_shards
 
 
 def check_oproj(x, w, op: str = "oproj") -> tuple[int, int]:
@@ -64,6 +64,5 @@ def oproj_push(x, w, rs_boxes, parity: int, rank: int) -> None:
     """``kimi::moe_tail_push(kimi::oproj(x, w), ...)`` in one op (the shared expert's down
     projection and its reduce-scatter stores): column shard d of BF16(x @ w.T) [B, N]
     goes to source ``rank`` of rank d's box [3, TP, CAP, N/TP]."""
-    batch = check_oproj_push(x, w, rs_boxes, parity, rank)
-    for box, columns in zip(rs_boxes, canonical(oproj(x, w)).chunk(len(rs_boxes), dim=1)):
-        box[parity, rank, :batch].copy_(columns)
+    check_oproj_push(x, w, rs_boxes, parity, rank)
+    store_shards(oproj(x, w), rs_boxes, parity, rank)

@@ -21,7 +21,7 @@ from ..mailbox import (
     flag_missing,
 )
 from ..numerics import bf16, f32, matmul_f32, rank_sum, sum_f32
-from .boxes import check_box, check_boxes, check_error
+from .boxes import check_box, check_boxes, check_error, store_shards
 
 
 def check_moe_tail(expanded, weights, shared, gamma, w_up, eps) -> tuple[int, int]:
@@ -91,9 +91,8 @@ def check_moe_tail_push(shared, rs_boxes, parity, rank) -> int:
 def moe_tail_push(shared, rs_boxes, parity: int, rank: int) -> None:
     """The shared expert's reduce-scatter stores: column shard d of this rank's partial
     shared output [B, H] goes to source ``rank`` of rank d's box [3, TP, CAP, H/TP]."""
-    tp = check_moe_tail_push(shared, rs_boxes, parity, rank)
-    for box, columns in zip(rs_boxes, canonical(shared).chunk(tp, dim=1)):
-        box[parity, rank, : shared.shape[0]].copy_(columns)
+    check_moe_tail_push(shared, rs_boxes, parity, rank)
+    store_shards(shared, rs_boxes, parity, rank)
 
 
 def check_moe_tail_publish(expanded, weights, latent_boxes, parity, rank, op="moe_tail_publish",

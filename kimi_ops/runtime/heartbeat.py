@@ -19,8 +19,9 @@ import uuid
 
 import torch
 
+from ..mailbox import PULSE_STRIDE as STRIDE
+
 PERIOD = 0.1  # seconds between ticks (the barrier's silence bound is 10 of them)
-STRIDE = 64  # bytes a rank: one cache line each
 
 
 class Heartbeat:

@@ -58,7 +58,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..launch import PDL
-from ..mailbox import peer_bases, store_to_owner, store_to_peers
+from ..mailbox import owner_base, peer_bases, store_to_owner, store_to_peers
 from ..packets import butterfly_sum, clamp, unpack_words
 from ..ptx import (
     copy_async,
@@ -104,7 +104,7 @@ class Outputs:
         row ``first_row``, clamped: the last block's parts past N store nothing), loaded
         before the epilogue's stores."""
         if cutlass.const_expr(self.scatter):
-            return [Int64(peers[clamp(first_row // self.width, self.tp - 1)])]
+            return [owner_base(peers, self.width, clamp(first_row, self.n - 1))]
         return peer_bases(peers, self.tp) if self.tp else []  # self.tp: a Python int
 
     @cute.jit
@@ -116,7 +116,7 @@ class Outputs:
         bf16 = pack_values(values)
         box_row = Int64(row0 + token) * self.width
         if cutlass.const_expr(self.scatter):
-            store_to_owner(None, self.width, row0 + token, n0, bf16, base=bases[0])
+            store_to_owner(bases[0], self.width, row0 + token, n0, bf16)
         elif cutlass.const_expr(not self.front):
             if cutlass.const_expr(self.tp):
                 store_to_peers(bases, (box_row + n0) * 2, bf16)

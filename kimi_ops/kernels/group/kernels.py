@@ -17,13 +17,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from ...mailbox import BARRIER_POLL
+from ...mailbox import BARRIER_POLL, PULSE_STRIDE
 from ..launch import launch
 from ..mailbox import BARRIER_ALIVE_NS, BARRIER_TIMEOUT_NS
 from ..ptx import fence_system, load_words, nap, store_words
 
 SLOT_BYTES = 16  # one packet per rank in a sync box
-PULSE_STRIDE = 64  # bytes a rank in the heartbeat page (runtime.heartbeat.STRIDE)
 
 
 class GroupBarrier:
