@@ -245,7 +245,8 @@ def test_oproj_push_stores_each_shard_in_its_owners_box(tp, batch):
         assert armed(box[parity, rank, batch:]) and armed(box[parity, :rank]) and armed(box[:parity])
     want = [armed_box(3, tp, capacity, shard) for _ in range(tp)]
     reference(kimi.oproj_push, x, w, want, parity, rank)
-    assert all(torch.equal(got, ref) for got, ref in zip(boxes, want))  # the functional op's boxes
+    for got, ref in zip(boxes, want):  # the reference op stores in the same places (its GEMM rounds apart)
+        assert torch.equal(got.view(torch.int32) == SENTINEL, ref.view(torch.int32) == SENTINEL)
 
 
 @box_cases

@@ -33,9 +33,10 @@ def test_each_rank_ticks_its_word_until_it_stops():
     time.sleep(0.05)
     assert first.beat(1) == stopped and second.beat(1) == stopped  # a dead rank's word stays put
     wait_for(lambda: second.beat(0) > stopped + 3)
-    first.stop()
     if not torch.cuda.is_available():
         assert first.address == 0  # no GPU to map it for
+    first.close()
+    second.close()
 
 
 def test_a_page_is_made_once():
@@ -43,8 +44,8 @@ def test_a_page_is_made_once():
     first = Heartbeat(name, 1, 0, create=True)
     with pytest.raises(FileExistsError):
         Heartbeat(name, 1, 0, create=True)
-    first.stop()
     first.unlink()
+    first.close()
     with pytest.raises(FileNotFoundError):
         Heartbeat(name, 1, 0, create=False)
 

@@ -81,6 +81,18 @@ class Heartbeat:
         self.stopped.set()
         self.thread.join()
 
+    def close(self) -> None:
+        """Stop, and give the page's CUDA registration and mapping back (no kernel may read
+        ``address`` after: a later page at the same host address could not be registered)."""
+        self.stop()
+        if self.address:
+            from cuda.bindings import driver
+
+            driver.cuMemHostUnregister(ctypes.addressof(self.words))
+            self.address = 0
+        del self.words  # the page's last export, so the mapping can close
+        self.page.close()
+
     def unlink(self) -> None:
         """Remove the page's name (every rank has it open: the mappings stay)."""
         os.unlink(self.path)
@@ -113,5 +125,5 @@ def start(group, tp: int, rank: int) -> Heartbeat | None:
     if all(mapped):
         return heartbeat
     if heartbeat:
-        heartbeat.stop()
+        heartbeat.close()
     return None
