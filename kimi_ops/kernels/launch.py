@@ -17,6 +17,9 @@ SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
 # resident by then and the dependent cannot take SMs we still need; its
 # griddepcontrol.wait still waits for our whole grid to finish and flush. In between it
 # prefetches its weights on the SMs we leave free (benchmarks/timeline.py shows it).
+# So a kernel two or more launches on may run beside us: one that takes rows from a box
+# before its wait releases only after re-arming them (mailbox.release_consumed), or a later
+# poll of the same box could take them again.
 # KIMI_OPS_PDL=0: every kernel launched without programmatic dependent launch (each starts
 # when its predecessor has ended): bench_layer's "without PDL" row. Part of the cache key.
 PDL = os.environ.get("KIMI_OPS_PDL", "1") != "0"

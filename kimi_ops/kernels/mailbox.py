@@ -112,6 +112,18 @@ def rearm(address):
 
 
 @cute.jit
+def release_consumed():
+    """The PDL release of a kernel that takes rows from a box before its
+    griddepcontrol.wait: only once every thread of the CTA has re-armed what it took. A
+    kernel two launches on may start before this one ends (each releases at entry), and
+    one that polls this box again (the next step's, a benchmark's loop) would take these
+    rows a second time (launch.py: PDL)."""
+    cute.arch.fence_acq_rel_gpu()  # the re-arms visible before the release
+    cute.arch.sync_threads()
+    cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
 def poll(address, error: cute.Tensor, code: cutlass.Constexpr[int]):
     """Lamport poll of one packet (see :func:`poll_all`)."""
     return poll_all([address], error, code)[0]

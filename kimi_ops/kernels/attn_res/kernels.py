@@ -39,7 +39,8 @@ Shared memory a CTA: the stash (H = 7168: 1.75 KB a row), 8 bytes a slot per war
 CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 CTAs an
 SM) while the stash bucket is ≤ 24 rows (N ≤ 24); deeper stacks run in two (not measured).
 
-PDL: the dependents are released at entry (kernels/launch.py says why).
+PDL: the dependents are released at entry (kernels/launch.py says why), AttnResTake's once
+its packets are re-armed.
 """
 
 from typing import NamedTuple
@@ -51,7 +52,7 @@ from cutlass.memory import SmemAllocator
 
 from ...mailbox import TAKE_POLL
 from ..launch import PDL
-from ..mailbox import box_row, poll_all, rearm
+from ..mailbox import box_row, poll_all, rearm, release_consumed
 from ..packets import (
     butterfly,
     butterfly_sum,
@@ -104,6 +105,7 @@ class AttnRes:
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
                key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor, h: cute.Tensor,
                h_normed: cute.Tensor, count: Int32, eps: Float32):
+        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
         token = at.token
         cute.arch.griddepcontrol_wait()
@@ -120,7 +122,6 @@ class AttnRes:
         """What precedes the wait: the weights' packets and step 1. Returns the thread's
         :class:`Place`, its :class:`AttnResSpace`, each round's first column and the
         :class:`Weights`' packets."""
-        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         token, part = cta // self.cluster, cta % self.cluster
@@ -335,8 +336,9 @@ class AttnResTake(AttnRes):
     """``kimi::attn_res_take``: AttnRes with the sublayer's rows polled from the box
     (``mailbox_take`` fused). After step 1 each thread polls its packet of every source
     (Lamport, the loads in flight together, bounded: TAKE_POLL into the error word) and
-    re-arms it; only then does it wait for the previous grid, before it reads ``partial``
-    (the previous AttnRes's) and writes the outputs. A thread past its CTA's packets polls
+    re-arms it; only then does it release its dependents (mailbox.release_consumed) and
+    wait for the previous grid, before it reads ``partial`` (the previous AttnRes's) and
+    writes the outputs. A thread past its CTA's packets polls
     nothing: its clamped packet is another thread's, which re-arms it."""
 
     @cute.jit
@@ -365,6 +367,7 @@ class AttnResTake(AttnRes):
                     rearm(packets[source])
                     for k in cutlass.range_constexpr(4):
                         polled[q, source, k] = words[source][k]
+        release_consumed()
         cute.arch.griddepcontrol_wait()
         rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
                 + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]

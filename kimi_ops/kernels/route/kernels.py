@@ -14,7 +14,7 @@ Situ: gate and up each rounded to BF16, g · sigmoid(beta · g) · (u + linear_b
 BF16 out; 16-byte packets, 256 of them of one token per CTA.
 
 PDL: the bias (a weight) is loaded before ``griddepcontrol.wait``; the dependents are
-released at entry (kernels/launch.py says why).
+released at entry (kernels/launch.py says why), route poll's once its packets are re-armed.
 """
 
 import cutlass
@@ -25,7 +25,7 @@ from cutlass.memory import SmemAllocator
 from ...config import TOP_K
 from ...mailbox import ROUTE_POLL
 from ..launch import THREADS, launch
-from ..mailbox import poll, rearm
+from ..mailbox import poll, rearm, release_consumed
 from ..packets import butterfly_sum, ordered, sigmoid, situ_value, unpack_words
 from ..ptx import bits_float, load_words, pack_values, store_words
 
@@ -189,7 +189,8 @@ class Route:
 class RoutePoll(Route):
     """``kimi::moe_route_poll``: CTAs [0, B) route from the logit words of the front row,
     CTAs [B, 2B) copy its latent; both poll their 16-byte packets (Lamport, bounded),
-    re-arm them, and wait for the previous grid only before writing outputs."""
+    re-arm them, release the dependents (mailbox.release_consumed) and wait for the
+    previous grid only before writing outputs."""
 
     def __init__(self, experts: int, latent: int, renorm: bool, lean: bool):
         super().__init__(experts, renorm, lean, polled=True)
@@ -206,7 +207,6 @@ class RoutePoll(Route):
                latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         batch = ids.shape[0]
         token = cta % batch
         row = rows.iterator + (first_row + token) * rows.stride[0]
@@ -221,17 +221,27 @@ class RoutePoll(Route):
                 rearm(packet)
                 for i in cutlass.range_constexpr(4):
                     raw[i] = bits_float(words[i])
+            release_consumed()
             cute.arch.griddepcontrol_wait()
             self.route(raw, offsets, ids, weights, scale, token, tid)
         else:
-            for p in cutlass.range_constexpr((self.packets + THREADS - 1) // THREADS):
+            rounds = (self.packets + THREADS - 1) // THREADS
+            taken = cute.make_rmem_tensor((rounds, 4), Uint32)
+            for p in cutlass.range_constexpr(rounds):
                 packet_index = tid + THREADS * p
                 if packet_index < self.packets:
                     packet = row + packet_index * 8
                     words = poll(packet, error, ROUTE_POLL)
                     rearm(packet)
-                    cute.arch.griddepcontrol_wait()
-                    store_words(latent.iterator + token * latent.stride[0] + packet_index * 8, words)
+                    for i in cutlass.range_constexpr(4):
+                        taken[p, i] = words[i]
+            release_consumed()
+            cute.arch.griddepcontrol_wait()
+            for p in cutlass.range_constexpr(rounds):
+                packet_index = tid + THREADS * p
+                if packet_index < self.packets:
+                    store_words(latent.iterator + token * latent.stride[0] + packet_index * 8,
+                                [taken[p, i] for i in range(4)])
 
 
 class Situ:
