@@ -50,6 +50,41 @@ def test_a_page_is_made_once():
         Heartbeat(name, 1, 0, create=False)
 
 
+def test_the_word_moves_while_the_process_holds_its_gil():
+    """A rank blocked in a call that keeps the GIL (a CUDA sync inside tensor.item(), a
+    compile) is alive: its ticker, a process of its own, still ticks."""
+    name = f"kimi_ops_test_{uuid.uuid4().hex}"
+    beat = Heartbeat(name, 1, 0, create=True, period=0.005)
+    beat.unlink()
+    wait_for(lambda: beat.beat(0) > 0)
+    before, start = beat.beat(0), time.monotonic()
+    sum(range(3 * 10**7))  # one C call: no other thread of this process runs meanwhile
+    assert time.monotonic() - start > 0.1 and beat.beat(0) > before + 10
+    beat.close()
+
+
+def test_a_killed_ranks_word_stops():
+    import subprocess
+    import sys
+
+    name = f"kimi_ops_test_{uuid.uuid4().hex}"
+    first = Heartbeat(name, 2, 0, create=True, period=0.005)
+    rank = ("import time; from kimi_ops.runtime.heartbeat import Heartbeat; "
+            f"Heartbeat({name!r}, 2, 1, create=False, period=0.005); print(flush=True); time.sleep(60)")
+    second = subprocess.Popen([sys.executable, "-c", rank], stdout=subprocess.PIPE)
+    second.stdout.readline()
+    first.unlink()
+    wait_for(lambda: first.beat(1) > 3)
+    second.kill()  # no clean-up runs: its ticker sees itself orphaned
+    second.wait()
+    second.stdout.close()
+    time.sleep(0.1)
+    stopped = first.beat(1)
+    time.sleep(0.1)
+    assert first.beat(1) == stopped
+    first.close()
+
+
 def group_member(rank: int, tp: int, store: str, out: str) -> None:
     """One process of a gloo group: start the group's heartbeat, then see every peer tick."""
     import json

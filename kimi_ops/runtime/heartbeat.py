@@ -1,20 +1,22 @@
 """A TP group's pulse on one host, for its device barrier (``kimi::group_barrier``): a page
 of shared memory (``/dev/shm``) with a 64-byte word per rank, mapped for the GPU. Each
-rank's daemon thread adds one to its word every PERIOD seconds while the process lives;
-the barrier kernel fails a peer only once the peer's word has stopped moving for the
-barrier's bound, so a rank that is alive but slow on the host (compiling, paging, paused
-in a debugger's breakpoint with other threads running) does not trip the group, and a
-dead one still does within the bound.
+rank's ticker — a child process of a few lines of plain Python, no torch — adds one to its
+word every PERIOD seconds while its parent lives, and exits once it is orphaned; the
+barrier kernel fails a peer only once the peer's word has stopped moving for the barrier's
+bound, so a rank that is alive but slow on the host (compiling, paging, paused in a
+debugger, blocked in a call that holds the GIL while its GPU waits) does not trip the
+group, and a dead one still does within the bound. (A thread of the rank's own process
+stalls with its GIL: a peer blocked in ``tensor.item()`` behind its own barrier fell silent.)
 
-The pulse is plain host memory written by a host thread: no CUDA call, so it cannot break
-a CUDA-graph capture in another thread (a side stream's copies would, in torch's default
-global capture mode).
+The pulse is plain host memory written by another process: no CUDA call, so it cannot break
+a CUDA-graph capture (a side stream's copies would, in torch's default global capture mode).
 """
 
 import ctypes
 import mmap
 import os
-import threading
+import subprocess
+import sys
 import uuid
 
 import torch
@@ -23,6 +25,18 @@ from ..mailbox import PULSE_STRIDE as STRIDE
 
 PERIOD = 0.1  # seconds between ticks (the barrier's silence bound is 10 of them)
 
+TICKER = """
+import ctypes, mmap, os, sys, time
+path, offset, period, parent = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), os.getppid()
+fd = os.open(path, os.O_RDWR)
+word = ctypes.c_int64.from_buffer(mmap.mmap(fd, 0), offset)
+os.close(fd)
+print(flush=True)  # the page is open: its name may go
+while os.getppid() == parent:
+    word.value += 1
+    time.sleep(period)
+"""
+
 
 class Heartbeat:
     """The page ``name`` (``/dev/shm/<name>``) of ``tp`` words; this process ticks word
@@ -30,7 +44,7 @@ class Heartbeat:
     it). ``address``: the page's device-visible address (0 without CUDA: no GPU reads it)."""
 
     def __init__(self, name: str, tp: int, rank: int, create: bool, period: float = PERIOD):
-        self.path, self.tp, self.rank, self.period = f"/dev/shm/{name}", tp, rank, period
+        self.path, self.tp, self.rank = f"/dev/shm/{name}", tp, rank
         size = tp * STRIDE
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
@@ -41,15 +55,18 @@ class Heartbeat:
         finally:
             os.close(fd)
         self.words = (ctypes.c_int64 * (size // 8)).from_buffer(self.page)
+        self.address = 0
+        self.ticker = subprocess.Popen([sys.executable, "-S", "-c", TICKER, self.path, str(rank * STRIDE), str(period)],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
         try:
+            if not self.ticker.stdout.readline():
+                raise RuntimeError(f"the heartbeat's ticker exited ({self.ticker.wait()})")
             self.address = self.map_for_cuda(size)
         except RuntimeError:
+            self.close()
             if create:
                 os.unlink(self.path)
             raise
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.tick, name=f"kimi_ops heartbeat {rank}", daemon=True)
-        self.thread.start()
 
     def map_for_cuda(self, size: int) -> int:
         """Register the page as mapped, portable pinned memory; its device address."""
@@ -71,15 +88,11 @@ class Heartbeat:
         """Rank ``rank``'s count so far."""
         return self.words[rank * STRIDE // 8]
 
-    def tick(self) -> None:
-        slot = self.rank * STRIDE // 8
-        while not self.stopped.wait(self.period):
-            self.words[slot] += 1
-
     def stop(self) -> None:
         """Stop ticking (this rank then reads as dead to its peers' barriers)."""
-        self.stopped.set()
-        self.thread.join()
+        self.ticker.kill()
+        self.ticker.wait()
+        self.ticker.stdout.close()
 
     def close(self) -> None:
         """Stop, and give the page's CUDA registration and mapping back (no kernel may read
