@@ -134,11 +134,9 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
 
     q_c, head_in, k_in = unit("oproj wq_a + w_head + wk", lambda w: kimi.oproj(x, w), index.w_in).split(
         index.sizes, dim=1)
-    unit("dsa_index_front", lambda w: kimi.dsa_index_front(q_c, w, head_in, index.q_norm_w, eps), index.wq_b,
-         extra_bytes=index.q_norm_w.nbytes)
-    unit("dsa_index_key_insert", lambda: kimi.dsa_index_key_insert(
-        k_in, index.k_norm_w, index.k_norm_b, eps, index.index_cache, slots),
-        extra_bytes=index.k_norm_w.nbytes + index.k_norm_b.nbytes)
+    unit("dsa_index_front_keys", lambda w: kimi.dsa_index_front_keys(
+        q_c, w, head_in, index.q_norm_w, k_in, index.k_norm_w, index.k_norm_b, eps, index.index_cache, slots),
+        index.wq_b, extra_bytes=index.q_norm_w.nbytes + index.k_norm_w.nbytes + index.k_norm_b.nbytes)
     attn = unit("oproj core", lambda w: kimi.oproj(q_c, w), oproj.w_core)
     attn_boxes = boxes.peers("attn", 0)
     unit("oproj_publish", lambda w: kimi.oproj_publish(attn, w, attn_boxes, 0), oproj.w_o, in_layer=False)
@@ -161,8 +159,7 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
 
     ids, weights, latent = unit("moe_front_publish + moe_route_poll", route, front.front,
                                 extra_bytes=front.bias.nbytes)
-    gate_up = unit("oproj shared gate_up", lambda w: kimi.oproj(x, w), front.shared_gate_up)
-    act = unit("situ", lambda: kimi.situ(gate_up, 1.0, 0.0))
+    act = unit("gate_up_situ shared gate_up", lambda w: kimi.gate_up_situ(x, w, 1.0, 0.0), front.shared_gate_up)
     rs_boxes, latent_boxes = boxes.peers("rs", 0), boxes.peers("latent", 0)
     unit("oproj_push shared down", lambda w: kimi.oproj_push(act, w, rs_boxes, front.parity, 0), front.shared_down)
     shared = kimi.oproj(act, front.shared_down)  # the same rows, for the tail chain's push

@@ -21,6 +21,7 @@ SCHEMAS: dict[str, str] = {
         " Tensor w_up, float eps) -> Tensor"
     ),
     "oproj": "oproj(Tensor x, Tensor w) -> Tensor",
+    "gate_up_situ": "gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta) -> Tensor",
     "dsa_index_front": (
         "dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w,"
         " float eps) -> (Tensor q, Tensor head_w)"
@@ -28,6 +29,10 @@ SCHEMAS: dict[str, str] = {
     "dsa_index_key_insert": (
         "dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps,"
         " Tensor(a!) cache, Tensor slots) -> ()"
+    ),
+    "dsa_index_front_keys": (
+        "dsa_index_front_keys(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, Tensor k_in,"
+        " Tensor k_norm_w, Tensor k_norm_b, float eps, Tensor(a!) cache, Tensor slots) -> (Tensor q, Tensor head_w)"
     ),
     "attn_res": (
         "attn_res(Tensor blocks, Tensor partial, Tensor sublayer_out, Tensor query,"

@@ -21,12 +21,18 @@ def sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         )
     if name == "oproj":
         return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1)
+    if name == "gate_up_situ":  # I = 16
+        return rand(gen, batch, 64), rand(gen, 32, 64, scale=0.1), 1.0, 0.0
     if name == "dsa_index_front":
         return rand(gen, batch, 96), rand(gen, 4096, 96, scale=0.1), rand(gen, batch, 32), rand(gen, 96) + 1, 1e-6
     if name == "dsa_index_key_insert":
         cache = torch.randint(0, 256, (batch + 2, 132), dtype=torch.uint8, generator=gen)
         slots = torch.randperm(batch + 2, generator=gen)[:batch]
         return rand(gen, batch, 128), rand(gen, 128) + 1, rand(gen, 128, scale=0.1), 1e-5, cache, slots
+    if name == "dsa_index_front_keys":
+        rows, wq_b, head_in, q_norm_w, _ = sample_args("dsa_index_front", batch, gen)
+        k_in, norm_w, norm_b, eps, cache, slots = sample_args("dsa_index_key_insert", batch, gen)
+        return rows, wq_b, head_in, q_norm_w, k_in, norm_w, norm_b, eps, cache, slots
     if name == "attn_res":
         return (
             rand(gen, 2, batch, 64), rand(gen, batch, 64), rand(gen, 2, batch, 64),

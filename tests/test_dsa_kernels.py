@@ -45,6 +45,13 @@ def test_front_compiles(tokens, norm, clean_ptxas):
     clean_ptxas()
 
 
+@pytest.mark.parametrize("tokens", gemm_plans.TOKEN_TILES)
+def test_front_with_keys_compiles(tokens, clean_ptxas):
+    """The decoder's front (raw rows) with the key insert's CTAs, at every bucket."""
+    assert dsa.compile_index_front.build(K, tokens, True, True) is not None
+    clean_ptxas()
+
+
 def test_key_insert_compiles(clean_ptxas):
     assert dsa.compile_key_insert.build() is not None
     clean_ptxas()
@@ -184,6 +191,8 @@ def test_adapters_use_the_ops_checks_and_are_registered(monkeypatch):
     assert dsa.KeyInsertKernel.check is dsa_op.check_dsa_index_key_insert
     assert isinstance(backend.KERNELS["dsa_index_front"], dsa.IndexFrontKernel)
     assert isinstance(backend.KERNELS["dsa_index_key_insert"], dsa.KeyInsertKernel)
+    assert dsa.IndexFrontKeysKernel.check is dsa_op.check_dsa_index_front_keys
+    assert isinstance(backend.KERNELS["dsa_index_front_keys"], dsa.IndexFrontKeysKernel)
 
 
 def test_prepare_compiles_every_bucket_of_both_modes(monkeypatch):
@@ -194,8 +203,10 @@ def test_prepare_compiles_every_bucket_of_both_modes(monkeypatch):
     dsa.IndexFrontKernel().prepare(K, [1, 64], modes=(True,))
     dsa.IndexFrontKernel().prepare(96, [8])  # not the kernel's: nothing to compile
     dsa.KeyInsertKernel().prepare()
-    assert compiled == [(K, t, True) for t in gemm_plans.TOKEN_TILES] + [(K, t, False) for t in gemm_plans.TOKEN_TILES] + [
-        (K, 8, True), (K, 64, True), "key"]
+    dsa.IndexFrontKeysKernel().prepare(K, [1, 64], modes=(True,))
+    assert compiled == [(K, t, True, False) for t in gemm_plans.TOKEN_TILES] + [
+        (K, t, False, False) for t in gemm_plans.TOKEN_TILES] + [(K, 8, True, False), (K, 64, True, False), "key",
+                                                                  (K, 8, True, True), (K, 64, True, True)]
 
 
 @pytest.mark.parametrize("normalized", [True, False])
@@ -342,22 +353,55 @@ def test_key_insert_host_check_raises_and_capture_drops_out_of_range_slots():
     assert_caches_match(cache, want, before, skipped)
 
 
+def separate_ops(rows, wq_b, head_in, q_norm_w, k_in, norm_w, norm_b, eps, cache, slots):
+    """What kimi::dsa_index_front_keys computes, as the two ops' launches."""
+    kimi.dsa_index_key_insert(k_in, norm_w, norm_b, eps, cache, slots)
+    return kimi.dsa_index_front(rows, wq_b, head_in, q_norm_w, eps)
+
+
 @on_hopper
-def test_front_and_key_insert_replay_from_a_graph():
-    """The decoder's pair (raw rows), captured once: replays over fresh inputs equal eager
-    calls bit for bit."""
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+def test_front_with_keys_kernel(batch):
+    """One launch: the reference's codes, scales and cache rows (the front's and the key
+    insert's tolerances), and the same bits as the two ops' kernels."""
+    rows, wq_b, head_in, q_norm_w = front_inputs(batch, seed=batch + 300, normalized=False)
+    k_in, norm_w, norm_b, cache, slots = key_inputs(batch, 2 * batch + 7, seed=batch + 300)
+    before, want, separate = cache.clone(), cache.clone(), cache.clone()
+    poisoned_pool((batch, 32, 64), (batch, 32))
+    args = (rows, wq_b, head_in, q_norm_w, k_in, norm_w, norm_b, 1e-6)
+    got = kimi.dsa_index_front_keys(*args, cache, slots)
+    expected = reference(kimi.dsa_index_front_keys, *args, want, slots)
+    assert_front_matches(got, expected)
+    assert_caches_match(cache, want, before, slots)
+    q, head_w = separate_ops(*args, separate, slots)
+    assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], head_w)
+    assert torch.equal(cache, separate)
+
+
+@on_hopper
+def test_front_with_keys_rejects_bad_slots_before_any_write():
+    rows, wq_b, head_in, q_norm_w = front_inputs(8, seed=5, normalized=False)
+    k_in, norm_w, norm_b, cache, slots = key_inputs(8, 40, seed=5)
+    before = cache.clone()
+    for bad in ([0, 99, -1, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 6]):
+        with pytest.raises(KimiArgumentError, match="dsa_index_front_keys: argument 'slots'"):
+            kimi.dsa_index_front_keys(rows, wq_b, head_in, q_norm_w, k_in, norm_w, norm_b, 1e-6, cache,
+                                      torch.tensor(bad).cuda())
+        assert torch.equal(cache, before)
+
+
+@on_hopper
+def test_front_with_keys_replays_from_a_graph():
+    """The decoder's call (raw rows), captured once: replays over fresh inputs equal the
+    two ops' eager calls bit for bit."""
     rows, wq_b, head_in, q_norm_w = front_inputs(16, seed=9, normalized=False)
     k_in, norm_w, norm_b, cache, slots = key_inputs(16, 64, seed=9)
+    args = lambda: (rows, wq_b, head_in, q_norm_w, k_in, norm_w, norm_b, 1e-6)  # noqa: E731
 
-    def step():
-        out = kimi.dsa_index_front(rows, wq_b, head_in, q_norm_w, 1e-6)
-        kimi.dsa_index_key_insert(k_in, norm_w, norm_b, 1e-6, cache, slots)
-        return out
-
-    step()
+    kimi.dsa_index_front_keys(*args(), cache, slots)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q, head_w = step()
+        q, head_w = kimi.dsa_index_front_keys(*args(), cache, slots)
     poison = cache.clone()
     for seed in range(10, 14):
         rows.copy_(front_inputs(16, seed, normalized=False)[0])
@@ -365,8 +409,7 @@ def test_front_and_key_insert_replay_from_a_graph():
         cache.copy_(poison)
         graph.replay()
         eager_cache = poison.clone()
-        eager_q, eager_w = kimi.dsa_index_front(rows, wq_b, head_in, q_norm_w, 1e-6)
-        kimi.dsa_index_key_insert(k_in, norm_w, norm_b, 1e-6, eager_cache, slots)
+        eager_q, eager_w = separate_ops(*args(), eager_cache, slots)
         assert torch.equal(q.view(torch.uint8), eager_q.view(torch.uint8)) and torch.equal(head_w, eager_w)
         assert torch.equal(cache, eager_cache) and not torch.equal(cache, poison)
 

@@ -1,8 +1,9 @@
 """The CuTe decode-GEMM engine (kernels/gemm/): every variant the decoder runs at TP 1 / 2
 / 8 compiles for sm_90a without a GPU, with no spills and no ptxas performance note; its
-plans cover every row once in one wave; on a Hopper GPU ``kimi::oproj``, ``kimi::moe_front``
-and their publishing ops match the reference backend (outputs poisoned first, fresh
-inputs), bit for bit across runs, and the boxes hold the functional op's rows."""
+plans cover every row once in one wave; on a Hopper GPU ``kimi::oproj``, ``kimi::moe_front``,
+``kimi::gate_up_situ`` and the publishing ops match the reference backend (outputs
+poisoned first, fresh inputs), bit for bit across runs, and the boxes hold the functional
+op's rows."""
 
 import warnings
 
@@ -17,6 +18,7 @@ from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, canonical  # noqa: E402
+from kimi_ops.ops import oproj as oproj_ops  # noqa: E402
 from benchmarks import bench_projection as bench  # noqa: E402  (the variants it times compile)
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
@@ -50,6 +52,24 @@ def test_oproj_push_compiles(tp, tokens, clean_ptxas):
     """The shared expert's down projection with the reduce-scatter stores in its epilogue."""
     assert gemm.compile_gemm.build(7168, 6144 // tp, tokens, False, 0, tp, True) is not None
     clean_ptxas()
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_gate_up_situ_compiles(tp, tokens, clean_ptxas):
+    """The shared expert's gate/up projection with situ in its epilogue."""
+    assert gemm.compile_gemm.build(12288 // tp, 7168, tokens, False, 0, 0, False, (1.0, 0.0)) is not None
+    clean_ptxas()
+
+
+def test_situ_epilogue_plans_own_whole_gate_up_pairs():
+    """Every TP's shared gate/up shape at every bucket: a CTA owns whole 16-row pairs (TP16's
+    default plan owns 8 rows a CTA: the situ plan splits otherwise)."""
+    for tp in (1, 2, 4, 8, 16):
+        for tokens in gemm_plans.TOKEN_TILES:
+            plan = gemm.gemm_variant(12288 // tp, 7168, tokens, (False, 0, 0, False, (1.0, 0.0))).plan
+            assert plan.owned % 16 == 0 and plan.blocks * plan.rows >= 12288 // tp
+    assert gemm_plans.gemm_plan(768, 7168, 8).owned == 8 and gemm_plans.gemm_plan(768, 7168, 8, 16).owned == 16
 
 
 def test_push_epilogue_takes_a_ctas_rows_into_one_owner():
@@ -134,9 +154,10 @@ def test_prepare_compiles_every_bucket_of_the_batches(monkeypatch):
     gemm.OprojPublishKernel().prepare(7168, 1536, 8, [3])
     gemm.FrontPublishKernel().prepare(560, 7168, 112, 8)
     gemm.OprojKernel().prepare(7168, 1000)  # not the engine's: nothing to compile
+    gemm.GateUpSituKernel().prepare(1536, 7168, 1, 0, [8])
     assert compiled == [(7168, 1536, t) for t in (8, 16, 32, 64)] + [
         (4480, 7168, 8, True, 896), (4480, 7168, 64, True, 896), (7168, 1536, 8, False, 0, 8)
-    ] + [(560, 7168, t, True, 112, 8) for t in (8, 16, 32, 64)]
+    ] + [(560, 7168, t, True, 112, 8) for t in (8, 16, 32, 64)] + [(1536, 7168, 8, False, 0, 0, False, (1.0, 0.0))]
 
 
 # GPU: against the reference backend on the same device.
@@ -276,17 +297,46 @@ def test_front_publish_stores_logit_words_and_latent_in_every_box(tp, batch):
             assert armed(row[:, others])
 
 
+def situ_scale(x, w):
+    """situ(g, u)'s error scale when g and u are sums off by their own scale (assert_gemm_close):
+    |∂situ/∂g| · scale_g + |∂situ/∂u| · scale_u, at the exact g and u."""
+    half = w.shape[0] // 2
+    h = x.double() @ w.double().T
+    scale = (x.double().square() @ w.double().square().T).sqrt()
+    g, u, sig = h[:, :half], h[:, half:], torch.sigmoid(h[:, :half])
+    return (sig * (1 + g * (1 - sig)) * u).abs() * scale[:, :half] + (g * sig).abs() * scale[:, half:]
+
+
+@on_hopper
+@pytest.mark.parametrize("tp", (1, 8, 16))
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+def test_gate_up_situ_kernel(tp, batch):
+    """The reference's activations within situ's tolerance (assert_bf16_close), and where the
+    plan is oproj's (TP1, TP8) the bits of kimi::situ(kimi::oproj(x, [gate; up])): a row's
+    sum does not depend on the CTA that owns it."""
+    n = 12288 // tp
+    x, w = inputs(batch, n, 7168, seed=n + batch)
+    paired = oproj_ops.interleave_gate_up(w)
+    poisoned_pool((batch, n // 2))
+    got = kimi.gate_up_situ(x, paired, 1.0, 0.0)
+    assert_bf16_close(got, reference(kimi.gate_up_situ, x, paired, 1.0, 0.0), magnitude=situ_scale(x, w))
+    assert torch.equal(got, kimi.gate_up_situ(x, paired, 1.0, 0.0))
+    if tp != 16:
+        assert torch.equal(got, kimi.situ(kimi.oproj(x, w), 1.0, 0.0))
+
+
 @on_hopper
 def test_shared_expert_chain_replays_from_a_graph():
-    """gate/up → situ → down at TP8 (PDL-chained kernels), captured once: replays over fresh
-    inputs equal eager calls bit for bit."""
+    """gate/up with situ → down at TP8 (PDL-chained kernels), captured once: replays over
+    fresh inputs equal eager calls bit for bit."""
     x, gate_up = inputs(8, 1536, 7168, seed=1)
+    gate_up = oproj_ops.interleave_gate_up(gate_up)
     _, down = inputs(8, 7168, 768, seed=2)
 
     def shared():
-        return kimi.oproj(kimi.situ(kimi.oproj(x, gate_up), 1.0, 0.0), down)
+        return kimi.oproj(kimi.gate_up_situ(x, gate_up, 1.0, 0.0), down)
 
-    hidden = kimi.situ(kimi.oproj(x, gate_up), 1.0, 0.0)
+    hidden = kimi.gate_up_situ(x, gate_up, 1.0, 0.0)
     assert_gemm_close(shared(), reference(kimi.oproj, hidden, down), hidden, down)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -6,6 +6,7 @@ import torch
 import oracle
 from kimi_ops import KimiArgumentError, backend
 from kimi_ops.numerics import ordered_key
+from kimi_ops.ops import oproj as oproj_ops
 from kimi_ops.config import INDEX_DIM, INDEX_HEADS
 from conftest import BATCHES, DEVICES, HOPPER, assert_bf16_close, assert_tail_close, randn
 
@@ -113,6 +114,24 @@ def test_oproj(gen, device, batch):
     x = randn(gen, batch, 1536, dtype=torch.bfloat16, device=device)
     w = randn(gen, 512, 1536, dtype=torch.bfloat16, device=device, scale=0.03)
     assert_bf16_close(kimi.oproj(x, w), oracle.linear(x.cpu(), w.cpu()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_gate_up_situ_is_situ_of_the_gate_up_rows(gen, device, batch):
+    """The interleaved rows (interleave_gate_up) give kimi::situ(kimi::oproj(x, [gate; up]))
+    bit for bit (on CUDA too: at this shape the situ plan is oproj's), both betas."""
+    x = randn(gen, batch, 1536, dtype=torch.bfloat16, device=device)
+    w = randn(gen, 2 * 256, 1536, dtype=torch.bfloat16, device=device, scale=0.03)
+    paired = oproj_ops.interleave_gate_up(w)
+    assert torch.equal(paired[8:16], w[256:264]) and torch.equal(paired[16:24], w[8:16])
+    for beta, linear_beta in ((1.0, 0.0), (1.702, 1.0)):
+        got = kimi.gate_up_situ(x, paired, beta, linear_beta)
+        assert torch.equal(got, kimi.situ(kimi.oproj(x, w), beta, linear_beta))
+    assert_bf16_close(kimi.gate_up_situ(x, paired, 1.0, 0.0),
+                      oracle.situ(oracle.linear(x.cpu(), w.cpu()).to(torch.bfloat16), 1.0, 0.0))
+    with pytest.raises(KimiArgumentError, match="'w' must be .* a multiple of 16"):
+        kimi.gate_up_situ(x, paired[:40], 1.0, 0.0)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -240,6 +259,34 @@ def test_dsa_helpers_take_column_views_of_one_gemm(gen, device, batch):
     if batch > 1:  # columns of unit stride are no rows
         with pytest.raises(KimiArgumentError, match="'k_in' must be rows with unit column stride"):
             kimi.dsa_index_key_insert(k_in.t().contiguous().t(), norm_w, norm_b, 1e-5, caches[0], slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_dsa_index_front_keys_is_the_two_ops(gen, device, batch):
+    """The decoder's call on column views of one GEMM: the front's outputs and the cache of
+    kimi::dsa_index_front and kimi::dsa_index_key_insert, bit for bit (on Hopper: the fused
+    kernel against the two kernels)."""
+    x = randn(gen, batch, 7168, dtype=torch.bfloat16, device=device)
+    w_in = randn(gen, 1536 + INDEX_HEADS + INDEX_DIM, 7168, dtype=torch.bfloat16, device=device, scale=7168**-0.5)
+    q_c, head_in, k_in = kimi.oproj(x, w_in).split([1536, INDEX_HEADS, INDEX_DIM], dim=1)
+    _, wq_b, _, q_norm_w = index_front_inputs(gen, batch, device)
+    norm_w = randn(gen, 128, dtype=torch.bfloat16, device=device, scale=0.1) + 1
+    norm_b = randn(gen, 128, dtype=torch.bfloat16, device=device, scale=0.1)
+    caches = [torch.randint(0, 256, (2 * batch + 3, 132), dtype=torch.uint8, generator=gen).to(device)
+              for _ in range(2)]
+    caches[1].copy_(caches[0])
+    slots = torch.randperm(2 * batch + 3, generator=gen)[:batch].to(device)
+    slots[::4] = -1
+    args = (q_c, wq_b, head_in, q_norm_w)
+    if device == "cuda" and HOPPER:
+        kernel = backend.KERNELS.get("dsa_index_front_keys")
+        assert kernel is None or kernel.unsupported(*args, k_in, norm_w, norm_b, 1e-6, caches[0], slots) is None
+    got = kimi.dsa_index_front_keys(*args, k_in, norm_w, norm_b, 1e-6, caches[0], slots)
+    kimi.dsa_index_key_insert(k_in, norm_w, norm_b, 1e-6, caches[1], slots)
+    want = kimi.dsa_index_front(*args, 1e-6)
+    assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    assert torch.equal(caches[0], caches[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

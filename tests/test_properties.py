@@ -200,7 +200,8 @@ def restored(args, before):
 
 OPS = list(SCHEMAS)
 # Data checks made on the host only (values, not metadata): a fake cannot see them.
-HOST_ONLY = {"dsa_index_key_insert": re.compile(r"argument 'slots' must be (in \[|distinct)")}
+SLOT_VALUES = re.compile(r"argument 'slots' must be (in \[|distinct)")
+HOST_ONLY = {"dsa_index_key_insert": SLOT_VALUES, "dsa_index_front_keys": SLOT_VALUES}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -166,7 +166,7 @@ def test_compiled_decoder_equals_eager_and_reinplaces_boxes(tp, batch):
     compiled_module.check()
     calls = re.findall(r"torch\.ops\.kimi\.(\w+)\.default\((.*)\)", code)
     mutating = {"attn_res_take", "moe_route_poll", "moe_tail_poll", "oproj_publish",
-                "moe_front_publish", "oproj_push", "moe_tail_publish", "dsa_index_key_insert"}
+                "moe_front_publish", "oproj_push", "moe_tail_publish", "dsa_index_front_keys"}
     if compiled_module.boxes.two_shot(batch):
         mutating.add("moe_latent_reduce")
     seen = {name for name, _ in calls} & mutating

@@ -11,8 +11,10 @@ OPS = {
     "situ": (route.situ, route.situ_fake),
     "moe_tail": (tail.moe_tail, tail.moe_tail_fake),
     "oproj": (oproj.oproj, oproj.oproj_fake),
+    "gate_up_situ": (oproj.gate_up_situ, oproj.gate_up_situ_fake),
     "dsa_index_front": (dsa.dsa_index_front, dsa.dsa_index_front_fake),
     "dsa_index_key_insert": (dsa.dsa_index_key_insert, dsa.dsa_index_key_insert_fake),
+    "dsa_index_front_keys": (dsa.dsa_index_front_keys, dsa.dsa_index_front_keys_fake),
     "attn_res": (attn_res.attn_res, attn_res.attn_res_fake),
     "routed_experts": (experts.routed_experts, experts.routed_experts_fake),
     # the mailbox ops (DESIGN §4): the box protocol's, then each family's

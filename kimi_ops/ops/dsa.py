@@ -1,5 +1,6 @@
 """The DSA indexer front (the seeds' ``dsa/front_mma.py`` ``IndexFrontMma`` and DsaIndex's
-key insert): ``kimi::dsa_index_front`` and ``kimi::dsa_index_key_insert``."""
+key insert): ``kimi::dsa_index_front``, ``kimi::dsa_index_key_insert``, and both in one
+call, ``kimi::dsa_index_front_keys`` (one launch on CUDA, as the seeds' front does)."""
 
 import torch
 
@@ -10,9 +11,8 @@ from ..numerics import bf16, f32, matmul_f32, quantize_e4m3, rms_norm, sum_f32
 KEY_BYTES = INDEX_DIM + 4  # e4m3 bytes, then the FP32 scale (little endian)
 
 
-def check_dsa_index_front(rows, wq_b, head_in, q_norm_w, eps) -> int:
-    """Returns B."""
-    op = "dsa_index_front"
+def check_dsa_index_front(rows, wq_b, head_in, q_norm_w, eps, op: str = "dsa_index_front") -> int:
+    """Returns B; errors in the name of ``op`` (the fused op reuses the checks)."""
     check_tensor(op, "rows", rows, torch.bfloat16, (None, None), rows=True)
     check_tensor(op, "wq_b", wq_b, torch.bfloat16, (INDEX_HEADS * INDEX_DIM, rows.shape[1]))
     check_tensor(op, "head_in", head_in, torch.bfloat16, (rows.shape[0], INDEX_HEADS), rows=True)
@@ -48,31 +48,31 @@ def dsa_index_front_fake(rows, wq_b, head_in, q_norm_w, eps):
     )
 
 
-def check_dsa_index_key_insert(k_in, norm_w, norm_b, eps, cache, slots) -> None:
-    op = "dsa_index_key_insert"
+def check_dsa_index_key_insert(k_in, norm_w, norm_b, eps, cache, slots, op: str = "dsa_index_key_insert",
+                               norms=("norm_w", "norm_b"), reads=None) -> None:
+    """Errors in the name of ``op``, the norm's weights named ``norms``; ``reads``: the
+    fused op's other inputs, none of which may share the cache's memory."""
     check_tensor(op, "k_in", k_in, torch.bfloat16, (None, INDEX_DIM), rows=True)
-    check_tensor(op, "norm_w", norm_w, torch.bfloat16, (INDEX_DIM,))
-    check_tensor(op, "norm_b", norm_b, torch.bfloat16, (INDEX_DIM,))
+    check_tensor(op, norms[0], norm_w, torch.bfloat16, (INDEX_DIM,))
+    check_tensor(op, norms[1], norm_b, torch.bfloat16, (INDEX_DIM,))
     check_tensor(op, "cache", cache, torch.uint8, (None, KEY_BYTES))
     check_tensor(op, "slots", slots, torch.int64, (k_in.shape[0],))
-    check_placement(op, dict(cache=cache), dict(k_in=k_in, norm_w=norm_w, norm_b=norm_b, slots=slots))
+    check_placement(op, dict(cache=cache),
+                    dict(k_in=k_in, **{norms[0]: norm_w, norms[1]: norm_b}, slots=slots, **(reads or {})))
     check_eps(op, eps)
 
 
-def check_slot_values(cache, slots) -> None:
+def check_slot_values(cache, slots, op: str = "dsa_index_key_insert") -> None:
     """Slots in [-1, num_slots) and no slot twice (host check: skipped while capturing)."""
     if slots.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     num_slots = cache.shape[0]
     bad = (slots < -1) | (slots >= num_slots)
     if bool(bad.any()):
-        fail(
-            "dsa_index_key_insert", "slots", f"in [-1, {num_slots}) (-1 = skip)",
-            slots[bad].tolist(),
-        )
+        fail(op, "slots", f"in [-1, {num_slots}) (-1 = skip)", slots[bad].tolist())
     used = slots[slots >= 0]
     if used.unique().numel() != used.numel():
-        fail("dsa_index_key_insert", "slots", "distinct (apart from -1)", slots.tolist())
+        fail(op, "slots", "distinct (apart from -1)", slots.tolist())
 
 
 def index_key(k_in, norm_w, norm_b, eps) -> torch.Tensor:
@@ -106,3 +106,29 @@ def dsa_index_key_insert(k_in, norm_w, norm_b, eps: float, cache, slots) -> None
 
 def dsa_index_key_insert_fake(k_in, norm_w, norm_b, eps, cache, slots) -> None:
     check_dsa_index_key_insert(k_in, norm_w, norm_b, eps, cache, slots)
+
+
+def check_dsa_index_front_keys(rows, wq_b, head_in, q_norm_w, k_in, k_norm_w, k_norm_b, eps, cache, slots) -> int:
+    """Both ops' checks in the fused op's name; returns B."""
+    op = "dsa_index_front_keys"
+    batch = check_dsa_index_front(rows, wq_b, head_in, q_norm_w, eps, op)
+    check_dsa_index_key_insert(k_in, k_norm_w, k_norm_b, eps, cache, slots, op, ("k_norm_w", "k_norm_b"),
+                               dict(rows=rows, wq_b=wq_b, head_in=head_in, q_norm_w=q_norm_w))
+    if k_in.shape[0] != batch:
+        fail(op, "k_in", f"rows of the batch's {batch} tokens", k_in.shape[0])
+    return batch
+
+
+def dsa_index_front_keys(rows, wq_b, head_in, q_norm_w, k_in, k_norm_w, k_norm_b, eps: float, cache, slots):
+    """:func:`dsa_index_front` of the rows and :func:`dsa_index_key_insert` of the keys
+    (LayerNorm ``k_norm_w``, ``k_norm_b``) in one call, one ``eps`` for both norms; every
+    check (the slots' values included) before the cache is written. Returns (q, head_w)."""
+    check_dsa_index_front_keys(rows, wq_b, head_in, q_norm_w, k_in, k_norm_w, k_norm_b, eps, cache, slots)
+    check_slot_values(cache, slots, "dsa_index_front_keys")
+    dsa_index_key_insert(k_in, k_norm_w, k_norm_b, eps, cache, slots)
+    return dsa_index_front(rows, wq_b, head_in, q_norm_w, eps)
+
+
+def dsa_index_front_keys_fake(rows, wq_b, head_in, q_norm_w, k_in, k_norm_w, k_norm_b, eps, cache, slots):
+    check_dsa_index_front_keys(rows, wq_b, head_in, q_norm_w, k_in, k_norm_w, k_norm_b, eps, cache, slots)
+    return dsa_index_front_fake(rows, wq_b, head_in, q_norm_w, eps)

@@ -1,4 +1,7 @@
-"""The attention output projection (the seeds' ``oproj/producer.py``): ``kimi::oproj``."""
+"""The attention output projection (the seeds' ``oproj/producer.py``): ``kimi::oproj``, and
+the other projections on its engine with their own epilogues: the shared expert's gate/up
+with ``situ`` (``kimi::gate_up_situ``) and its down with the reduce-scatter push
+(``kimi::oproj_push``)."""
 
 import torch
 
@@ -8,6 +11,9 @@ from ..mailbox import (
 )
 from ..numerics import bf16, matmul_f32
 from .boxes import check_boxes, store_shards
+from .route import situ
+
+PAIRED = 8  # gate/up rows interleaved in packets: 8 gate rows, then the same 8 up rows
 
 
 def check_oproj(x, w, op: str = "oproj") -> tuple[int, int]:
@@ -66,3 +72,39 @@ def oproj_push(x, w, rs_boxes, parity: int, rank: int) -> None:
     goes to source ``rank`` of rank d's box [3, TP, CAP, N/TP]."""
     check_oproj_push(x, w, rs_boxes, parity, rank)
     store_shards(oproj(x, w), rs_boxes, parity, rank)
+
+
+def interleave_gate_up(w):
+    """[gate; up] rows [2I, K] → the layout ``kimi::gate_up_situ`` takes: rows 16p … 16p + 7
+    are gate rows 8p … 8p + 7, rows 16p + 8 … 16p + 15 the same up rows (I % 8 == 0)."""
+    double, k = w.shape
+    return w.view(2, double // (2 * PAIRED), PAIRED, k).transpose(0, 1).reshape(double, k)
+
+
+def deinterleave_gate_up(h):
+    """Columns [B, 2I] of the interleaved rows back to [gate | up]."""
+    batch, double = h.shape
+    return h.view(batch, double // (2 * PAIRED), 2, PAIRED).transpose(1, 2).reshape(batch, double)
+
+
+def check_gate_up_situ(x, w, beta, linear_beta) -> tuple[int, int]:
+    """Returns (B, I)."""
+    op = "gate_up_situ"
+    batch, double = check_oproj(x, w, op)
+    if double % (2 * PAIRED):
+        fail(op, "w", f"[2I, K] with 2I a multiple of {2 * PAIRED} (gate and up rows interleaved in packets of "
+             f"{PAIRED})", list(w.shape))
+    return batch, double // 2
+
+
+def gate_up_situ(x, w, beta: float, linear_beta: float):
+    """The shared expert's gate/up projection and its activation in one op:
+    ``kimi::situ`` of BF16(x @ w.T) with ``w``'s rows interleaved (:func:`interleave_gate_up`:
+    on the GPU a CTA's rows hold its gate and up rows alike, so the GEMM's epilogue applies
+    situ). [B, I] bf16; the rounding points of the two ops."""
+    check_gate_up_situ(x, w, beta, linear_beta)
+    return situ(deinterleave_gate_up(oproj(x, w)), beta, linear_beta)
+
+
+def gate_up_situ_fake(x, w, beta, linear_beta):
+    return x.new_empty(check_gate_up_situ(x, w, beta, linear_beta), dtype=torch.bfloat16)

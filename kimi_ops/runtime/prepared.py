@@ -8,6 +8,7 @@ from torch import nn
 from .. import backend
 from ..config import KimiConfig
 from ..ops.dsa import KEY_BYTES
+from ..ops.oproj import deinterleave_gate_up, interleave_gate_up
 from .boxes import DecodeBoxes
 
 kimi = torch.ops.kimi
@@ -54,16 +55,14 @@ class PreparedIndexFront(Prepared):
 
     def prepare(self, batches, boxes):
         backend.prepare("oproj", *self.w_in.shape, batches)
-        backend.prepare("dsa_index_front", self.wq_b.shape[1], batches, (True,))  # raw rows: q_norm_w given
-        backend.prepare("dsa_index_key_insert")
+        backend.prepare("dsa_index_front_keys", self.wq_b.shape[1], batches, (True,))  # raw rows: q_norm_w given
 
     def run(self, x, slots):
         """q_c (the raw rows the front normalizes), the FP8 query and head weights; the
-        keys go into the cache at ``slots``."""
-        eps = self.config.eps
+        keys go into the cache at ``slots`` in the front's launch."""
         q_c, head_in, k_in = kimi.oproj(x, self.w_in).split(self.sizes, dim=1)
-        q, head_w = kimi.dsa_index_front(q_c, self.wq_b, head_in, self.q_norm_w, eps)
-        kimi.dsa_index_key_insert(k_in, self.k_norm_w, self.k_norm_b, eps, self.index_cache, slots)
+        q, head_w = kimi.dsa_index_front_keys(q_c, self.wq_b, head_in, self.q_norm_w, k_in, self.k_norm_w,
+                                              self.k_norm_b, self.config.eps, self.index_cache, slots)
         return q_c, q, head_w
 
 
@@ -86,8 +85,9 @@ class PreparedOproj(Prepared):
 
 class PreparedFront(Prepared):
     """The MoE front [router shard; down shard], routing, the shared expert
-    ([gate shard; up shard], down shard [H, S/TP]) and this rank's routed experts
-    (experts [rank·E/TP, (rank+1)·E/TP); the others' rows are zero)."""
+    ([gate shard; up shard] interleaved for ``kimi::gate_up_situ``, down shard [H, S/TP])
+    and this rank's routed experts (experts [rank·E/TP, (rank+1)·E/TP); the others' rows
+    are zero)."""
 
     def __init__(self, config, tp, rank, moe, parity):
         e, s = config.experts, config.shared_intermediate
@@ -95,7 +95,8 @@ class PreparedFront(Prepared):
             config, tp, rank,
             front=torch.cat([shard(moe.front[:e], tp, rank), shard(moe.front[e:], tp, rank)]),
             bias=moe.bias,
-            shared_gate_up=torch.cat([shard(moe.shared_gate_up[:s], tp, rank), shard(moe.shared_gate_up[s:], tp, rank)]),
+            shared_gate_up=interleave_gate_up(
+                torch.cat([shard(moe.shared_gate_up[:s], tp, rank), shard(moe.shared_gate_up[s:], tp, rank)])),
             shared_down=shard(moe.shared_down, tp, rank, dim=1),
             expert_gate_up=moe.expert_gate_up, expert_down=moe.expert_down,
         )
@@ -106,8 +107,7 @@ class PreparedFront(Prepared):
         backend.prepare("moe_front_publish", *self.front.shape, config.experts // tp, tp, batches,
                         [boxes.peers("front", rank)])
         backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
-        backend.prepare("oproj", *self.shared_gate_up.shape, batches)
-        backend.prepare("situ", self.shared_gate_up.shape[0] // 2, "bfloat16")
+        backend.prepare("gate_up_situ", *self.shared_gate_up.shape, 1.0, 0.0, batches)
         backend.prepare("oproj_push", *self.shared_down.shape, tp, batches, [boxes.peers("rs", rank)])
         backend.prepare("routed_experts", config.latent, self.expert_down.shape[2])
 
@@ -124,9 +124,13 @@ class PreparedFront(Prepared):
             boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
             self.parity, x.shape[0], boxes.error(rank),
         )
-        act = kimi.situ(kimi.oproj(x, self.shared_gate_up), 1.0, 0.0)
+        act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0)
         kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
         return self.experts(latent, ids), weights
+
+    def shared_gate_up_rows(self) -> torch.Tensor:
+        """The shared expert's gate/up shard as [gate; up] rows (a copy)."""
+        return deinterleave_gate_up(self.shared_gate_up.T).T.contiguous()
 
     def experts(self, latent, ids):
         """This rank's routed experts' rows [B, 16, L] (the others' zero)."""

@@ -162,8 +162,9 @@ class CompositeDecoder(nn.Module):
             layer.register_buffer("index_cache", torch.zeros_like(part.index.index_cache))
             layer.register_buffer("w_core", part.oproj.w_core)
             layer.register_buffer("w_o", part.oproj.w_o)
-            for name in MOE:
-                layer.register_buffer(name, getattr(part.front, name))
+            for name in MOE:  # the decoder's gate/up rows are interleaved for its epilogue
+                weight = part.front.shared_gate_up_rows() if name == "shared_gate_up" else getattr(part.front, name)
+                layer.register_buffer(name, weight)
             layer.register_buffer("gamma", part.tail.gamma)
             layer.register_buffer("w_up", part.tail.w_up)
             layer.attn_res = self.residual_buffers(attn_res)

@@ -1,5 +1,5 @@
-"""The DSA kernels' host side: compiles and the adapters of ``kimi::dsa_index_front``
-and ``kimi::dsa_index_key_insert``."""
+"""The DSA kernels' host side: compiles and the adapters of ``kimi::dsa_index_front``,
+``kimi::dsa_index_key_insert`` and ``kimi::dsa_index_front_keys``."""
 
 import functools
 
@@ -28,13 +28,18 @@ from .plan import (
 
 
 @compiled
-def compile_index_front(k: int, tokens: int, norm: bool):
-    batch = cute.sym_int()
+def compile_index_front(k: int, tokens: int, norm: bool, keys: bool = False):
+    """``keys``: with the key insert's CTAs (else its tensors are one-element placeholders)."""
+    batch, slots = cute.sym_int(), cute.sym_int()
+    key_args = (fake(BFloat16, (batch, INDEX_DIM), align=8), fake(BFloat16, (INDEX_DIM,), align=8),
+                fake(BFloat16, (INDEX_DIM,), align=8), fake(Uint8, (slots, INDEX_DIM + 4), align=4),
+                fake(Int64, (batch,), align=8)) if keys else (
+        fake(BFloat16, (1, 1)), fake(BFloat16, (1,)), fake(BFloat16, (1,)), fake(Uint8, (1, 1)), fake(Int64, (1,)))
     return cute.compile(
-        IndexFront(index_plan(k, tokens, norm), norm),
+        IndexFront(index_plan(k, tokens, norm), norm, keys),
         fake(BFloat16, (batch, k)), fake(BFloat16, (N, k)), fake(BFloat16, (k,) if norm else (1,)),
-        fake(Uint8, (batch, N)), fake(BFloat16, (batch, INDEX_HEADS)), fake(BFloat16, (batch, INDEX_HEADS)), Float32(1e-6),
-        fake_stream(), options=compile_options(),
+        fake(Uint8, (batch, N)), fake(BFloat16, (batch, INDEX_HEADS)), fake(BFloat16, (batch, INDEX_HEADS)), *key_args,
+        Float32(1e-6), fake_stream(), options=compile_options(),
     )
 
 
@@ -57,24 +62,26 @@ def unsupported_front(k: int, batch: int, norm: bool) -> str | None:
 
 
 @functools.cache  # asked by unsupported and the call: built once a shape
-def index_front_variant(k: int, batch: int, norm: bool) -> Variant:
-    """A call's variant: K, the batch's bucket, the row mode (its plan: the engine's
-    GemmPlan); the kernel takes the adapter's arguments. Unsupported (why) where none does."""
+def index_front_variant(k: int, batch: int, norm: bool, keys: bool = False) -> Variant:
+    """A call's variant: K, the batch's bucket, the row mode, with the key insert or not
+    (its plan: the engine's GemmPlan); the kernel takes the adapter's arguments.
+    Unsupported (why) where none does."""
     why = unsupported_front(k, batch, norm)
     if why:
         raise Unsupported(why)
     tokens = token_tile(max(batch, 1))
-    return single(lambda: compile_index_front(k, tokens, norm), index_plan(k, tokens, norm))
+    return single(lambda: compile_index_front(k, tokens, norm, keys), index_plan(k, tokens, norm))
 
 
 class IndexFrontKernel:
     """``kimi::dsa_index_front`` on CUDA: both row modes, per batch bucket."""
 
     check = staticmethod(dsa_op.check_dsa_index_front)
+    keys = False
 
     def prepare(self, k: int, batches=None, modes=(True, False)) -> None:
         """``modes``: raw rows (q_norm_w given) and / or normalized rows."""
-        prepare_all(lambda norm=norm, tokens=tokens: index_front_variant(k, tokens, norm)
+        prepare_all(lambda norm=norm, tokens=tokens: index_front_variant(k, tokens, norm, self.keys)
                     for norm in modes for tokens in tokens_of(batches))
 
     def unsupported(self, rows, wq_b, head_in, q_norm_w, eps):
@@ -83,16 +90,40 @@ class IndexFrontKernel:
         return reason(lambda: index_front_variant(rows.shape[1], rows.shape[0], q_norm_w is not None)) or hopper(rows)
 
     def __call__(self, rows, wq_b, head_in, q_norm_w, eps):
+        return self.run(rows, wq_b, head_in, q_norm_w, eps, None)
+
+    def run(self, rows, wq_b, head_in, q_norm_w, eps, key_args):
+        """``key_args`` (k_in, k_norm_w, k_norm_b, cache, slots): the keys too, else None."""
         batch, k = rows.shape
         q = rows.new_empty((batch, INDEX_HEADS, INDEX_DIM), dtype=torch.float8_e4m3fn)
         head_w = rows.new_empty((batch, INDEX_HEADS))
         if batch:
             norm = q_norm_w is not None
-            index_front_variant(k, batch, norm).run(
+            placeholders = (placeholder(rows, torch.bfloat16, 2), placeholder(rows, torch.bfloat16),
+                            placeholder(rows, torch.bfloat16), placeholder(rows, torch.uint8, 2),
+                            placeholder(rows, torch.int64))
+            index_front_variant(k, batch, norm, key_args is not None).run(
                 rows, wq_b, q_norm_w if norm else placeholder(rows, torch.bfloat16), q.view(torch.uint8).view(batch, N),
-                head_w, head_in, eps,
+                head_w, head_in, *(key_args or placeholders), eps,
             )
         return q, head_w
+
+
+class IndexFrontKeysKernel(IndexFrontKernel):
+    """``kimi::dsa_index_front_keys`` on CUDA: the front's launch with the key insert's
+    CTAs (the slots' host check first, as ``kimi::dsa_index_key_insert``'s)."""
+
+    check = staticmethod(dsa_op.check_dsa_index_front_keys)
+    keys = True
+
+    def unsupported(self, rows, wq_b, head_in, q_norm_w, k_in, k_norm_w, k_norm_b, eps, cache, slots):
+        return (super().unsupported(rows, wq_b, head_in, q_norm_w, eps)
+                or key_insert_unsupported(k_in, k_norm_w, k_norm_b, cache, slots))
+
+    def __call__(self, rows, wq_b, head_in, q_norm_w, k_in, k_norm_w, k_norm_b, eps, cache, slots):
+        dsa_op.check_slot_values(cache, slots, "dsa_index_front_keys")
+        keys = (k_in, k_norm_w, k_norm_b, cache, slots) if cache.shape[0] else None  # no rows: every slot is -1
+        return self.run(rows, wq_b, head_in, q_norm_w, eps, keys)
 
 
 @functools.cache
@@ -101,6 +132,14 @@ def key_insert_variant(rows: int) -> Variant:
     if rows >= 2**31:
         raise Unsupported(f"the key insert indexes at most 2^31 cache rows, got {rows}")
     return single(lambda: compile_key_insert())
+
+
+def key_insert_unsupported(k_in, norm_w, norm_b, cache, slots) -> str | None:
+    if not (all(t.data_ptr() % 8 == 0 for t in (k_in, norm_w, norm_b, slots)) and k_in.stride(0) % 4 == 0
+            and cache.data_ptr() % 4 == 0):
+        return ("the key insert reads 8-byte packets and stores words: align k_in (and its row stride), its norm's "
+                "weights and the cache")
+    return reason(lambda: key_insert_variant(cache.shape[0])) or hopper(k_in)
 
 
 class KeyInsertKernel:
@@ -112,11 +151,7 @@ class KeyInsertKernel:
         prepare_all([lambda: key_insert_variant(0)])
 
     def unsupported(self, k_in, norm_w, norm_b, eps, cache, slots):
-        if not (all(t.data_ptr() % 8 == 0 for t in (k_in, norm_w, norm_b, slots)) and k_in.stride(0) % 4 == 0
-                and cache.data_ptr() % 4 == 0):
-            return ("the key insert reads 8-byte packets and stores words: align k_in (and its row stride), norm_w, "
-                    "norm_b and the cache")
-        return reason(lambda: key_insert_variant(cache.shape[0])) or hopper(k_in)
+        return key_insert_unsupported(k_in, norm_w, norm_b, cache, slots)
 
     def __call__(self, k_in, norm_w, norm_b, eps, cache, slots):
         dsa_op.check_slot_values(cache, slots)  # a clear error on the host path; under capture the kernel drops them
@@ -127,3 +162,4 @@ class KeyInsertKernel:
 def register() -> None:
     backend.KERNELS["dsa_index_front"] = IndexFrontKernel()
     backend.KERNELS["dsa_index_key_insert"] = KeyInsertKernel()
+    backend.KERNELS["dsa_index_front_keys"] = IndexFrontKeysKernel()

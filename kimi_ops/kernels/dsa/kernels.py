@@ -1,7 +1,9 @@
 """The DSA indexer front on Hopper (the seeds' ``dsa/front_mma.py`` IndexFrontMma, re-derived
 for wgmma): ``kimi::dsa_index_front`` as one variant of the decode-GEMM engine
-(:mod:`kimi_ops.kernels.gemm`) with a quantizing epilogue, and ``kimi::dsa_index_key_insert``
-as a launch of its own.
+(:mod:`kimi_ops.kernels.gemm`) with a quantizing epilogue, ``kimi::dsa_index_key_insert``
+as a launch of its own, and ``kimi::dsa_index_front_keys``: the front with the key insert's
+CTAs after its grid (one launch, as the seeds' front; they land on the SMs the front's 96
+leave free and run beside it).
 
 Front: q_c [B, K] × wq_b [4096, K]ᵀ (K = 1536) on the engine's main loop. A CTA owns one
 indexer head (its 128 wq_b rows: two 64-row tiles, one TMA box) over 1/split of K; the
@@ -102,22 +104,38 @@ def float64_sum(values):
 
 class IndexFront(DecodeGemm):
     """``kimi::dsa_index_front`` at one (K, T, mode): the engine's main loop and K-part
-    exchange (by token), the quantizing epilogue of the module doc; ``norm``: raw rows."""
+    exchange (by token), the quantizing epilogue of the module doc; ``norm``: raw rows;
+    ``keys``: the key insert's CTAs after the front's (``kimi::dsa_index_front_keys``;
+    whole clusters of them, KEY_WARPS tokens each; else its arguments are placeholders)."""
 
-    def __init__(self, plan: GemmPlan, norm: bool):
+    def __init__(self, plan: GemmPlan, norm: bool, keys: bool = False):
         super().__init__(plan, None)
-        self.norm = norm
+        self.norm, self.keys = norm, keys
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, q: cute.Tensor, head_w: cute.Tensor,
-                 head_in: cute.Tensor, eps: Float32, stream):
+                 head_in: cute.Tensor, k_in: cute.Tensor, k_norm_w: cute.Tensor, k_norm_b: cute.Tensor,
+                 cache: cute.Tensor, slots: cute.Tensor, eps: Float32, stream):
         w_copy, w_boxes = self.weight_copy(w)
-        self.launch(self.kernel(w_copy, w_boxes, x, gamma, q, head_w, head_in, eps), stream)
+        extra = 0
+        if cutlass.const_expr(self.keys):
+            split = self.plan.split
+            extra = (k_in.shape[0] + KEY_WARPS * split - 1) // (KEY_WARPS * split) * split
+        self.launch(self.kernel(w_copy, w_boxes, x, gamma, q, head_w, head_in, k_in, k_norm_w, k_norm_b, cache, slots,
+                                eps), stream, extra)
 
     @cute.kernel
     def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x: cute.Tensor, gamma: cute.Tensor, q: cute.Tensor,
-               head_w: cute.Tensor, head_in: cute.Tensor, eps: Float32):
-        self.body(w_copy, w_boxes, x, (q, head_w, head_in), (gamma, eps) if self.norm else None)
+               head_w: cute.Tensor, head_in: cute.Tensor, k_in: cute.Tensor, k_norm_w: cute.Tensor,
+               k_norm_b: cute.Tensor, cache: cute.Tensor, slots: cute.Tensor, eps: Float32):
+        cta, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.keys):
+            if cta >= self.plan.ctas:
+                tid, _, _ = cute.arch.thread_idx()
+                cute.arch.griddepcontrol_launch_dependents()
+                insert_keys(k_in, k_norm_w, k_norm_b, cache, slots, eps, cta - self.plan.ctas, tid)
+        if cta < self.plan.ctas:
+            self.body(w_copy, w_boxes, x, (q, head_w, head_in), (gamma, eps) if self.norm else None)
 
     def prefetched(self, outs, block, part):
         return outs  # no mailbox: nothing to load before the epilogue
@@ -182,36 +200,42 @@ class KeyInsert:
                slots: cute.Tensor, eps: Float32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        warp, lane = tid // 32, tid % 32
         cute.arch.griddepcontrol_launch_dependents()  # a tiny grid: dependents may start at once
-        weights = unpack_words(load_pair(norm_w.iterator + 4 * lane))  # weights: before the wait
-        biases = unpack_words(load_pair(norm_b.iterator + 4 * lane))
-        cute.arch.griddepcontrol_wait()
-        token = cta * KEY_WARPS + warp
-        if token < k_in.shape[0]:
-            slot = Int64(slots[token])
-            if (slot >= Int64(0)) & (slot < Int64(cache.shape[0])):
-                self.insert(k_in, token, slot, cache, weights, biases, eps, lane)
-
-    @cute.jit
-    def insert(self, k_in, token, slot, cache, weights, biases, eps, lane):
-        x = unpack_words(load_pair(k_in.iterator + Int64(token) * k_in.stride[0] + 4 * lane))
-        total = float64_sum(x)
-        mean = divide(Float32(butterfly_sum(total, 32)), Float32(INDEX_DIM))
-        centered = [v - mean for v in x]
-        squares = float64_sum([mul_rn(c, c) for c in centered])
-        rstd = rsqrt_like_torch(add_rn(divide(Float32(butterfly_sum(squares, 32)), Float32(INDEX_DIM)), eps))
-        keys = [Float32(BFloat16(add_rn(mul_rn(mul_rn(centered[i], rstd), weights[i]), biases[i]))) for i in range(4)]
-        top = abs_f32(keys[0])
-        for i in cutlass.range_constexpr(1, 4):
-            top = max_nan(top, abs_f32(keys[i]))
-        scale = fp8_scale(max_nan(Float32(1e-10), warp_max(top)))
-        inverse = reciprocal(scale)
-        low, high = e4m3_pair(keys[1] * inverse, keys[0] * inverse), e4m3_pair(keys[3] * inverse, keys[2] * inverse)
-        row = cache.iterator + slot * (INDEX_DIM + 4)
-        store_word(row + 4 * lane, low | (high << Uint32(16)))
-        if lane == 0:
-            store_word(row + INDEX_DIM, float_bits(scale))
+        insert_keys(k_in, norm_w, norm_b, cache, slots, eps, cta, tid)
 
 
-# Compiles: the front per (K, T, mode); the key insert once (its grid follows the batch).
+@cute.jit
+def insert_keys(k_in, norm_w, norm_b, cache, slots, eps, block, tid):
+    """Key-insert CTA ``block``: warp w the token block·KEY_WARPS + w, the norm's weights
+    loaded before the PDL wait (they do not depend on the previous kernel)."""
+    warp, lane = tid // 32, tid % 32
+    weights = unpack_words(load_pair(norm_w.iterator + 4 * lane))
+    biases = unpack_words(load_pair(norm_b.iterator + 4 * lane))
+    cute.arch.griddepcontrol_wait()
+    token = block * KEY_WARPS + warp
+    if token < k_in.shape[0]:
+        slot = Int64(slots[token])
+        if (slot >= Int64(0)) & (slot < Int64(cache.shape[0])):
+            insert_key(k_in, token, slot, cache, weights, biases, eps, lane)
+
+
+@cute.jit
+def insert_key(k_in, token, slot, cache, weights, biases, eps, lane):
+    """One token's key (a lane's 4 values): LayerNorm, BF16, FP8 codes and scale into its row."""
+    x = unpack_words(load_pair(k_in.iterator + Int64(token) * k_in.stride[0] + 4 * lane))
+    total = float64_sum(x)
+    mean = divide(Float32(butterfly_sum(total, 32)), Float32(INDEX_DIM))
+    centered = [v - mean for v in x]
+    squares = float64_sum([mul_rn(c, c) for c in centered])
+    rstd = rsqrt_like_torch(add_rn(divide(Float32(butterfly_sum(squares, 32)), Float32(INDEX_DIM)), eps))
+    keys = [Float32(BFloat16(add_rn(mul_rn(mul_rn(centered[i], rstd), weights[i]), biases[i]))) for i in range(4)]
+    top = abs_f32(keys[0])
+    for i in cutlass.range_constexpr(1, 4):
+        top = max_nan(top, abs_f32(keys[i]))
+    scale = fp8_scale(max_nan(Float32(1e-10), warp_max(top)))
+    inverse = reciprocal(scale)
+    low, high = e4m3_pair(keys[1] * inverse, keys[0] * inverse), e4m3_pair(keys[3] * inverse, keys[2] * inverse)
+    row = cache.iterator + slot * (INDEX_DIM + 4)
+    store_word(row + 4 * lane, low | (high << Uint32(16)))
+    if lane == 0:
+        store_word(row + INDEX_DIM, float_bits(scale))

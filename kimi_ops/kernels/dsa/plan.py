@@ -9,6 +9,7 @@ from ..gemm.plan import (
     PRODUCERS,
     RESIDENT,
     RESIDENT_3,
+    THREADS,
     TILE,
     GemmPlan,
     cta_cost,
@@ -21,7 +22,7 @@ TILES = INDEX_DIM // TILE  # a head's rows: one CTA's block
 SPLITS = (1, 2, 3)  # K parts per head (cluster sizes; 4 would need 128 CTAs in clusters of 4: 120 resident)
 FOLD = (INDEX_HEADS * INDEX_DIM) ** -0.5  # 2^-6
 NORM_REGISTERS = 160  # words of x and gamma packets a producer thread holds in raw-row mode
-KEY_WARPS = 8  # tokens per key-insert CTA
+KEY_WARPS = THREADS // 32  # tokens per key-insert CTA, a warp each (the front's CTA shape: one grid holds both)
 
 
 def resident(split: int) -> int:

@@ -39,7 +39,9 @@ so every SM of the grid streams its share at once.
    latent rows above (``kimi::moe_front``); or the same words into every rank's box
    through ``store_to_peers`` (−0 and NaN canonical, FP32-wise for logits):
    ``kimi::oproj_publish`` (slot = rank) and ``kimi::moe_front_publish`` (the front row
-   layout of :func:`~kimi_ops.ops.front.moe_front_publish`).
+   layout of :func:`~kimi_ops.ops.front.moe_front_publish`); or ``situ`` of each gate packet
+   and the up packet after it (``kimi::gate_up_situ``: the rows interleaved in packets, so
+   an owner's rows hold both), 8 BF16 activations a pair.
 
 Raw rows (``body``'s ``norm``, the DSA front's q_c): the producers load x by plain loads,
 store it into the slots, share each token's Σ x² over the cluster (DSMEM) and normalize
@@ -59,7 +61,7 @@ from cutlass.memory import SmemAllocator
 
 from ..launch import PDL
 from ..mailbox import owner_base, peer_bases, store_to_owner, store_to_peers
-from ..packets import butterfly_sum, clamp, unpack_words
+from ..packets import butterfly_sum, clamp, situ_value, unpack_words
 from ..ptx import (
     copy_async,
     divide,
@@ -93,11 +95,15 @@ class Outputs:
     rows of ``width`` (oproj_publish: [1, TP, CAP, N]; moe_front_publish: [3, 1, CAP,
     TP·(L/TP + 2·E/TP)]); ``scatter``: row n only into its owner's box, rank n // (N/TP),
     rows of N/TP (oproj_push: the shared expert's reduce-scatter boxes [3, TP, CAP, N/TP];
-    a CTA's owned rows lie in one owner's shard: :func:`~.host.gemm_variant` checks it)."""
+    a CTA's owned rows lie in one owner's shard: :func:`~.host.gemm_variant` checks it);
+    ``situ`` (beta, linear_beta): rows of N/2 activations to ``first``, one of each gate
+    packet and its up packet (a CTA owns whole pairs: gemm_variant checks it)."""
 
-    def __init__(self, n: int, front: bool = False, n_logits: int = 0, tp: int = 0, scatter: bool = False):
-        self.n, self.front, self.n_logits, self.tp, self.scatter = n, front, n_logits, tp, scatter
+    def __init__(self, n: int, front: bool = False, n_logits: int = 0, tp: int = 0, scatter: bool = False,
+                 situ: tuple | None = None):
+        self.n, self.front, self.n_logits, self.tp, self.scatter, self.situ = n, front, n_logits, tp, scatter, situ
         self.width = tp * (n + n_logits) if front else n // tp if scatter else n
+        self.packets = 2 if situ else 1  # an item's packets: a situ's gate and up
 
     def bases(self, peers: cute.Tensor, first_row):
         """The peers' box bases (none to tensors; ``scatter``: the owner's of our first owned
@@ -115,7 +121,9 @@ class Outputs:
         (``bases``): row ``row0 + token``, latent at column ``col0``, logits at ``col1``."""
         bf16 = pack_values(values)
         box_row = Int64(row0 + token) * self.width
-        if cutlass.const_expr(self.scatter):
+        if cutlass.const_expr(self.situ is not None):
+            store_words(first.iterator + token * first.stride[0] + n0 // 2, bf16)
+        elif cutlass.const_expr(self.scatter):
             store_to_owner(bases[0], self.width, row0 + token, n0, bf16)
         elif cutlass.const_expr(not self.front):
             if cutlass.const_expr(self.tp):
@@ -157,9 +165,10 @@ class DecodeGemm:
             cpasync.CopyBulkTensorTileG2SOp(), w, swizzled_stages(plan.rows, 1), (plan.rows, CHUNK)
         )
 
-    def launch(self, kernel, stream):
+    def launch(self, kernel, stream, extra=0):
+        """``extra``: CTAs after the plan's (whole clusters) for a variant's other work."""
         plan = self.plan
-        kernel.launch(grid=[plan.ctas, 1, 1], block=[THREADS, 1, 1], cluster=[plan.split, 1, 1], stream=stream,
+        kernel.launch(grid=[plan.ctas + extra, 1, 1], block=[THREADS, 1, 1], cluster=[plan.split, 1, 1], stream=stream,
                       use_pdl=PDL, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -440,13 +449,18 @@ class DecodeGemm:
     def finish(self, receive, batch, block, part, tid, first, second, bases, row0, col0, col1):
         """Owner epilogue: per 8-row packet of a token, Σ of the K parts in order, stored."""
         plan = self.plan
-        per_token = plan.owned // 8
+        packets = self.outputs.packets  # (no Python object may cross the loop's back edge)
+        per_token = plan.owned // 8 // packets
         for item in cutlass.range(tid, batch * per_token, 32 * CONSUMER_WARPS, unroll=1):
-            token, packet = item // per_token, item % per_token
+            token, packet = item // per_token, item % per_token * packets
             n0 = block * plan.rows + part * plan.owned + 8 * packet
             if n0 < plan.n:
-                self.outputs.store(self.reduced(receive, packet, token), token, n0, first, second, bases, row0, col0,
-                                   col1)
+                values = self.reduced(receive, packet, token)
+                if cutlass.const_expr(self.outputs.situ is not None):
+                    ups = self.reduced(receive, packet + 1, token)
+                    values = [situ_value(Float32(BFloat16(g)), Float32(BFloat16(u)), Float32(self.outputs.situ[0]),
+                                         Float32(self.outputs.situ[1])) for g, u in zip(values, ups)]
+                self.outputs.store(values, token, n0, first, second, bases, row0, col0, col1)
 
     @cute.jit
     def reduced(self, receive, packet, token):

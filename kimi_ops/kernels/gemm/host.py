@@ -1,7 +1,7 @@
 """The engine's host side: its compiles, a call's variant (chosen once by
 :func:`gemm_variant`, which every adapter's ``prepare``, ``unsupported`` and call ask) and
-the adapters of ``kimi::oproj``, ``kimi::moe_front``, ``kimi::oproj_publish``,
-``kimi::oproj_push`` and ``kimi::moe_front_publish``."""
+the adapters of ``kimi::oproj``, ``kimi::gate_up_situ``, ``kimi::moe_front``,
+``kimi::oproj_publish``, ``kimi::oproj_push`` and ``kimi::moe_front_publish``."""
 
 import functools
 
@@ -13,6 +13,7 @@ from ... import backend
 from ...mailbox import box_row
 from ...ops import front as front_op
 from ...ops import oproj as oproj_op
+from ...ops.oproj import PAIRED
 from ..arguments import addresses, aligned, placeholder, register_addresses
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..ring import CHUNK
@@ -26,27 +27,34 @@ from .plan import MAX_BATCH, TOKEN_TILES, gemm_plan, partition, token_tile
 
 @compiled
 def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int = 0, tp: int = 0,
-                 scatter: bool = False):
+                 scatter: bool = False, situ: tuple | None = None):
     batch = cute.sym_int()
     if tp or not front:
-        latent, logits = (fake(BFloat16, (1, 1)) if tp else fake(BFloat16, (batch, n))), fake(Float32, (1, 1))
+        rows = fake(BFloat16, (batch, n // 2 if situ else n))
+        latent, logits = (fake(BFloat16, (1, 1)) if tp else rows), fake(Float32, (1, 1))
     else:
         latent = fake(BFloat16, (batch, n - n_logits)) if n > n_logits else fake(BFloat16, (1, 1))
         logits = fake(Float32, (batch, n_logits)) if n_logits else fake(Float32, (1, 1))
     return cute.compile(
-        DecodeGemm(gemm_plan(n, k, tokens), Outputs(n, front, n_logits, tp, scatter)),
+        DecodeGemm(gemm_plan(n, k, tokens, owned_rows(situ)), Outputs(n, front, n_logits, tp, scatter, situ)),
         fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)), latent, logits, fake(Int64, (max(tp, 1),), align=8),
         Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
     )
 
 
-def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0) -> str | None:
+def owned_rows(situ) -> int:
+    """A CTA's owned rows are a multiple of this: a packet, or situ's gate and up packets."""
+    return 2 * PAIRED if situ else 8
+
+
+def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0, owned: int = 8) -> str | None:
     if batch > MAX_BATCH:
         return f"the decode GEMM takes at most {MAX_BATCH} tokens, got {batch}"
     if n_logits % 8:
         return f"the decode GEMM stores 8-row packets: n_logits % 8 == 0, got {n_logits}"
-    if partition(n, k, token_tile(batch)) is None:
-        return f"the decode GEMM needs K % {CHUNK} == 0, N % 8 == 0 and one wave of CTAs (N={n}, K={k})"
+    if partition(n, k, token_tile(batch), owned) is None:
+        return (f"the decode GEMM needs K % {CHUNK} == 0, N % 8 == 0 and one wave of CTAs owning {owned}-row "
+                f"multiples (N={n}, K={k})")
     return None
 
 
@@ -63,13 +71,15 @@ def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
     """The engine's variant for ``batch`` tokens of an [N, K] weight; ``outputs``:
     compile_gemm's key past (N, K, T) — () rows, (True, n_logits) the front, (False, 0,
     TP) o-proj's boxes, (True, n_logits, TP) the front's boxes, (False, 0, TP, True) the
-    reduce-scatter boxes. Its kernel takes the adapter's arguments as they are.
-    Unsupported (why) where the engine does not take it."""
-    why = unsupported_shape(n, k, batch, outputs[1] if len(outputs) > 1 else 0)
+    reduce-scatter boxes, (False, 0, 0, False, (beta, linear_beta)) situ's activations.
+    Its kernel takes the adapter's arguments as they are. Unsupported (why) where the
+    engine does not take it."""
+    situ = outputs[4] if len(outputs) > 4 else None
+    why = unsupported_shape(n, k, batch, outputs[1] if len(outputs) > 1 else 0, owned_rows(situ))
     if why:
         raise Unsupported(why)
     tokens = token_tile(batch)
-    plan = gemm_plan(n, k, tokens)
+    plan = gemm_plan(n, k, tokens, owned_rows(situ))
     if outputs[3:] == (True,) and (n % outputs[2] or (n // outputs[2]) % plan.owned):
         raise Unsupported(f"the reduce-scatter epilogue stores a CTA's {plan.owned} rows into one owner: "
                           f"N/TP must be a multiple of them (N={n}, TP={outputs[2]})")
@@ -117,6 +127,26 @@ class OprojKernel(GemmKernel):
         out = x.new_empty((x.shape[0], w.shape[0]))
         if x.shape[0]:
             self.variant(x, w).run(x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0)
+        return out
+
+
+class GateUpSituKernel(GemmKernel):
+    """``kimi::gate_up_situ`` on CUDA: the shared expert's gate/up rows (interleaved) and
+    situ in the epilogue, [B, I] activations in one launch."""
+
+    check = staticmethod(oproj_op.check_gate_up_situ)
+
+    def shape(self, x, w, beta, linear_beta):
+        return w.shape[0], w.shape[1], x.shape[0], (False, 0, 0, False, (float(beta), float(linear_beta)))
+
+    def prepare(self, n: int, k: int, beta: float, linear_beta: float, batches=None) -> None:
+        self.prepare_buckets(n, k, (False, 0, 0, False, (float(beta), float(linear_beta))), batches)
+
+    def __call__(self, x, w, beta, linear_beta):
+        out = x.new_empty((x.shape[0], w.shape[0] // 2))
+        if x.shape[0]:
+            self.variant(x, w, beta, linear_beta).run(
+                x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0)
         return out
 
 
@@ -206,5 +236,6 @@ class FrontPublishKernel(GemmKernel):
 
 
 def register() -> None:
-    backend.KERNELS.update(oproj=OprojKernel(), moe_front=FrontKernel(), oproj_publish=OprojPublishKernel(),
+    backend.KERNELS.update(oproj=OprojKernel(), gate_up_situ=GateUpSituKernel(), moe_front=FrontKernel(),
+                           oproj_publish=OprojPublishKernel(),
                            oproj_push=OprojPushKernel(), moe_front_publish=FrontPublishKernel())

@@ -42,11 +42,12 @@ def token_tile(batch: int) -> int:
     return next(t for t in TOKEN_TILES if batch <= t)
 
 
-def partition(n: int, k: int, tokens: int) -> tuple[int, int] | None:
+def partition(n: int, k: int, tokens: int, owned: int = 8) -> tuple[int, int] | None:
     """(tiles, split) of an (N, K) weight at T tokens: among the partitions whose grid is
-    resident at once (RESIDENT), the smallest split, then fewest tiles, of those within
-    COST_SLACK of the least cost per CTA; None if none fits (K % CHUNK, N % 8, or too many
-    rows for one wave).
+    resident at once (RESIDENT) and whose CTAs own a multiple of ``owned`` rows each (8: a
+    packet; situ's epilogue: 16, a gate and an up packet), the smallest split, then fewest
+    tiles, of those within COST_SLACK of the least cost per CTA; None if none fits
+    (K % CHUNK, N % 8, or too many rows for one wave).
 
     Cost, in 128-byte rows of a chunk: per chunk the CTA's weight rows, x's rows at a
     quarter (L2 hits, read by every block: more tiles per CTA read x fewer times) and
@@ -57,7 +58,7 @@ def partition(n: int, k: int, tokens: int) -> tuple[int, int] | None:
     costs = {
         (split, tiles): cta_cost(chunks, tiles, split, tokens)
         for tiles in range(1, min(MAX_TILES, row_tiles) + 1) for split in SPLITS
-        if chunks % split == 0 and (TILE * tiles // split) % 8 == 0
+        if chunks % split == 0 and (TILE * tiles // split) % owned == 0
         and -(-n // (TILE * tiles)) * split <= RESIDENT[split] and 2 * tiles * tokens // 2 <= ACCUMULATOR_REGISTERS
     }
     if not costs:
@@ -126,7 +127,8 @@ class GemmPlan:
 
 
 @functools.cache
-def gemm_plan(n: int, k: int, tokens: int) -> GemmPlan:
-    return GemmPlan(n, k, tokens)
+def gemm_plan(n: int, k: int, tokens: int, owned: int = 8) -> GemmPlan:
+    """``owned``: :func:`partition`'s."""
+    return GemmPlan(n, k, tokens, partition(n, k, tokens, owned))
 
 
