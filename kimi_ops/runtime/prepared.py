@@ -116,17 +116,19 @@ class PreparedFront(Prepared):
         kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
 
     def run(self, x, boxes: DecodeBoxes):
-        """Route (polled), the shared expert with its reduce-scatter shards pushed by its
-        down projection's epilogue; returns this rank's expert rows [B, 16, L] and the
-        routing weights."""
+        """Route (polled), this rank's routed experts, then the shared expert with its
+        reduce-scatter shards pushed by its down projection's epilogue (after the experts:
+        its gate/up streams its weights beside their latency-bound grid); returns this
+        rank's expert rows [B, 16, L] and the routing weights."""
         config, rank = self.config, self.rank
         ids, weights, latent = kimi.moe_route_poll(
             boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
             self.parity, x.shape[0], boxes.error(rank),
         )
+        expanded = self.experts(latent, ids)
         act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0)
         kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
-        return self.experts(latent, ids), weights
+        return expanded, weights
 
     def shared_gate_up_rows(self) -> torch.Tensor:
         """The shared expert's gate/up shard as [gate; up] rows (a copy)."""

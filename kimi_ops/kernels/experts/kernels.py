@@ -117,6 +117,11 @@ class RoutedExperts:
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         pair, part = cta // self.cluster, cta % self.cluster
+        if cutlass.const_expr(self.cluster > 1):
+            # A cluster a pair: the grid is one wave (plan.cluster_for), so the shared
+            # gate/up launched beside us (its CTAs leave room for ours) takes no SM a later
+            # CTA of ours needs, and streams its weights while we run.
+            cute.arch.griddepcontrol_launch_dependents()
         space = self.allocate()
         full = space.full
         if tid == 0:
@@ -142,9 +147,10 @@ class RoutedExperts:
         if cutlass.const_expr(self.cluster > 1):
             if served != 2:
                 cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
-        # At the end, not at entry (launch.py): the tail's kernels launched beside us took SMs
-        # from our later CTAs and ran 3-5 µs slower at B <= 8 (benchmarks/timeline.py).
-        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.cluster == 1):
+            # At the end, not at entry (launch.py): kernels launched beside us took SMs from
+            # our later CTAs and ran 3-5 µs slower at B <= 8 (benchmarks/timeline.py).
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:

@@ -11,8 +11,8 @@ so every SM of the grid streams its share at once.
 
 1. The producer warpgroup: its first warp streams the CTA's weight chunks (rows × CHUNK
    columns, 128-byte swizzle, L2 evict-first) by TMA through a ring of ``depth`` slots,
-   PACE of them before ``griddepcontrol.wait`` (the weights do not depend on the previous
-   kernel), then ``paced`` until x's first chunk is in (x's loads would queue behind a
+   ``pace`` of them before ``griddepcontrol.wait`` (the weights do not depend on the previous
+   kernel; an early plan's whole ring), then ``paced`` until x's first chunk is in (x's loads would queue behind a
    whole ring), then as slots come back. Once the wait is over every producer thread
    copies its share of each chunk's x rows [tokens, CHUNK] by cp.async (16 bytes each,
    offsets fixed per thread; rows past the batch are left as they are: they only reach
@@ -81,7 +81,6 @@ from ..ptx import (
 from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
 from .plan import (
     CONSUMER_WARPS,
-    PACE,
     PRODUCERS,
     THREADS,
     TILE,
@@ -232,7 +231,7 @@ class DecodeGemm:
     @cute.jit
     def produce(self, w_copy, w_boxes, x, ring, full, empty, block, part, producer):
         """Producer thread ``producer`` of the warpgroup. Warp 0 streams the CTA's weight
-        chunks by TMA: PACE before the PDL wait, then ``paced`` until x's first chunk is in
+        chunks by TMA: the plan's ``pace`` before the PDL wait, then ``paced`` until x's first chunk is in
         (a full ring queued ahead of x would hold x's loads behind it), then as the
         consumers hand slots back. Every thread copies its share of each chunk's x rows
         (cp.async) once the wait is over and the slot is free."""
@@ -259,7 +258,7 @@ class DecodeGemm:
 
     @cute.jit
     def start_stream(self, w_copy, w_boxes, ring, full, block, part, producer):
-        """The streamer warp (the producers' first) issues the first PACE weight chunks: the
+        """The streamer warp (the producers' first) issues the plan's first ``pace`` weight chunks: the
         weights do not depend on our predecessor. Returns what the producer loops use."""
         plan = self.plan
         lane = producer % 32
@@ -267,7 +266,7 @@ class DecodeGemm:
         evict_first = l2_evict_first()
         first_chunk = part * plan.chunks
         streamer = producer < 32
-        pace = min(PACE, plan.depth)
+        pace = plan.pace
         if streamer:
             for i in cutlass.range_constexpr(pace):
                 self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)

@@ -19,7 +19,7 @@ from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..ring import CHUNK
 from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .engine import DecodeGemm, Outputs
-from .plan import MAX_BATCH, TOKEN_TILES, gemm_plan, partition, token_tile
+from .plan import MAX_BATCH, TOKEN_TILES, GemmPlan, gemm_plan, partition, token_tile
 
 # Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are
 # one-element placeholders (kernels.arguments.placeholder).
@@ -36,7 +36,7 @@ def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int
         latent = fake(BFloat16, (batch, n - n_logits)) if n > n_logits else fake(BFloat16, (1, 1))
         logits = fake(Float32, (batch, n_logits)) if n_logits else fake(Float32, (1, 1))
     return cute.compile(
-        DecodeGemm(gemm_plan(n, k, tokens, owned_rows(situ)), Outputs(n, front, n_logits, tp, scatter, situ)),
+        DecodeGemm(plan_of(n, k, tokens, situ), Outputs(n, front, n_logits, tp, scatter, situ)),
         fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)), latent, logits, fake(Int64, (max(tp, 1),), align=8),
         Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
     )
@@ -45,6 +45,13 @@ def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int
 def owned_rows(situ) -> int:
     """A CTA's owned rows are a multiple of this: a packet, or situ's gate and up packets."""
     return 2 * PAIRED if situ else 8
+
+
+def plan_of(n: int, k: int, tokens: int, situ) -> GemmPlan:
+    """A variant's plan: situ's (the shared gate/up, after the routed experts in the decoder)
+    is early (:class:`~.plan.GemmPlan`): resident beside the experts' CTAs, its weights in
+    flight while they run."""
+    return gemm_plan(n, k, tokens, owned_rows(situ), situ is not None)
 
 
 def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0, owned: int = 8) -> str | None:
@@ -79,7 +86,7 @@ def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
     if why:
         raise Unsupported(why)
     tokens = token_tile(batch)
-    plan = gemm_plan(n, k, tokens, owned_rows(situ))
+    plan = plan_of(n, k, tokens, situ)
     if outputs[3:] == (True,) and (n % outputs[2] or (n // outputs[2]) % plan.owned):
         raise Unsupported(f"the reduce-scatter epilogue stores a CTA's {plan.owned} rows into one owner: "
                           f"N/TP must be a multiple of them (N={n}, TP={outputs[2]})")
