@@ -27,6 +27,7 @@ setup(
     extras_require={
         "test": ["pytest", "expecttest", "numpy", "hypothesis"],
         "cute": ["nvidia-cutlass-dsl==4.8.1", "cuda-python", "apache-tvm-ffi>=0.1.15"],
+        "bench": ["quack-kernels==0.6.5"],  # bench_projection's peer column (--quack)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

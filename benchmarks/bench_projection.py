@@ -6,16 +6,26 @@ call of a graph reading its own weight copy (the copies exceed the H200's L2):
 - cuBLAS: ``x @ w.T`` (BF16 out);
 - autotune: Inductor ``mode="max-autotune-no-cudagraphs"`` of the same matmul (slow to
   build: only with ``--autotune``);
+- quack: quack-kernels' tuned GEMM (``--quack``; a bench-only extra, ``pip install -e
+  '.[bench]'``), in a process of its own (benchmarks/quack_peer.py);
+- ours/peer: ours over the best of cuBLAS and quack;
 - floor: the weight bytes at 4.3 TB/s;
 - for the publishing shapes, ``publish``: ``kimi::oproj_publish`` / ``kimi::moe_front_publish``
   into TP boxes on this GPU, against ``op+copy``: the functional op and a copy of its rows
   into every box (the reference's way).
 
     python -m benchmarks.bench_projection [--tp 1 2 8] [--shapes o_proj front ...] [--batches 1 8 64] [--autotune]
+        [--quack]
 """
 
 import argparse
 import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -153,27 +163,65 @@ def measure(name, op, n, k, n_logits, tp, batches, autotune) -> list[tuple]:
     return rows
 
 
-def main() -> None:
+def quack_column(shapes, timeout: float = 1800) -> dict:
+    """{(N, K, B): quack's µs or its error} for the GEMM of every measured row (its shape's
+    N, K), from benchmarks/quack_peer.py in a child process."""
+    cases = sorted({(n, k, row[1]) for (n, k), rows in shapes for row in rows})
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "quack.json")
+        command = [sys.executable, "-m", "benchmarks.quack_peer", "--json", path,
+                   "--cases", ",".join(f"{n}x{k}x{b}" for n, k, b in cases)]
+        try:
+            done = subprocess.run(command, timeout=timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return {case: f"no result in {timeout:.0f} s" for case in cases}
+        if not os.path.exists(path):
+            return {case: f"quack_peer failed: {done.stderr[-300:]}" for case in cases}
+        with open(path) as f:
+            found = {(r["N"], r["K"], r["B"]): r.get("us", r.get("error")) for r in json.load(f)["rows"]}
+    return {case: found.get(case, "no result") for case in cases}
+
+
+def with_peers(shape, row, quack) -> tuple:
+    """measure()'s row with quack's µs (or "error", "-" when not asked) and ours over the best
+    peer after cuBLAS's."""
+    name, batch, ours, cublas, *rest = row
+    peer = quack.get((*shape, batch), "-")
+    timed = isinstance(peer, float)
+    return (name, batch, ours, cublas, peer if timed else "error" if peer != "-" else "-",
+            ours / min([cublas] + [peer] * timed), *rest)
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
     parser.add_argument("--shapes", nargs="+", default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--autotune", action="store_true")
+    parser.add_argument("--quack", action="store_true", help="quack-kernels' tuned GEMM column (pip install -e '.[bench]')")
     parser.add_argument("--prepare", type=int, default=0, help="first compile every variant in this many processes")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.quack and importlib.util.find_spec("quack") is None:
+        raise SystemExit("--quack needs quack-kernels: pip install -e '.[bench]'")
     if args.prepare:
         prepare(args.prepare)
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, L2-cold weights")
-    seen, columns = set(), ("shape", "B", "ours", "cuBLAS", "autotune", "floor", "publish", "op+copy")
+    seen, shapes = set(), []
     for tp in args.tp:
         for name, op, n, k, n_logits in projections(tp):
             if args.shapes and name not in args.shapes:
                 continue
             if (op, n, k, n_logits) in seen and op == "oproj":  # replicated helpers: once
                 continue
-            rows = measure(name, op, n, k, n_logits, tp, args.batches, args.autotune)
-            print_table(rows, () if seen else columns)  # a blank line between shapes
+            shapes.append(((n, k), measure(name, op, n, k, n_logits, tp, args.batches, args.autotune)))
             seen.add((op, n, k, n_logits))
+    quack = quack_column(shapes) if args.quack else {}
+    for case, result in quack.items():
+        if isinstance(result, str):
+            print(f"quack N×K×B = {'×'.join(map(str, case))}: {result}")
+    columns = ("shape", "B", "ours", "cuBLAS", "quack", "ours/peer", "autotune", "floor", "publish", "op+copy")
+    for i, (shape, rows) in enumerate(shapes):
+        print_table([with_peers(shape, row, quack) for row in rows], () if i else columns)  # a blank line between
 
 
 if __name__ == "__main__":
