@@ -128,8 +128,8 @@ def test_gate_up_situ_is_situ_of_the_gate_up_rows(gen, device, batch):
     for beta, linear_beta in ((1.0, 0.0), (1.702, 1.0)):
         got = kimi.gate_up_situ(x, paired, beta, linear_beta)
         assert torch.equal(got, kimi.situ(kimi.oproj(x, w), beta, linear_beta))
-    assert_bf16_close(kimi.gate_up_situ(x, paired, 1.0, 0.0),
-                      oracle.situ(oracle.linear(x.cpu(), w.cpu()).to(torch.bfloat16), 1.0, 0.0))
+    assert_bf16_close(kimi.gate_up_situ(x, paired, 1.0, 0.0),  # the GEMM's rounding, then situ's: 2 ulps
+                      oracle.situ(oracle.linear(x.cpu(), w.cpu()).to(torch.bfloat16), 1.0, 0.0), max_ulps=2)
     with pytest.raises(KimiArgumentError, match="'w' must be .* a multiple of 16"):
         kimi.gate_up_situ(x, paired[:40], 1.0, 0.0)
 

@@ -48,8 +48,7 @@ def source_fingerprint() -> str:
     """The kernels' sources, subpackages' included, and the toolchain: a changed kernel
     never loads a stale .o."""
     digest = hashlib.sha256(
-        f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS},{BARRIER_ALIVE_NS} pdl={PDL}"
-        f" early={os.environ.get('KIMI_OPS_EARLY_RING')}".encode())
+        f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS},{BARRIER_ALIVE_NS} pdl={PDL}".encode())
     root = pathlib.Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + path.read_bytes())

@@ -3,7 +3,6 @@ and clusters (:func:`partition`, by a cost per CTA measured on the H200) and the
 memory layout of the ring and the K parts' exchange (:class:`GemmPlan`)."""
 
 import functools
-import os
 
 from ..launch import SMEM_BYTES
 from ..ring import CHUNK
@@ -33,9 +32,10 @@ PACE = 3  # weight chunks in flight before x's first chunk is in (x queues behin
 # after the routed experts) issues its whole ring before the PDL wait and leaves this much
 # shared memory free, so that its CTAs are resident beside the experts' (20 KB a CTA at C = 8)
 NEIGHBOUR = 24 * 1024
-# Measurement knob (bench_layer A/B, part of the kernels' cache key): every plan issues its
-# whole ring before the PDL wait, as an early one does
-EARLY_RING = os.environ.get("KIMI_OPS_EARLY_RING") == "1"
+# Plans of the 8-token bucket (B <= 8) issue their whole ring before the PDL wait: at B = 1 / 8
+# / 64 the TP8-rank layer took 77.2 / 92.9 / 122.3 µs so against 78.0 / 97.5 / 119.6 with PACE
+# (bench_layer A/B, benchmarks/NOTES.md), so at 64 tokens the PACE rule stays
+EARLY_TOKENS = 8
 # partition's costs, from the H200 (bench_projection, benchmarks/NOTES.md): a one-tile CTA
 # streamed at ~67 % of the HBM floor whatever its K (8 KB chunks: a fixed ~0.3 µs each),
 # two- and three-tile CTAs at 73-95 %
@@ -120,7 +120,8 @@ class GemmPlan:
         self.reserve = reserve
         free = SMEM_BYTES - 2048 - reserve - early * NEIGHBOUR  # 2 KB: barriers, alignment
         self.depth = min(self.chunks, MAX_DEPTH, free // stage)
-        self.pace = self.depth if early or EARLY_RING else min(PACE, self.depth)  # chunks issued before the wait
+        whole = early or tokens <= EARLY_TOKENS
+        self.pace = self.depth if whole else min(PACE, self.depth)  # weight chunks issued before the PDL wait
         self.receive_bytes = self.split * self.owned * self.stride * 4  # [part][owned row][token], over the ring
         self.ring_bytes = max(self.depth * stage, self.receive_bytes)
         if self.depth < 1 or self.ring_bytes + 2048 + reserve + early * NEIGHBOUR > SMEM_BYTES:
