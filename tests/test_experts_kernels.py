@@ -35,9 +35,11 @@ def test_routed_experts_compiles(latent, intermediate, cluster, clean_ptxas):
 
 def test_cluster_size(monkeypatch):
     """kimi_k3 (L = 3584) and a TP8 rank (512): clusters of 8 while 16·B·C CTAs fit the
-    SMs; C · P/8 = L and whole chunks always."""
+    SMs (16·B/TP the pairs a rank expects to serve); C · P/8 = L and whole chunks always."""
     monkeypatch.setattr(experts_plan, "multiprocessors", lambda device: 132)
     assert [experts_plan.cluster_for(3584, batch, 0) for batch in (1, 2, 8)] == [8, 1, 1]
+    assert [experts_plan.cluster_for(3584, batch, 0, 8) for batch in (1, 8, 9, 64)] == [8, 8, 1, 1]
+    assert [experts_plan.cluster_for(3584, batch, 0, 2) for batch in (1, 2, 3)] == [8, 8, 1]
     assert experts_plan.cluster_size(3584) == 8 and experts_plan.cluster_size(512) == 8
     assert experts_plan.cluster_size(320) == 5 and experts_plan.cluster_size(64) == 2
     for latent in range(64, 4097, 64):
@@ -50,7 +52,12 @@ def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
         for intermediate in (8, 16):
             for cluster in (None, 1):
                 kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster)
-                assert kernel.threads % 32 == 0 and kernel.packets <= kernel.threads < kernel.packets + 32
+                group = kernel.group_threads
+                assert group % 32 == 0 and kernel.packets <= group < kernel.packets + 32
+                # groups take whole gate chunks at once only with the whole slice in flight
+                assert kernel.gate_chunks % kernel.groups == 0 and kernel.threads == kernel.groups * group
+                assert kernel.groups == 1 or kernel.depth == kernel.chunks
+                assert kernel.threads <= max(experts_plan.MAX_THREADS, group)
                 assert kernel.slice * kernel.cluster == latent and kernel.packets * 8 == kernel.slice
                 assert kernel.row_threads * experts_plan.GATE_ROWS == kernel.packets
                 assert kernel.gate_chunks * experts_plan.GATE_ROWS == 2 * intermediate  # every gate/up row once

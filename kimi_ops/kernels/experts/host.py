@@ -79,7 +79,7 @@ class RoutedExpertsKernel:
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
-            cluster = cluster_for(width, batch, latent.device.index)
+            cluster = cluster_for(width, batch, latent.device.index, tp)
             experts_variant(width, intermediate, batch, cluster).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
                 rank, experts // tp, experts)

@@ -11,7 +11,7 @@ tokens spread over clusters. CTA r of a cluster takes 1/C of L (:func:`cluster_s
 gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 sums (about
 6 µs on one SM at L = 3584: the FP32 → FP64 conversions, benchmarks/NOTES.md) and the
 expert's bytes spread over C SMs while the SMs would otherwise idle (:func:`cluster_for`:
-B = 1), and a CTA takes the whole expert (C = 1) past that; the gate/up partial sums meet
+B = 1, B ≤ 8 at a TP8 rank), and a CTA takes the whole expert (C = 1) past that; the gate/up partial sums meet
 over DSMEM, added in rank order in every CTA (the same bits in each). A pair of another
 rank's expert (or an id outside [0, E)) gets a zero row, each CTA its slice. A CTA streams its slice of the
 expert (2I rows of L/C gate/up values, L/C down rows of I) by bulk copies (TMA, no tensor
@@ -27,8 +27,9 @@ For each token of e, the reference's rounding points:
 2. act_j = situ(hidden_j, hidden_{I+j}): gate and up rounded to BF16, FP32 math, BF16.
 3. row_l = BF16(FP32(Σ_j act_j · down[e, l, j])), the sum in FP64.
 
-P = L/(8C) threads, a CTA's packets of a row (rounded up to whole warps: the butterflies
-need every lane). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
+A group of P = L/(8C) threads takes a chunk, P a CTA's packets of a row (rounded up to
+whole warps: the butterflies need every lane); with the whole slice in flight G groups take
+chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
 packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflict-free
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
 (4 packets). The serve first issues the
@@ -69,6 +70,7 @@ from ..ptx import (
 from .plan import (
     GATE_ROWS,
     MAX_BATCH,
+    MAX_THREADS,
     TOKENS,
     cluster_size,
 )
@@ -82,8 +84,8 @@ class RoutedExperts:
         self.cluster = cluster or cluster_size(latent)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
         self.packets = self.slice // 8  # P: a slice row's packets
-        self.threads = -(-self.packets // 32) * 32  # whole warps: the butterflies need every lane
-        self.warps = self.threads // 32
+        self.group_threads = -(-self.packets // 32) * 32  # whole warps: the butterflies need every lane
+        self.group_warps = self.group_threads // 32
         self.row_threads = self.packets // GATE_ROWS  # a gate/up row's threads in a chunk
         self.gate_chunks = 2 * intermediate // GATE_ROWS
         self.chunks = self.gate_chunks + intermediate // GATE_ROWS  # then L·I/(4L) down chunks
@@ -92,12 +94,21 @@ class RoutedExperts:
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
         # the whole slice in flight where it fits (a B ≤ 8 step is the stream's latency)
         self.depth = max(d for d in range(1, self.chunks + 1) if self.smem_bytes(d) <= SMEM_BYTES)
+        # With the whole slice in flight, groups of P threads take chunks g, g + G, … at once
+        # (a chunk's serial ~400 clocks, benchmarks/NOTES.md, G times fewer); a ring shorter
+        # than the stream is one group's, its slots re-issued in chunk order
+        self.groups = 1
+        if self.depth == self.chunks:
+            self.groups = max(g for g in range(1, self.gate_chunks + 1)
+                              if self.gate_chunks % g == 0 and g * self.group_threads <= MAX_THREADS)
+        self.threads = self.groups * self.group_threads
+        self.warps = self.threads // 32
 
     def smem_bytes(self, depth: int | None = None) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned) with a ring of ``depth``."""
         depth = depth or self.depth
         pieces = (4 * depth * self.slot_words, 8 * depth, 16 * TOKENS * self.packets,
-                  8 * TOKENS * 2 * self.intermediate * self.warps,
+                  8 * TOKENS * 2 * self.intermediate * self.group_warps,
                   8 * TOKENS * 2 * self.intermediate * self.cluster,
                   4 * TOKENS * 2 * self.intermediate, 4 * TOKENS * self.intermediate, 4 * MAX_BATCH,
                   4 * (1 + MAX_BATCH), 4 * 32)
@@ -118,9 +129,9 @@ class RoutedExperts:
         cta, _, _ = cute.arch.block_idx()
         pair, part = cta // self.cluster, cta % self.cluster
         if cutlass.const_expr(self.cluster > 1):
-            # A cluster a pair: the grid is one wave (plan.cluster_for), so the shared
-            # gate/up launched beside us (its CTAs leave room for ours) takes no SM a later
-            # CTA of ours needs, and streams its weights while we run.
+            # A cluster a pair: the pairs served are one wave (plan.cluster_for; the others
+            # end at once), so the shared gate/up launched beside us (its CTAs leave room for
+            # ours) takes no SM a later CTA of ours needs, and streams its weights while we run.
             cute.arch.griddepcontrol_launch_dependents()
         space = self.allocate()
         full = space.full
@@ -208,22 +219,25 @@ class RoutedExperts:
                 matched[0] = clamp(count, Int32(TOKENS))
         cute.arch.sync_threads()
         self.stash_latent(latent, xs, matched, part, tid)  # every gate/up chunk reads them
-        for chunk in cutlass.range(self.chunks, unroll=1):
+        group, local = tid // self.group_threads, tid % self.group_threads
+        for chunk in cutlass.range(group, self.chunks, self.groups, unroll=1):
             slot = chunk % self.depth
             cute.arch.mbarrier_wait(full + slot, (chunk // self.depth) % 2)
             words = ring + slot * self.slot_words
             if chunk < self.gate_chunks:
-                self.gate_chunk(xs, words, parts, matched, chunk, tid)
+                self.gate_chunk(xs, words, parts, matched, chunk, local)
             else:
-                self.down_chunk(out, words, acts, masks, matched, part, chunk - self.gate_chunks, tid)
+                self.down_chunk(out, words, acts, masks, matched, part, chunk - self.gate_chunks, local)
+            # every group's last gate chunk is its iteration gate_chunks / G − 1 (G divides them)
+            last_gate = (chunk < self.gate_chunks) & (chunk + self.groups >= self.gate_chunks)
             if cutlass.const_expr(self.depth < self.chunks):
                 cute.arch.sync_threads()  # the slot is read (and the chunk's partials are in)
                 if tid == 0:
                     if chunk + self.depth < self.chunks:
                         self.issue(gate_up, down, expert, part, chunk + self.depth, words, full + slot, policy)
-            elif chunk == self.gate_chunks - 1:
+            elif last_gate:
                 cute.arch.sync_threads()  # the whole slice in flight: only the partials need one
-            if chunk == self.gate_chunks - 1:
+            if last_gate:
                 self.activate(parts, received, hidden, acts, part, tid)
 
     @cute.jit
@@ -255,7 +269,7 @@ class RoutedExperts:
     @cute.jit
     def gate_chunk(self, xs, words, parts, matched, chunk, tid):
         """Step 1's share of gate/up chunk ``chunk`` for the matched tokens: each token's 4
-        row sums of the warp into ``parts``."""
+        row sums of the warp into ``parts`` (``tid``: the thread's in its group)."""
         r, group = tid % GATE_ROWS, tid // GATE_ROWS
         columns = [group + self.row_threads * j for j in range(4)]
         weights = [[Float32(0.0)] * 8 for _ in range(4)]
@@ -281,7 +295,7 @@ class RoutedExperts:
             cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
         for item in cutlass.range(tid, TOKENS * double, self.threads, unroll=1):
             total = Float64(0.0)
-            for w in cutlass.range_constexpr(self.warps):
+            for w in cutlass.range_constexpr(self.group_warps):
                 total += parts[item // double, item % double, w]
             send_to_cluster(received, item, total, part, self.cluster)
         cluster_barrier(self.cluster)
@@ -298,7 +312,7 @@ class RoutedExperts:
     @cute.jit
     def down_chunk(self, out, words, acts, masks, matched, part, chunk, tid):
         """Step 3 on down chunk ``chunk`` of slice ``part`` (its rows chunk·4L/(C·I) …) for
-        the matched tokens."""
+        the matched tokens (``tid``: the thread's in its group)."""
         if tid < self.packets:
             values = [v for m in range(4) for v in unpack_words(load_shared(words + (4 * tid + m) * 4))]
             column = part * self.slice + chunk * (4 * self.slice // self.intermediate) + tid * self.down_rows
@@ -326,7 +340,8 @@ class RoutedExperts:
         full = smem.allocate_tensor(Int64, cute.make_layout(self.depth), 16).iterator
         xs = smem.allocate_tensor(Uint32, cute.make_layout(4 * TOKENS * self.packets), 16).iterator
         parts = smem.allocate_tensor(
-            Float64, cute.make_layout((TOKENS, double, self.warps), stride=(double * self.warps, self.warps, 1)), 16)
+            Float64, cute.make_layout((TOKENS, double, self.group_warps),
+                                      stride=(double * self.group_warps, self.group_warps, 1)), 16)
         received = smem.allocate_tensor(
             Float64, cute.make_layout((TOKENS * double, self.cluster), stride=(self.cluster, 1)), 16)
         hidden = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, double), stride=(double, 1)), 16)
@@ -344,7 +359,7 @@ class ExpertsSpace(NamedTuple):
     ring: object  # the ring (words)
     full: object  # its full barriers
     xs: object  # the matched tokens' latent slices (words)
-    parts: object  # [TOKENS, 2I, warps] FP64
+    parts: object  # [TOKENS, 2I, a group's warps] FP64
     received: object  # [TOKENS·2I, C] FP64: the cluster's slice sums
     hidden: object  # [TOKENS, 2I] FP32
     acts: object  # [TOKENS, I] FP32

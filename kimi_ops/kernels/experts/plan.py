@@ -12,6 +12,7 @@ TOKENS = 4  # the tokens a CTA serves in its pass over the expert's weights (the
 MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
+MAX_THREADS = 512  # a CTA's chunk groups (kernels.RoutedExperts.groups): 128 registers a thread
 
 
 @functools.cache
@@ -28,10 +29,13 @@ def cluster_size(latent: int) -> int:
     return max((c for c in range(1, MAX_CLUSTER + 1) if packets % (GATE_ROWS * c) == 0), key=lambda c: (lanes(c), c))
 
 
-def cluster_for(latent: int, batch: int, device: int) -> int:
-    """A call's C: :func:`cluster_size`'s while its grid fits the SMs at a CTA each (B = 1
-    at L = 3584: 16 pairs × 8), else 1 — then the SMs have other pairs to serve, and each
-    CTA of a cluster repeats the pair's prologue (measured by cluster size at 21c3e9d:
-    benchmarks/NOTES.md)."""
+def cluster_for(latent: int, batch: int, device: int, tp: int = 1) -> int:
+    """A call's C: :func:`cluster_size`'s while the pairs this rank is expected to serve
+    (B·16/TP: a uniform routing; the other ranks' pairs end at once) fit the SMs at a CTA
+    each (B = 1 at L = 3584; B ≤ 8 at a TP8 rank), else 1 — then the SMs have other pairs
+    to serve, and each CTA of a cluster repeats the pair's prologue (measured by cluster
+    size at 21c3e9d: benchmarks/NOTES.md). A routing that sends a rank more pairs than
+    expected runs in more waves of clusters, not wrong."""
     cluster = cluster_size(latent)
-    return cluster if batch * TOP_K * cluster <= multiprocessors(device) else 1
+    served = -(-batch * TOP_K // tp)
+    return cluster if served * cluster <= multiprocessors(device) else 1
