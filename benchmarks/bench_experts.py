@@ -30,7 +30,7 @@ def measure(batches, clusters, shapes) -> list[tuple]:
         gate_up = (torch.randn(count, 2 * intermediate, width, device="cuda", generator=gen) * width**-0.5).bfloat16()
         down = (torch.randn(count, width, intermediate, device="cuda", generator=gen) * intermediate**-0.5).bfloat16()
         per_expert = (gate_up[0].numel() + down[0].numel()) * 2
-        sizes = [experts_plan.cluster_size(width) if c == 0 else c for c in clusters]
+        sizes = [experts_plan.cluster_size(width, intermediate) if c == 0 else c for c in clusters]
         for batch in batches:
             latent = torch.randn(batch, width, device="cuda", generator=gen).bfloat16()
             routings = [torch.stack([torch.randperm(count, device="cuda", generator=gen)[:16] for _ in range(batch)])

@@ -26,7 +26,8 @@ K3, TINY = (3584, 16, 896), (128, 16, 64)  # (L, I, E): kimi_k3's stand-in, Kimi
 
 @pytest.mark.parametrize("latent, intermediate, cluster", [
     (3584, 16, None), (3584, 8, None), (128, 16, None), (256, 16, None), (320, 16, None), (64, 8, None),
-    (3584, 16, 1), (3584, 16, 7),  # a CTA the whole expert (a ring shorter than the stream); full warps
+    (3584, 16, 1), (3584, 16, 2), (3584, 16, 7), (3584, 16, 8),  # a ring shorter than the stream; two groups
+    # of 224 threads; full warps; 8 groups
 ])
 def test_routed_experts_compiles(latent, intermediate, cluster, clean_ptxas):
     assert experts.compile_routed_experts.build(latent, intermediate, cluster) is not None
@@ -34,17 +35,21 @@ def test_routed_experts_compiles(latent, intermediate, cluster, clean_ptxas):
 
 
 def test_cluster_size(monkeypatch):
-    """kimi_k3 (L = 3584) and a TP8 rank (512): clusters of 8 while 16·B·C CTAs fit the
-    SMs (16·B/TP the pairs a rank expects to serve); C · P/8 = L and whole chunks always."""
+    """kimi_k3 (L = 3584: 344 KB an expert) in clusters of 4 while 16·B·C CTAs fit the SMs
+    (16·B/TP the pairs a rank expects to serve), a TP8 rank's (512: 48 KB) one CTA; the
+    fewest CTAs whose slice is at most SLICE_BYTES, whole chunks always."""
     monkeypatch.setattr(experts_plan, "multiprocessors", lambda device: 132)
-    assert [experts_plan.cluster_for(3584, batch, 0) for batch in (1, 2, 8)] == [8, 1, 1]
-    assert [experts_plan.cluster_for(3584, batch, 0, 8) for batch in (1, 8, 9, 64)] == [8, 8, 1, 1]
-    assert [experts_plan.cluster_for(3584, batch, 0, 2) for batch in (1, 2, 3)] == [8, 8, 1]
-    assert experts_plan.cluster_size(3584) == 8 and experts_plan.cluster_size(512) == 8
-    assert experts_plan.cluster_size(320) == 5 and experts_plan.cluster_size(64) == 2
+    assert [experts_plan.cluster_for(3584, 16, batch, 0) for batch in (1, 2, 3, 8)] == [4, 4, 1, 1]
+    assert [experts_plan.cluster_for(3584, 16, batch, 0, 8) for batch in (1, 16, 17, 64)] == [4, 4, 1, 1]
+    assert [experts_plan.cluster_for(512, 16, batch, 0) for batch in (1, 8)] == [1, 1]
+    assert experts_plan.cluster_size(3584, 16) == 4 and experts_plan.cluster_size(3584, 8) == 2
+    assert experts_plan.cluster_size(512, 16) == 1 and experts_plan.cluster_size(4096, 16) == 4
     for latent in range(64, 4097, 64):
-        cluster = experts_plan.cluster_size(latent)
-        assert 2 <= cluster <= experts_plan.MAX_CLUSTER and (latent // 8) % (experts_plan.GATE_ROWS * cluster) == 0
+        for intermediate in (8, 16):
+            cluster = experts_plan.cluster_size(latent, intermediate)
+            sizes = [c for c in range(1, 9) if (latent // 8) % (experts_plan.GATE_ROWS * c) == 0]
+            fits = 6 * intermediate * latent // cluster <= experts_plan.SLICE_BYTES
+            assert cluster in sizes and (fits or cluster == max(sizes))  # the most where none fits
 
 
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
@@ -134,7 +139,7 @@ def test_routed_experts_kernel(batch, rank, tp):
 
 @on_hopper
 def test_routed_experts_kernel_tiny_and_odd_ids():
-    """KimiConfig.tiny's L and E (clusters of 4, 4 threads with packets a CTA); a token with a
+    """KimiConfig.tiny's L and E (a CTA the expert, 16 threads with packets a group); a token with a
     repeated id (both rows written), ids −1 and
     E (zero rows), −0 and NaN latent rows (NaN rows only where the NaN token's experts are)."""
     latent, ids, gate_up, down = args_of(6, TINY, seed=7)
@@ -154,7 +159,7 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
 @on_hopper
 @pytest.mark.parametrize("batch", [33, experts_plan.MAX_BATCH])
 def test_routed_experts_kernel_shared_experts_and_wide_batches(batch):
-    """L = 64, I = 8 (clusters of 2, 4 threads with packets a CTA) at batches past the mask loop's
+    """L = 64, I = 8 (a CTA the expert, 8 threads with packets a group) at batches past the mask loop's
     stride and at the kernel's largest: every token on the same 16 experts (each served
     by ⌈B/TOKENS⌉ CTAs), and a repeated id in a token that leads its CTA (8) and in one
     that does not (5): both its rows written, the later tokens' ordinals one fewer."""
@@ -176,10 +181,11 @@ def test_routed_experts_kernel_with_a_partial_warp(batch):
 
 
 @on_hopper
-@pytest.mark.parametrize("cluster", [1, 7])
+@pytest.mark.parametrize("cluster", [1, 2, 7, 8])
 def test_routed_experts_kernel_at_other_cluster_sizes(cluster):
     """The sweeps' variants (compile_routed_experts' ``cluster``): a CTA the whole expert
-    (a ring shorter than the stream), and clusters of 7 (full warps at L = 3584)."""
+    (a ring shorter than the stream, one group), clusters of 2 (two groups of 224 threads),
+    7 (full warps at L = 3584) and 8."""
     batch, (width, intermediate, count) = 8, K3
     latent, ids, gate_up, down = args_of(batch, K3, seed=cluster)
     out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -66,7 +66,7 @@ class RoutedExpertsKernel:
     def prepare(self, latent: int, intermediate: int) -> None:
         if unsupported_shape(latent, intermediate, 0) is None:  # cluster_size needs a shape the kernel takes
             prepare_all(lambda cluster=cluster: experts_variant(latent, intermediate, 0, cluster)
-                        for cluster in sorted({1, cluster_size(latent)}))
+                        for cluster in sorted({1, cluster_size(latent, intermediate)}))
 
     def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
         why = reason(lambda: experts_variant(latent.shape[1], down.shape[2], latent.shape[0], 1))
@@ -79,7 +79,7 @@ class RoutedExpertsKernel:
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
-            cluster = cluster_for(width, batch, latent.device.index, tp)
+            cluster = cluster_for(width, intermediate, batch, latent.device.index, tp)
             experts_variant(width, intermediate, batch, cluster).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
                 rank, experts // tp, experts)

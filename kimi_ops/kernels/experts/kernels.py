@@ -11,7 +11,7 @@ tokens spread over clusters. CTA r of a cluster takes 1/C of L (:func:`cluster_s
 gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 sums (about
 6 µs on one SM at L = 3584: the FP32 → FP64 conversions, benchmarks/NOTES.md) and the
 expert's bytes spread over C SMs while the SMs would otherwise idle (:func:`cluster_for`:
-B = 1, B ≤ 8 at a TP8 rank), and a CTA takes the whole expert (C = 1) past that; the gate/up partial sums meet
+B ≤ 2 at L = 3584), and a CTA takes the whole expert (C = 1) past that; the gate/up partial sums meet
 over DSMEM, added in rank order in every CTA (the same bits in each). A pair of another
 rank's expert (or an id outside [0, E)) gets a zero row, each CTA its slice. A CTA streams its slice of the
 expert (2I rows of L/C gate/up values, L/C down rows of I) by bulk copies (TMA, no tensor
@@ -81,7 +81,7 @@ class RoutedExperts:
 
     def __init__(self, latent: int, intermediate: int, cluster: int | None = None):
         self.latent, self.intermediate = latent, intermediate
-        self.cluster = cluster or cluster_size(latent)
+        self.cluster = cluster or cluster_size(latent, intermediate)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
         self.packets = self.slice // 8  # P: a slice row's packets
         self.group_threads = -(-self.packets // 32) * 32  # whole warps: the butterflies need every lane

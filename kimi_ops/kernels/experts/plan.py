@@ -15,27 +15,28 @@ MAX_BATCH = 256  # the tokens' match masks in shared memory
 MAX_THREADS = 512  # a CTA's chunk groups (kernels.RoutedExperts.groups): 128 registers a thread
 
 
+# The most of an expert's bytes one CTA streams: past it a pair takes a cluster (bench_experts,
+# a chunk group a gate chunk: at L = 512 one CTA the whole 48 KB expert, 3.9 / 7.2 / 17.8 µs at
+# B = 1 / 8 / 64 against 6.8 / 17.1 / 83.0 in clusters of 8; at L = 3584, 344 KB, clusters of
+# 4 at B = 1, 7.7 µs against 16.5 / 9.7 / 10.9 at C = 1 / 2 / 8: benchmarks/NOTES.md)
+SLICE_BYTES = 96 * 1024
+
+
 @functools.cache
-def cluster_size(latent: int) -> int:
-    """C, the CTAs of a pair: whole 4-row chunks a CTA (L/8 % 4C == 0), the most busy lanes
-    over the cluster's warps (C · P / P rounded up to warps: SMs and their conversion
-    units at work), the larger C at a tie (a smaller slice to stream)."""
-    packets = latent // 8
-
-    def lanes(c):
-        share = packets // c
-        return c * share / (-(-share // 32) * 32)
-
-    return max((c for c in range(1, MAX_CLUSTER + 1) if packets % (GATE_ROWS * c) == 0), key=lambda c: (lanes(c), c))
+def cluster_size(latent: int, intermediate: int) -> int:
+    """C, the CTAs of a pair: the fewest with whole 4-row chunks a CTA (L/8 % 4C == 0) whose
+    slice of the expert (3I values of L/C) is at most SLICE_BYTES (the most where none is)."""
+    sizes = [c for c in range(1, MAX_CLUSTER + 1) if (latent // 8) % (GATE_ROWS * c) == 0]
+    return next((c for c in sizes if 6 * intermediate * latent // c <= SLICE_BYTES), sizes[-1])
 
 
-def cluster_for(latent: int, batch: int, device: int, tp: int = 1) -> int:
+def cluster_for(latent: int, intermediate: int, batch: int, device: int, tp: int = 1) -> int:
     """A call's C: :func:`cluster_size`'s while the pairs this rank is expected to serve
     (B·16/TP: a uniform routing; the other ranks' pairs end at once) fit the SMs at a CTA
-    each (B = 1 at L = 3584; B ≤ 8 at a TP8 rank), else 1 — then the SMs have other pairs
+    each (B ≤ 2 at L = 3584), else 1 — then the SMs have other pairs
     to serve, and each CTA of a cluster repeats the pair's prologue (measured by cluster
     size at 21c3e9d: benchmarks/NOTES.md). A routing that sends a rank more pairs than
     expected runs in more waves of clusters, not wrong."""
-    cluster = cluster_size(latent)
+    cluster = cluster_size(latent, intermediate)
     served = -(-batch * TOP_K // tp)
     return cluster if served * cluster <= multiprocessors(device) else 1
