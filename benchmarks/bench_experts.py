@@ -30,7 +30,6 @@ def measure(batches, clusters, shapes) -> list[tuple]:
         gate_up = (torch.randn(count, 2 * intermediate, width, device="cuda", generator=gen) * width**-0.5).bfloat16()
         down = (torch.randn(count, width, intermediate, device="cuda", generator=gen) * intermediate**-0.5).bfloat16()
         per_expert = (gate_up[0].numel() + down[0].numel()) * 2
-        sizes = [experts_plan.cluster_size(width, intermediate) if c == 0 else c for c in clusters]
         for batch in batches:
             latent = torch.randn(batch, width, device="cuda", generator=gen).bfloat16()
             routings = [torch.stack([torch.randperm(count, device="cuda", generator=gen)[:16] for _ in range(batch)])
@@ -38,13 +37,15 @@ def measure(batches, clusters, shapes) -> list[tuple]:
             out = latent.new_empty((batch * 16, width))
             floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
             times = []
-            for cluster in sizes:
+            for cluster in clusters:
+                cluster = cluster or experts_plan.cluster_for(width, intermediate, batch, 0)
+                wave = int(experts_plan.releases_at_entry(batch, cluster, 0))
                 launch = experts.compile_routed_experts(width, intermediate, cluster)
                 times.append(graph_us(rotating(lambda ids: launch(
-                    latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, batch, 0, count, count),
-                    routings), calls=CALLS))
+                    latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, batch, 0, count, count,
+                    wave), routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
-    print_table(rows, ("shape", "B", *(f"C = {c}" for c in sizes), "floor"))
+    print_table(rows, ("shape", "B", *(f"C = {c}" if c else "call's C" for c in clusters), "floor"))
     return rows
 
 
@@ -52,7 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--clusters", type=int, nargs="+", default=[1, 0],
-                        help="cluster sizes to time (0: the kernel's own, cluster_size)")
+                        help="cluster sizes to time (0: the call's own, cluster_for)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")

@@ -42,6 +42,10 @@ def test_cluster_size(monkeypatch):
     assert [experts_plan.cluster_for(3584, 16, batch, 0) for batch in (1, 2, 3, 8)] == [4, 4, 1, 1]
     assert [experts_plan.cluster_for(3584, 16, batch, 0, 8) for batch in (1, 16, 17, 64)] == [4, 4, 1, 1]
     assert [experts_plan.cluster_for(512, 16, batch, 0) for batch in (1, 8)] == [1, 1]
+    # dependents released at entry while the pairs served are one wave
+    assert [experts_plan.releases_at_entry(b, experts_plan.cluster_for(3584, 16, b, 0), 0) for b in (1, 2, 8, 9)] \
+        == [True, True, True, False]
+    assert [experts_plan.releases_at_entry(b, 1, 0, 8) for b in (64, 66, 67)] == [True, True, False]
     assert experts_plan.cluster_size(3584, 16) == 4 and experts_plan.cluster_size(3584, 8) == 2
     assert experts_plan.cluster_size(512, 16) == 1 and experts_plan.cluster_size(4096, 16) == 4
     for latent in range(64, 4097, 64):
@@ -89,7 +93,7 @@ def test_launcher_takes_the_adapters_arguments():
     launch = experts.compile_routed_experts.build(latent, intermediate)
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
-               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count)
+               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count, 0)
 
 
 def args_of(batch, shape, seed, device="cuda"):
@@ -191,7 +195,7 @@ def test_routed_experts_kernel_at_other_cluster_sizes(cluster):
     out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")
     experts.compile_routed_experts(width, intermediate, cluster)(
         latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch, 0,
-        count, count)
+        count, count, 0)
     assert_matches(out, reference(kimi.routed_experts, latent, ids, gate_up, down, 0, 1))
 
 

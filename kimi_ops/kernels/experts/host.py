@@ -20,6 +20,7 @@ from .plan import (
     MAX_LATENT,
     cluster_for,
     cluster_size,
+    releases_at_entry,
 )
 
 
@@ -30,7 +31,7 @@ def compile_routed_experts(latent: int, intermediate: int, cluster: int | None =
     return cute.compile(
         RoutedExperts(latent, intermediate, cluster), fake(BFloat16, (tokens, latent)),
         fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
-        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), fake_stream(),
+        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), fake_stream(),
         options=compile_options(),
     )
 
@@ -79,10 +80,11 @@ class RoutedExpertsKernel:
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
-            cluster = cluster_for(width, intermediate, batch, latent.device.index, tp)
+            device = latent.device.index
+            cluster = cluster_for(width, intermediate, batch, device, tp)
             experts_variant(width, intermediate, batch, cluster).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
-                rank, experts // tp, experts)
+                rank, experts // tp, experts, int(releases_at_entry(batch, cluster, device, tp)))
         return out
 
 

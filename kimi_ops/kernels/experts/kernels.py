@@ -116,22 +116,24 @@ class RoutedExperts:
 
     @cute.jit
     def __call__(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
-                 out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, stream):
-        """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]."""
-        self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts).launch(
+                 out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, wave: Int32,
+                 stream):
+        """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]; ``wave``:
+        1 where the pairs served are one wave (:func:`~.plan.releases_at_entry`)."""
+        self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, wave).launch(
             grid=[batch * TOP_K * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
             stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
-               out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32):
+               out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, wave: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         pair, part = cta // self.cluster, cta % self.cluster
-        if cutlass.const_expr(self.cluster > 1):
-            # A cluster a pair: the pairs served are one wave (plan.cluster_for; the others
-            # end at once), so the shared gate/up launched beside us (its CTAs leave room for
-            # ours) takes no SM a later CTA of ours needs, and streams its weights while we run.
+        if wave != 0:
+            # The pairs served are one wave (the others end at once), so the shared gate/up
+            # launched beside us takes no SM a later CTA of ours needs, and streams its
+            # weights while we run.
             cute.arch.griddepcontrol_launch_dependents()
         space = self.allocate()
         full = space.full
@@ -158,9 +160,9 @@ class RoutedExperts:
         if cutlass.const_expr(self.cluster > 1):
             if served != 2:
                 cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
-        if cutlass.const_expr(self.cluster == 1):
-            # At the end, not at entry (launch.py): kernels launched beside us took SMs from
-            # our later CTAs and ran 3-5 µs slower at B <= 8 (benchmarks/timeline.py).
+        if wave == 0:
+            # At the end, not at entry (launch.py): kernels launched beside a grid of several
+            # waves took SMs from its later CTAs (3-5 µs slower at B <= 8, benchmarks/timeline.py).
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

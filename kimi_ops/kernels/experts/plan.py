@@ -2,6 +2,7 @@
 grid fits the SMs, the bounds of a variant."""
 
 import functools
+import os
 
 from ...config import TOP_K
 from ..launch import multiprocessors
@@ -40,3 +41,15 @@ def cluster_for(latent: int, intermediate: int, batch: int, device: int, tp: int
     cluster = cluster_size(latent, intermediate)
     served = -(-batch * TOP_K // tp)
     return cluster if served * cluster <= multiprocessors(device) else 1
+
+
+# A measurement knob for the layer's A/B (bench_layer, timeline): 1 keeps the release at the
+# end at every batch (the behaviour before releases_at_entry); to go once measured
+LATE_RELEASE = os.environ.get("KIMI_OPS_EXPERTS_LATE_RELEASE") == "1"
+
+
+def releases_at_entry(batch: int, cluster: int, device: int, tp: int = 1) -> bool:
+    """Whether a call releases its dependents at entry: where the pairs it is expected to
+    serve are one wave at a CTA an SM (clusters: :func:`cluster_for`'s bound; a CTA a pair:
+    B·16/TP CTAs), a dependent launched beside takes only SMs the grid leaves free."""
+    return not LATE_RELEASE and -(-batch * TOP_K // tp) * cluster <= multiprocessors(device)

@@ -12,7 +12,7 @@ so every SM of the grid streams its share at once.
 1. The producer warpgroup: its first warp streams the CTA's weight chunks (rows × CHUNK
    columns, 128-byte swizzle, L2 evict-first) by TMA through a ring of ``depth`` slots,
    ``pace`` of them before ``griddepcontrol.wait`` (the weights do not depend on the previous
-   kernel; an early plan's whole ring), then ``paced`` until x's first chunk is in (x's loads would queue behind a
+   kernel; the whole ring at B <= 8), then ``paced`` until x's first chunk is in (x's loads would queue behind a
    whole ring), then as slots come back. Once the wait is over every producer thread
    copies its share of each chunk's x rows [tokens, CHUNK] by cp.async (16 bytes each,
    offsets fixed per thread; rows past the batch are left as they are: they only reach

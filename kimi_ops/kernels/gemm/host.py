@@ -48,10 +48,8 @@ def owned_rows(situ) -> int:
 
 
 def plan_of(n: int, k: int, tokens: int, situ) -> GemmPlan:
-    """A variant's plan: situ's (the shared gate/up, after the routed experts in the decoder)
-    is early (:class:`~.plan.GemmPlan`): resident beside the experts' CTAs, its weights in
-    flight while they run."""
-    return gemm_plan(n, k, tokens, owned_rows(situ), situ is not None)
+    """A variant's plan: its CTAs own whole packets, or situ's pairs of them."""
+    return gemm_plan(n, k, tokens, owned_rows(situ))
 
 
 def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0, owned: int = 8) -> str | None:

@@ -28,10 +28,6 @@ PRODUCERS = 32 * PRODUCER_WARPS
 ACCUMULATOR_REGISTERS = 192
 MAX_SETS = 4  # chunks whose wgmmas are in flight at once
 PACE = 3  # weight chunks in flight before x's first chunk is in (x queues behind the stream)
-# An early plan (one whose predecessor runs long on few SMs' resources: the shared gate/up
-# after the routed experts) issues its whole ring before the PDL wait and leaves this much
-# shared memory free, so that its CTAs are resident beside the experts' (20 KB a CTA at C = 8)
-NEIGHBOUR = 24 * 1024
 # Plans of the 8-token bucket (B <= 8) issue their whole ring before the PDL wait: at B = 1 / 8
 # / 64 the TP8-rank layer took 77.2 / 92.9 / 122.3 µs so against 78.0 / 97.5 / 119.6 with PACE
 # (bench_layer A/B, benchmarks/NOTES.md), so at 64 tokens the PACE rule stays
@@ -86,11 +82,10 @@ class GemmPlan:
     """The static partition and shared-memory layout of one (N, K, T) variant."""
 
     def __init__(self, n: int, k: int, tokens: int, parts: tuple[int, int] | None = None, by_token: bool = False,
-                 reserve: int = 0, early: bool = False):
+                 reserve: int = 0):
         """``parts``: (tiles, split) instead of :func:`partition`'s; ``by_token``: a K split's
         owners take token ranges of every row of the block (a head's rows stay in one CTA:
-        kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds;
-        ``early``: the whole ring before the PDL wait, NEIGHBOUR bytes left free."""
+        kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds."""
         parts = parts or partition(n, k, tokens)
         if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
             raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
@@ -118,13 +113,12 @@ class GemmPlan:
         self.w_slot, self.x_slot = self.rows * CHUNK * 2, tokens * CHUNK * 2  # bytes, 1024-multiples
         stage = self.w_slot + self.x_slot
         self.reserve = reserve
-        free = SMEM_BYTES - 2048 - reserve - early * NEIGHBOUR  # 2 KB: barriers, alignment
+        free = SMEM_BYTES - 2048 - reserve  # 2 KB: barriers, alignment
         self.depth = min(self.chunks, MAX_DEPTH, free // stage)
-        whole = early or tokens <= EARLY_TOKENS
-        self.pace = self.depth if whole else min(PACE, self.depth)  # weight chunks issued before the PDL wait
+        self.pace = self.depth if tokens <= EARLY_TOKENS else min(PACE, self.depth)  # weight chunks issued before the PDL wait
         self.receive_bytes = self.split * self.owned * self.stride * 4  # [part][owned row][token], over the ring
         self.ring_bytes = max(self.depth * stage, self.receive_bytes)
-        if self.depth < 1 or self.ring_bytes + 2048 + reserve + early * NEIGHBOUR > SMEM_BYTES:
+        if self.depth < 1 or self.ring_bytes + 2048 + reserve > SMEM_BYTES:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
 
     def owner(self, token):
@@ -139,8 +133,8 @@ class GemmPlan:
 
 
 @functools.cache
-def gemm_plan(n: int, k: int, tokens: int, owned: int = 8, early: bool = False) -> GemmPlan:
-    """``owned``: :func:`partition`'s; ``early``: :class:`GemmPlan`'s."""
-    return GemmPlan(n, k, tokens, partition(n, k, tokens, owned), early=early)
+def gemm_plan(n: int, k: int, tokens: int, owned: int = 8) -> GemmPlan:
+    """``owned``: :func:`partition`'s."""
+    return GemmPlan(n, k, tokens, partition(n, k, tokens, owned))
 
 
