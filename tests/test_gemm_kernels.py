@@ -199,6 +199,25 @@ def test_oproj_kernel(n, k, batch):
     assert torch.equal(got, kimi.oproj(x, w))  # bit-identical across runs
 
 
+def test_a_single_row_gets_a_stride_tma_takes():
+    """x goes to the engine by TMA: a [1, K] row with torch's arbitrary stride (a transposed
+    column: (1, 1)) gets the compact one, the same data; other rows stay as they are."""
+    from kimi_ops.kernels.arguments import tma_rows
+
+    column = torch.randn(256, 1).bfloat16()
+    row = tma_rows(column.T)
+    assert row.stride() == (256, 1) and row.data_ptr() == column.data_ptr() and torch.equal(row, column.T)
+    view = torch.randn(4, 320)[:, :256]
+    assert tma_rows(view) is view
+
+
+@on_hopper
+def test_oproj_kernel_takes_a_single_row_of_any_stride():
+    x, w = inputs(1, 512, 1536, seed=3)
+    column = x.as_strided(x.shape, (1, 1))  # the same row, as torch may stride it
+    assert torch.equal(kimi.oproj(column, w), kimi.oproj(x, w))
+
+
 def front_variants():
     return [(n, k, n_logits) for op, n, k, n_logits, _ in variants() if op == "moe_front"]
 

@@ -56,6 +56,14 @@ def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torc
     return source.view(dtype)[:1].view([1] * dims)
 
 
+def tma_rows(t):
+    """[B, K] ``t`` as a TMA descriptor takes it: torch gives a single row any stride (never
+    read), the descriptor wants a 16-byte multiple, so one row gets the compact one."""
+    if t.shape[0] == 1 and t.stride(0) != t.shape[1]:
+        return t.as_strided(t.shape, (t.shape[1], 1))
+    return t
+
+
 def aligned(*tensors) -> bool:
     """16-byte aligned data and rows of whole 16-byte packets (a row view of a wider
     matrix passes where its row stride does)."""

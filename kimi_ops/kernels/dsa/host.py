@@ -12,7 +12,7 @@ from ...config import INDEX_DIM, INDEX_HEADS
 from ...ops import dsa as dsa_op
 from ..arguments import aligned, placeholder
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
-from ..gemm.host import tokens_of
+from ..gemm.host import engine_variant, tokens_of
 from ..gemm.plan import MAX_BATCH, token_tile
 from ..ring import CHUNK
 from ..variant import Unsupported, Variant, prepare_all, reason, single
@@ -70,7 +70,7 @@ def index_front_variant(k: int, batch: int, norm: bool, keys: bool = False) -> V
     if why:
         raise Unsupported(why)
     tokens = token_tile(max(batch, 1))
-    return single(lambda: compile_index_front(k, tokens, norm, keys), index_plan(k, tokens, norm))
+    return engine_variant(lambda: compile_index_front(k, tokens, norm, keys), index_plan(k, tokens, norm))
 
 
 class IndexFrontKernel:

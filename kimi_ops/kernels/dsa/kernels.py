@@ -117,17 +117,19 @@ class IndexFront(DecodeGemm):
                  head_in: cute.Tensor, k_in: cute.Tensor, k_norm_w: cute.Tensor, k_norm_b: cute.Tensor,
                  cache: cute.Tensor, slots: cute.Tensor, eps: Float32, stream):
         w_copy, w_boxes = self.weight_copy(w)
+        x_copy, x_boxes = self.x_copy(x)
         extra = 0
         if cutlass.const_expr(self.keys):
             split = self.plan.split
             extra = (k_in.shape[0] + KEY_WARPS * split - 1) // (KEY_WARPS * split) * split
-        self.launch(self.kernel(w_copy, w_boxes, x, gamma, q, head_w, head_in, k_in, k_norm_w, k_norm_b, cache, slots,
-                                eps), stream, extra)
+        self.launch(self.kernel(w_copy, w_boxes, x_copy, x_boxes, x, gamma, q, head_w, head_in, k_in, k_norm_w,
+                                k_norm_b, cache, slots, eps), stream, extra)
 
     @cute.kernel
-    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x: cute.Tensor, gamma: cute.Tensor, q: cute.Tensor,
-               head_w: cute.Tensor, head_in: cute.Tensor, k_in: cute.Tensor, k_norm_w: cute.Tensor,
-               k_norm_b: cute.Tensor, cache: cute.Tensor, slots: cute.Tensor, eps: Float32):
+    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x_copy: cute.CopyAtom, x_boxes: cute.Tensor,
+               x: cute.Tensor, gamma: cute.Tensor, q: cute.Tensor, head_w: cute.Tensor, head_in: cute.Tensor,
+               k_in: cute.Tensor, k_norm_w: cute.Tensor, k_norm_b: cute.Tensor, cache: cute.Tensor,
+               slots: cute.Tensor, eps: Float32):
         cta, _, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.keys):
             if cta >= self.plan.ctas:
@@ -135,7 +137,7 @@ class IndexFront(DecodeGemm):
                 cute.arch.griddepcontrol_launch_dependents()
                 insert_keys(k_in, k_norm_w, k_norm_b, cache, slots, eps, cta - self.plan.ctas, tid)
         if cta < self.plan.ctas:
-            self.body(w_copy, w_boxes, x, (q, head_w, head_in), (gamma, eps) if self.norm else None)
+            self.body(w_copy, w_boxes, (x_copy, x_boxes), x, (q, head_w, head_in), (gamma, eps) if self.norm else None)
 
     def prefetched(self, outs, block, part):
         return outs  # no mailbox: nothing to load before the epilogue

@@ -13,11 +13,10 @@ so every SM of the grid streams its share at once.
    columns, 128-byte swizzle, L2 evict-first) by TMA through a ring of ``depth`` slots,
    ``pace`` of them before ``griddepcontrol.wait`` (the weights do not depend on the previous
    kernel; the whole ring at B <= 8), then ``paced`` until x's first chunk is in (x's loads would queue behind a
-   whole ring), then as slots come back. Once the wait is over every producer thread
-   copies its share of each chunk's x rows [tokens, CHUNK] by cp.async (16 bytes each,
-   offsets fixed per thread; rows past the batch are left as they are: they only reach
-   accumulator columns of tokens that are never stored). A slot's full barrier takes the
-   TMA bytes and the 128 threads' cp.async arrivals.
+   whole ring), then as slots come back. Once the wait is over its second warp copies
+   each chunk's x rows [tokens, CHUNK] by TMA too (the rows past the batch come as zeros),
+   so a slot's full barrier takes two arrivals and their bytes, and wgmma reads the slot
+   with no proxy fence (x by cp.async took 128 threads' arrivals and a fence a chunk).
 2. The consumer warpgroup runs wgmma m64nTk16 (T = ``tokens``, the batch rounded up to
    TOKEN_TILES) per 16 columns, A (weights) and B (x) from shared memory. Each chunk's
    four k16 steps start from zero in an accumulator set of its own (``sets`` chunks in
@@ -63,7 +62,6 @@ from ..launch import PDL
 from ..mailbox import owner_base, peer_bases, store_to_owner, store_to_peers
 from ..packets import butterfly_sum, clamp, situ_value, unpack_words
 from ..ptx import (
-    copy_async,
     divide,
     double_words,
     float_bits,
@@ -155,13 +153,22 @@ class DecodeGemm:
     def __call__(self, x: cute.Tensor, w: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
                  row0: Int32, col0: Int32, col1: Int32, stream):
         w_copy, w_boxes = self.weight_copy(w)
-        self.launch(self.kernel(w_copy, w_boxes, x, first, second, peers, row0, col0, col1), stream)
+        x_copy, x_boxes = self.x_copy(x)
+        self.launch(self.kernel(w_copy, w_boxes, x_copy, x_boxes, x, first, second, peers, row0, col0, col1), stream)
 
     def weight_copy(self, w):
         """w's TMA descriptor (a kernel parameter): boxes of a block's rows × CHUNK columns."""
         plan = self.plan
         return cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), w, swizzled_stages(plan.rows, 1), (plan.rows, CHUNK)
+        )
+
+    def x_copy(self, x):
+        """x's TMA descriptor: boxes of the token tile's rows × CHUNK columns (past the
+        batch's rows TMA writes zeros)."""
+        plan = self.plan
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), x, swizzled_stages(plan.tokens, 1), (plan.tokens, CHUNK)
         )
 
     def launch(self, kernel, stream, extra=0):
@@ -171,15 +178,17 @@ class DecodeGemm:
                       use_pdl=PDL, min_blocks_per_mp=1)
 
     @cute.kernel
-    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x: cute.Tensor, first: cute.Tensor,
-               second: cute.Tensor, peers: cute.Tensor, row0: Int32, col0: Int32, col1: Int32):
-        self.body(w_copy, w_boxes, x, (first, second, peers, row0, col0, col1))
+    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x_copy: cute.CopyAtom, x_boxes: cute.Tensor,
+               x: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor, row0: Int32, col0: Int32,
+               col1: Int32):
+        self.body(w_copy, w_boxes, (x_copy, x_boxes), x, (first, second, peers, row0, col0, col1))
 
     @cute.jit
-    def body(self, w_copy, w_boxes, x, outs, norm=None):
-        """The engine, whatever the epilogue: ``outs`` are :meth:`finish`'s arguments;
-        ``norm`` (gamma, eps): x holds raw rows, RMS-normalized on their way into shared
-        memory (:meth:`produce_normalized`)."""
+    def body(self, w_copy, w_boxes, x_load, x, outs, norm=None):
+        """The engine, whatever the epilogue: ``x_load`` x's TMA descriptor and boxes;
+        ``outs`` :meth:`finish`'s arguments; ``norm`` (gamma, eps): x holds raw rows,
+        RMS-normalized on their way into shared memory by the producers' loads
+        (:meth:`produce_normalized`; ``x_load`` unused)."""
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -196,7 +205,8 @@ class DecodeGemm:
             squares = smem.allocate_tensor(Float64, cute.make_layout(plan.split * plan.tokens), 16)  # [part][token]
         if tid == 0:
             for slot in cutlass.range_constexpr(plan.depth):
-                cute.arch.mbarrier_init(full + slot, 1 + PRODUCERS)  # the TMA's expect_tx, the x copies
+                # the weights' expect_tx and x's (raw rows: the producers' stores)
+                cute.arch.mbarrier_init(full + slot, 1 + (PRODUCERS if norm is not None else 1))
                 cute.arch.mbarrier_init(empty + slot, CONSUMER_WARPS)
             if cutlass.const_expr(norm is not None):
                 cute.arch.mbarrier_init(factored, 1)
@@ -210,7 +220,7 @@ class DecodeGemm:
             if cutlass.const_expr(norm is not None):
                 self.produce_normalized(w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, *norm)
             else:
-                self.produce(w_copy, w_boxes, x, ring, full, empty, block, part, producer)
+                self.produce(w_copy, w_boxes, x_load, ring, full, empty, block, part, producer)
             for _ in cutlass.range_constexpr(2):  # the consumers' two cluster barriers
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -229,32 +239,36 @@ class DecodeGemm:
                         x.shape[0], block, part, tid, *prefetched)
 
     @cute.jit
-    def produce(self, w_copy, w_boxes, x, ring, full, empty, block, part, producer):
+    def produce(self, w_copy, w_boxes, x_load, ring, full, empty, block, part, producer):
         """Producer thread ``producer`` of the warpgroup. Warp 0 streams the CTA's weight
         chunks by TMA: the plan's ``pace`` before the PDL wait, then ``paced`` until x's first chunk is in
         (a full ring queued ahead of x would hold x's loads behind it), then as the
-        consumers hand slots back. Every thread copies its share of each chunk's x rows
-        (cp.async) once the wait is over and the slot is free."""
+        consumers hand slots back. Warp 1 copies each chunk's x box by TMA once the wait is
+        over and the slot is free (issued apart from the weights: never behind them)."""
         plan = self.plan
         stream = self.start_stream(w_copy, w_boxes, ring, full, block, part, producer)
         box_in, box_out, evict_first, first_chunk, streamer, pace, lane = stream
-        # Our x copies: (shared-memory word offset in a slot, element offset in x's rows), the
-        # same in every chunk; past the batch's rows: none.
-        items = self.x_copies(x, producer)
-        x_words = plan.depth * plan.w_slot // 4
+        x_copy, x_boxes = x_load
+        stages = swizzled_stages(plan.tokens, plan.depth)
+        x_in, x_out = cpasync.tma_partition(
+            x_copy, 0, cute.make_layout(1),
+            cute.group_modes(cute.make_tensor(cute.recast_ptr(ring + plan.depth * plan.w_slot // 4, stages.inner,
+                                                              dtype=BFloat16), stages.outer), 0, 2),
+            cute.group_modes(cute.local_tile(x_boxes, (plan.tokens, CHUNK), (None, None)), 0, 2),
+        )
+        copier = producer // 32 == 1
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(plan.chunks, unroll=1):
             slot = i % plan.depth
-            wait_handed_back(empty, i, plan.depth)
             if streamer:
                 if i >= pace:
+                    wait_handed_back(empty, i, plan.depth)
                     paced(i, pace, plan.depth, full, full)
                     self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
-            column = (first_chunk + i) * CHUNK
-            for j in cutlass.range_constexpr(plan.x_items):
-                if items[j][2]:
-                    copy_async(ring + x_words + slot * (plan.x_slot // 4) + items[j][0], x.iterator + items[j][1] + column)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)
+            if copier:
+                wait_handed_back(empty, i, plan.depth)
+                expect(full, slot, plan.x_slot, lane)
+                cute.copy(x_copy, x_out[(None, 0, first_chunk + i)], x_in[(None, slot)], tma_bar_ptr=full + slot)
 
     @cute.jit
     def start_stream(self, w_copy, w_boxes, ring, full, block, part, producer):
@@ -354,19 +368,6 @@ class DecodeGemm:
             cute.arch.mbarrier_arrive(full + i)
 
     @cute.jit
-    def x_copies(self, x, producer):
-        """Producer ``producer``'s x copies of every chunk: item producer + PRODUCERS·j is 16
-        bytes (piece) of a token's row, stored in TMA's 128-byte swizzle ([T, CHUNK] slot);
-        (its word offset in the slot, its element offset in x but for the chunk's column,
-        whether the token is in the batch)."""
-        items = []
-        for j in cutlass.range_constexpr(self.plan.x_items):
-            item = producer + PRODUCERS * j
-            token, piece = item // (CHUNK // 8), item % (CHUNK // 8)
-            items.append((swizzled(0, token, piece) * 4, token * x.stride[0] + piece * 8, token < x.shape[0]))
-        return items
-
-    @cute.jit
     def consume(self, ring, full, empty, warp, lane):
         """acc[tile·T/2 + 4j + 2h + e] = (row 64·tile + 16·warp + 8h + g, token 8j + 2t + e)
         over the CTA's chunks (the m64nT C layout). Each chunk's wgmmas start from zero in
@@ -388,8 +389,7 @@ class DecodeGemm:
             for s in cutlass.range_constexpr(plan.sets):
                 i = first + s
                 slot = i % plan.depth
-                landed(full, i, plan.depth)
-                cute.arch.fence_proxy("async.shared", space="cta")  # x came by cp.async, wgmma reads it
+                landed(full, i, plan.depth)  # TMA's bytes (raw rows: the producers fenced their stores)
                 w_slot = base + slot * plan.w_slot
                 x_slot = base + plan.depth * plan.w_slot + slot * plan.x_slot
                 warpgroup.fence()

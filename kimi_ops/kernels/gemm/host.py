@@ -14,10 +14,10 @@ from ...mailbox import box_row
 from ...ops import front as front_op
 from ...ops import oproj as oproj_op
 from ...ops.oproj import PAIRED
-from ..arguments import addresses, aligned, placeholder, register_addresses
+from ..arguments import addresses, aligned, placeholder, register_addresses, tma_rows
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..ring import CHUNK
-from ..variant import Unsupported, Variant, prepare_all, reason, single
+from ..variant import Unsupported, Variant, prepare_all, reason
 from .engine import DecodeGemm, Outputs
 from .plan import MAX_BATCH, TOKEN_TILES, GemmPlan, gemm_plan, partition, token_tile
 
@@ -88,7 +88,13 @@ def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
     if outputs[3:] == (True,) and (n % outputs[2] or (n // outputs[2]) % plan.owned):
         raise Unsupported(f"the reduce-scatter epilogue stores a CTA's {plan.owned} rows into one owner: "
                           f"N/TP must be a multiple of them (N={n}, TP={outputs[2]})")
-    return single(lambda: compile_gemm(n, k, tokens, *outputs), plan)
+    return engine_variant(lambda: compile_gemm(n, k, tokens, *outputs), plan)
+
+
+def engine_variant(kernel, plan: GemmPlan) -> Variant:
+    """The variant of one engine kernel (``kernel()`` compiles or loads it): the adapter's
+    arguments, x (the first) as its TMA descriptor takes it (:func:`~..arguments.tma_rows`)."""
+    return Variant(plan, lambda: (kernel(),), lambda x, *rest: ((tma_rows(x), *rest),))
 
 
 class GemmKernel:
