@@ -22,6 +22,7 @@ pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not 
 
 kimi = torch.ops.kimi
 K3, TINY = (3584, 16, 896), (128, 16, 64)  # (L, I, E): kimi_k3's stand-in, KimiConfig.tiny's L and E
+TP8_RANK = (512, 16, 112)  # bench_layer --tp8-rank's: a CTA the expert, 8 chunk groups (4 with no down chunk)
 
 
 @pytest.mark.parametrize("latent, intermediate, cluster", [
@@ -133,10 +134,11 @@ def assert_matches(got, want):
 @on_hopper
 @pytest.mark.parametrize("rank, tp", [(0, 1), (5, 8)])
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
-def test_routed_experts_kernel(batch, rank, tp):
-    args = args_of(batch, K3, seed=100 * tp + batch)
+@pytest.mark.parametrize("shape", [K3, TP8_RANK], ids=["k3", "tp8_rank"])
+def test_routed_experts_kernel(batch, rank, tp, shape):
+    args = args_of(batch, shape, seed=100 * tp + batch)
     served_by_the_kernel(*args, rank, tp)
-    poison(batch, K3[0])
+    poison(batch, shape[0])
     got = kimi.routed_experts(*args, rank, tp)
     assert_matches(got, reference(kimi.routed_experts, *args, rank, tp))
 

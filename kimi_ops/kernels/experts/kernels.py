@@ -131,9 +131,9 @@ class RoutedExperts:
         cta, _, _ = cute.arch.block_idx()
         pair, part = cta // self.cluster, cta % self.cluster
         if wave != 0:
-            # The pairs served are one wave (the others end at once), so the shared gate/up
-            # launched beside us takes no SM a later CTA of ours needs, and streams its
-            # weights while we run.
+            # A dependent launches once every CTA of ours has released or ended: with the
+            # pairs served in one wave (the others end at once) that is at once, and the
+            # shared gate/up streams its weights beside our latency-bound CTAs.
             cute.arch.griddepcontrol_launch_dependents()
         space = self.allocate()
         full = space.full
@@ -162,7 +162,7 @@ class RoutedExperts:
                 cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
         if wave == 0:
             # At the end, not at entry (launch.py): kernels launched beside a grid of several
-            # waves took SMs from its later CTAs (3-5 µs slower at B <= 8, benchmarks/timeline.py).
+            # waves shared the SMs of its last wave (3-5 µs slower at B <= 8, benchmarks/timeline.py).
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

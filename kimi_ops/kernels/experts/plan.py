@@ -51,5 +51,5 @@ LATE_RELEASE = os.environ.get("KIMI_OPS_EXPERTS_LATE_RELEASE") == "1"
 def releases_at_entry(batch: int, cluster: int, device: int, tp: int = 1) -> bool:
     """Whether a call releases its dependents at entry: where the pairs it is expected to
     serve are one wave at a CTA an SM (clusters: :func:`cluster_for`'s bound; a CTA a pair:
-    B·16/TP CTAs), a dependent launched beside takes only SMs the grid leaves free."""
+    B·16/TP CTAs): the dependent launches at once and shares SMs only with those CTAs."""
     return not LATE_RELEASE and -(-batch * TOP_K // tp) * cluster <= multiprocessors(device)

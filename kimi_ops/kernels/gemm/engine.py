@@ -257,6 +257,9 @@ class DecodeGemm:
             cute.group_modes(cute.local_tile(x_boxes, (plan.tokens, CHUNK), (None, None)), 0, 2),
         )
         copier = producer // 32 == 1
+        if copier:
+            if lane == 0:
+                cpasync.prefetch_descriptor(x_copy)  # x's first copy, after the wait, finds it fetched
         cute.arch.griddepcontrol_wait()
         for i in cutlass.range(plan.chunks, unroll=1):
             slot = i % plan.depth

@@ -100,7 +100,7 @@ class GemmPlan:
         # hold beside the running sums, that divide the CTA's chunks
         sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1)
         self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
-        self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # x copies per producer thread per chunk
+        self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # raw rows: x packets per producer thread a chunk
         if by_token:
             # tokens per owner, even: an accumulator pair (tokens 2t, 2t + 1) has one owner
             self.per_owner = -(-tokens // self.split) + (-(-tokens // self.split)) % 2
