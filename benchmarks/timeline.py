@@ -1,6 +1,7 @@
 """The timeline of one replayed decode step (issue 37): for each kernel of the chain, when it
 started and ended, how long it ran beside its predecessor (with PDL: its pre-wait prologue,
-at most), the gaps where no kernel ran, and its weight bytes' rate.
+at most), the gaps where no kernel ran, what it adds to the step (its end past every earlier
+kernel's: the column sums to the step) and its weight bytes' rate.
 
 Kernel times are CUPTI's (torch.profiler) for the step's CUDA graph, replayed with L2
 flushed before each replay; the median replay is shown. A kernel's start is its first
@@ -127,7 +128,8 @@ def aligned(labels: list[dict], run: list[dict]) -> list[dict]:
 
 def timeline(labels: list[dict], runs: list[list[dict]]) -> dict:
     """The median replay (by step time) as rows: start and end from the step's first
-    kernel start, busy µs, µs beside the predecessor, the idle gap before it, GB/s."""
+    kernel start, busy µs, µs beside the predecessor, the idle gap before it, the µs its end
+    lies past every earlier kernel's ("adds": they sum to the step), GB/s."""
     if not runs:
         raise RuntimeError("no kernel of the graph's replays was traced")
     run = sorted(runs, key=lambda r: r[-1]["end"] - r[0]["start"])[len(runs) // 2]
@@ -137,7 +139,8 @@ def timeline(labels: list[dict], runs: list[list[dict]]) -> dict:
         beside = max(0.0, min(run[i - 1]["end"], kernel["end"]) - kernel["start"]) if i else 0.0
         rows.append({"op": label["op"], "where": label["where"], "kernel": kernel["kernel"],
                      "start": kernel["start"] - origin, "end": kernel["end"] - origin, "busy": busy,
-                     "beside": beside, "gap": max(0.0, kernel["start"] - reach), "bytes": label["bytes"],
+                     "beside": beside, "gap": max(0.0, kernel["start"] - reach),
+                     "adds": max(0.0, kernel["end"] - reach), "bytes": label["bytes"],
                      "gbs": label["bytes"] / busy / 1e3 if busy > 0 else None})
         reach = max(reach, kernel["end"])
     step = run[-1]["end"] - origin
@@ -203,8 +206,9 @@ def main(argv=None) -> dict:
         print(f"\n{title} (median of {REPLAYS} L2-cold replays; idle {result['idle_us']:.1f} µs; "
               f"weights {result['bytes'] / 1e6:.1f} MB)")
         print_table([(r["op"][:18], r["where"][-10:], short(r["kernel"]), r["start"], r["end"], r["busy"], r["beside"],
-                      r["gap"], "-" if r["gbs"] is None or not r["bytes"] else r["gbs"]) for r in result["rows"]],
-                    ("op", "where", "kernel", "start", "end", "busy", "beside", "gap", "GB/s"))
+                      r["gap"], r["adds"], "-" if r["gbs"] is None or not r["bytes"] else r["gbs"])
+                     for r in result["rows"]],
+                    ("op", "where", "kernel", "start", "end", "busy", "beside", "gap", "adds", "GB/s"))
         png = os.path.join(args.out, f"timeline_{name}_B{batch}.png")
         if gantt(result, title, png):
             print("wrote", png)

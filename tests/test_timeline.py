@@ -21,6 +21,7 @@ def test_rows_from_the_median_replay():
     assert (b["op"], b["start"], b["beside"], b["gap"]) == ("B", 3.0, 1.0, 0.0)
     assert (c["beside"], c["gap"]) == (0.0, 2.0)
     assert result["idle_us"] == 2.0 and result["step_us"] == 13.0
+    assert [r["adds"] for r in (a, b, c)] == [4.0, 6.0, 3.0]  # the ends past the reach: they sum to the step
     assert a["gbs"] == pytest.approx(1000 / 4.0 / 1e3)
 
 
