@@ -39,8 +39,12 @@ def cluster_for(latent: int, intermediate: int, batch: int, device: int, tp: int
     size at 21c3e9d: benchmarks/NOTES.md). A routing that sends a rank more pairs than
     expected runs in more waves of clusters, not wrong."""
     cluster = cluster_size(latent, intermediate)
-    served = -(-batch * TOP_K // tp)
-    return cluster if served * cluster <= multiprocessors(device) else 1
+    return cluster if one_wave(batch, cluster, device, tp) else 1
+
+
+def one_wave(batch: int, cluster: int, device: int, tp: int) -> bool:
+    """The pairs this rank is expected to serve (B·16/TP), C CTAs each, fit the SMs at once."""
+    return -(-batch * TOP_K // tp) * cluster <= multiprocessors(device)
 
 
 # A measurement knob for the layer's A/B (bench_layer, timeline): 1 keeps the release at the
@@ -52,4 +56,4 @@ def releases_at_entry(batch: int, cluster: int, device: int, tp: int = 1) -> boo
     """Whether a call releases its dependents at entry: where the pairs it is expected to
     serve are one wave at a CTA an SM (clusters: :func:`cluster_for`'s bound; a CTA a pair:
     B·16/TP CTAs): the dependent launches at once and shares SMs only with those CTAs."""
-    return not LATE_RELEASE and -(-batch * TOP_K // tp) * cluster <= multiprocessors(device)
+    return not LATE_RELEASE and one_wave(batch, cluster, device, tp)

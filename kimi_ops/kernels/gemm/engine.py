@@ -261,17 +261,18 @@ class DecodeGemm:
             if lane == 0:
                 cpasync.prefetch_descriptor(x_copy)  # x's first copy, after the wait, finds it fetched
         cute.arch.griddepcontrol_wait()
-        for i in cutlass.range(plan.chunks, unroll=1):
-            slot = i % plan.depth
-            if streamer:
-                if i >= pace:
+        if producer < 64:  # the other two warps have no copies to issue
+            for i in cutlass.range(plan.chunks, unroll=1):
+                slot = i % plan.depth
+                if streamer:
+                    if i >= pace:
+                        wait_handed_back(empty, i, plan.depth)
+                        paced(i, pace, plan.depth, full, full)
+                        self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
+                if copier:
                     wait_handed_back(empty, i, plan.depth)
-                    paced(i, pace, plan.depth, full, full)
-                    self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
-            if copier:
-                wait_handed_back(empty, i, plan.depth)
-                expect(full, slot, plan.x_slot, lane)
-                cute.copy(x_copy, x_out[(None, 0, first_chunk + i)], x_in[(None, slot)], tma_bar_ptr=full + slot)
+                    expect(full, slot, plan.x_slot, lane)
+                    cute.copy(x_copy, x_out[(None, 0, first_chunk + i)], x_in[(None, slot)], tma_bar_ptr=full + slot)
 
     @cute.jit
     def start_stream(self, w_copy, w_boxes, ring, full, block, part, producer):
