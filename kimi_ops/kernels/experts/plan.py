@@ -2,7 +2,6 @@
 grid fits the SMs, the bounds of a variant."""
 
 import functools
-import os
 
 from ...config import TOP_K
 from ..launch import multiprocessors
@@ -47,13 +46,10 @@ def one_wave(batch: int, cluster: int, device: int, tp: int) -> bool:
     return -(-batch * TOP_K // tp) * cluster <= multiprocessors(device)
 
 
-# A measurement knob for the layer's A/B (bench_layer, timeline): 1 keeps the release at the
-# end at every batch (the behaviour before releases_at_entry); to go once measured
-LATE_RELEASE = os.environ.get("KIMI_OPS_EXPERTS_LATE_RELEASE") == "1"
-
-
 def releases_at_entry(batch: int, cluster: int, device: int, tp: int = 1) -> bool:
     """Whether a call releases its dependents at entry: where the pairs it is expected to
     serve are one wave at a CTA an SM (clusters: :func:`cluster_for`'s bound; a CTA a pair:
-    B·16/TP CTAs): the dependent launches at once and shares SMs only with those CTAs."""
-    return not LATE_RELEASE and one_wave(batch, cluster, device, tp)
+    B·16/TP CTAs): the dependent launches at once and shares SMs only with those CTAs
+    (bench_layer at the TP8 rank against a release at the end: 67.9 / 78.8 / 107.2 against
+    68.3 / 81.5 / 107.0 µs at B = 1 / 8 / 64, benchmarks/NOTES.md)."""
+    return one_wave(batch, cluster, device, tp)
