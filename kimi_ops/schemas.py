@@ -21,7 +21,7 @@ SCHEMAS: dict[str, str] = {
         " Tensor w_up, float eps) -> Tensor"
     ),
     "oproj": "oproj(Tensor x, Tensor w) -> Tensor",
-    "gate_up_situ": "gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta) -> Tensor",
+    "gate_up_situ": "gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta, Tensor? prefetch=None) -> Tensor",
     "dsa_index_front": (
         "dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w,"
         " float eps) -> (Tensor q, Tensor head_w)"

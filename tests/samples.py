@@ -21,8 +21,8 @@ def sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         )
     if name == "oproj":
         return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1)
-    if name == "gate_up_situ":  # I = 16
-        return rand(gen, batch, 64), rand(gen, 32, 64, scale=0.1), 1.0, 0.0
+    if name == "gate_up_situ":  # I = 16; the down [64, 16] as the weights prefetched
+        return rand(gen, batch, 64), rand(gen, 32, 64, scale=0.1), 1.0, 0.0, rand(gen, 64, 16)
     if name == "dsa_index_front":
         return rand(gen, batch, 96), rand(gen, 4096, 96, scale=0.1), rand(gen, batch, 32), rand(gen, 96) + 1, 1e-6
     if name == "dsa_index_key_insert":

@@ -340,6 +340,9 @@ def test_gate_up_situ_kernel(tp, batch):
     got = kimi.gate_up_situ(x, paired, 1.0, 0.0)
     assert_bf16_close(got, reference(kimi.gate_up_situ, x, paired, 1.0, 0.0), magnitude=situ_scale(x, w))
     assert torch.equal(got, kimi.gate_up_situ(x, paired, 1.0, 0.0))
+    down = inputs(1, 7168, n // 2, seed=batch)[1]  # the next op's weights into L2: the same bits
+    assert torch.equal(got, kimi.gate_up_situ(x, paired, 1.0, 0.0, down))
+    assert torch.equal(got, kimi.gate_up_situ(x, paired, 1.0, 0.0, down.view(-1)[3:]))  # from its first aligned byte
     if tp != 16:
         assert torch.equal(got, kimi.situ(kimi.oproj(x, w), 1.0, 0.0))
 

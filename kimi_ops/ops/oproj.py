@@ -87,24 +87,31 @@ def deinterleave_gate_up(h):
     return h.view(batch, double // (2 * PAIRED), 2, PAIRED).transpose(1, 2).reshape(batch, double)
 
 
-def check_gate_up_situ(x, w, beta, linear_beta) -> tuple[int, int]:
+def check_gate_up_situ(x, w, beta, linear_beta, prefetch=None) -> tuple[int, int]:
     """Returns (B, I)."""
     op = "gate_up_situ"
     batch, double = check_oproj(x, w, op)
     if double % (2 * PAIRED):
         fail(op, "w", f"[2I, K] with 2I a multiple of {2 * PAIRED} (gate and up rows interleaved in packets of "
              f"{PAIRED})", list(w.shape))
+    if prefetch is not None:
+        if not (isinstance(prefetch, torch.Tensor) and prefetch.is_contiguous()):
+            fail(op, "prefetch", "a contiguous tensor (the next op's weights) or None",
+                 f"strides {tuple(prefetch.stride())}" if isinstance(prefetch, torch.Tensor) else type(prefetch).__name__)
+        check_same_device(op, x=x, prefetch=prefetch)
     return batch, double // 2
 
 
-def gate_up_situ(x, w, beta: float, linear_beta: float):
+def gate_up_situ(x, w, beta: float, linear_beta: float, prefetch=None):
     """The shared expert's gate/up projection and its activation in one op:
     ``kimi::situ`` of BF16(x @ w.T) with ``w``'s rows interleaved (:func:`interleave_gate_up`:
     on the GPU a CTA's rows hold its gate and up rows alike, so the GEMM's epilogue applies
-    situ). [B, I] bf16; the rounding points of the two ops."""
-    check_gate_up_situ(x, w, beta, linear_beta)
+    situ). [B, I] bf16; the rounding points of the two ops. ``prefetch``: the next op's
+    weights (the down projection's), which the GPU path reads into L2 while it runs (that
+    op's CTAs cannot be resident beside ours); a hint, the result is the same."""
+    check_gate_up_situ(x, w, beta, linear_beta, prefetch)
     return situ(deinterleave_gate_up(oproj(x, w)), beta, linear_beta)
 
 
-def gate_up_situ_fake(x, w, beta, linear_beta):
-    return x.new_empty(check_gate_up_situ(x, w, beta, linear_beta), dtype=torch.bfloat16)
+def gate_up_situ_fake(x, w, beta, linear_beta, prefetch=None):
+    return x.new_empty(check_gate_up_situ(x, w, beta, linear_beta, prefetch), dtype=torch.bfloat16)

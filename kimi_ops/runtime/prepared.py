@@ -2,6 +2,8 @@
 weight shards as buffers, the layer's parities, and the op calls of each kernel family.
 CuTe kernels slot in under the ops; the parts stay as they are."""
 
+import os
+
 import torch
 from torch import nn
 
@@ -12,6 +14,10 @@ from ..ops.oproj import deinterleave_gate_up, interleave_gate_up
 from .boxes import DecodeBoxes
 
 kimi = torch.ops.kimi
+
+# A measurement knob for the layer's A/B (bench_layer, timeline): 0 drops the shared gate/up's
+# L2 prefetch of the down projection's weights; to go once measured
+DOWN_PREFETCH = os.environ.get("KIMI_OPS_DOWN_PREFETCH", "1") != "0"
 
 
 def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
@@ -126,7 +132,8 @@ class PreparedFront(Prepared):
             self.parity, x.shape[0], boxes.error(rank),
         )
         expanded = self.experts(latent, ids)
-        act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0)
+        # The down's CTAs are not resident beside the gate/up's rings: its weights into L2 meanwhile.
+        act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0, self.shared_down if DOWN_PREFETCH else None)
         kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
         return expanded, weights
 
