@@ -54,7 +54,7 @@ SCHEMAS: dict[str, str] = {
         " -> (Tensor new_partial, Tensor h, Tensor h_normed)"
     ),
     "oproj_publish": "oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()",
-    "oproj_push": "oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",
+    "oproj_push": "oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank, Tensor? prefetch=None) -> ()",
     "moe_front_publish": (
         "moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity,"
         " int rank) -> ()"

@@ -283,6 +283,9 @@ def test_oproj_push_stores_each_shard_in_its_owners_box(tp, batch):
     for owner, box in enumerate(boxes):
         assert torch.equal(box[parity, rank, :batch], rows[:, owner * shard : (owner + 1) * shard])
         assert armed(box[parity, rank, batch:]) and armed(box[parity, :rank]) and armed(box[:parity])
+    prefetched = [armed_box(3, tp, capacity, shard) for _ in range(tp)]  # the tail's weights into L2: the same bits
+    kimi.oproj_push(x, w, prefetched, parity, rank, inputs(1, n // tp, 512, seed=batch)[1].view(-1)[5:])
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(boxes, prefetched))
     want = [armed_box(3, tp, capacity, shard) for _ in range(tp)]
     reference(kimi.oproj_push, x, w, want, parity, rank)
     for got, ref in zip(boxes, want):  # the reference op stores in the same places (its GEMM rounds apart)

@@ -56,21 +56,33 @@ def oproj_publish(x, w, boxes, rank: int) -> None:
         box[0, rank, :batch].copy_(partial)
 
 
-def check_oproj_push(x, w, rs_boxes, parity, rank) -> int:
+def check_prefetch(op: str, x, prefetch) -> None:
+    """``prefetch`` (the next op's weights, which the GPU path reads into L2 while it runs):
+    None, or a contiguous tensor on x's device."""
+    if prefetch is not None:
+        if not (isinstance(prefetch, torch.Tensor) and prefetch.is_contiguous()):
+            fail(op, "prefetch", "a contiguous tensor (the next op's weights) or None",
+                 f"strides {tuple(prefetch.stride())}" if isinstance(prefetch, torch.Tensor) else type(prefetch).__name__)
+        check_same_device(op, x=x, prefetch=prefetch)
+
+
+def check_oproj_push(x, w, rs_boxes, parity, rank, prefetch=None) -> int:
     op = "oproj_push"
     batch, _ = check_oproj(x, w, op)
     tp = check_boxes(op, "rs_boxes", rs_boxes, rank, parity, batch, len(rs_boxes), "x.shape[0] (batch)")
     if rs_boxes[0].shape[3] * tp != w.shape[0]:
         fail(op, "rs_boxes", f"rows of width N/TP = {w.shape[0]}/{tp}", rs_boxes[0].shape[3])
+    check_prefetch(op, x, prefetch)
     check_placement(op, dict(rs_boxes=rs_boxes), dict(x=x, w=w))
     return batch
 
 
-def oproj_push(x, w, rs_boxes, parity: int, rank: int) -> None:
+def oproj_push(x, w, rs_boxes, parity: int, rank: int, prefetch=None) -> None:
     """``kimi::moe_tail_push(kimi::oproj(x, w), ...)`` in one op (the shared expert's down
     projection and its reduce-scatter stores): column shard d of BF16(x @ w.T) [B, N]
-    goes to source ``rank`` of rank d's box [3, TP, CAP, N/TP]."""
-    check_oproj_push(x, w, rs_boxes, parity, rank)
+    goes to source ``rank`` of rank d's box [3, TP, CAP, N/TP]. ``prefetch``: the tail's
+    weights, a hint (:func:`check_prefetch`)."""
+    check_oproj_push(x, w, rs_boxes, parity, rank, prefetch)
     store_shards(oproj(x, w), rs_boxes, parity, rank)
 
 
@@ -94,11 +106,7 @@ def check_gate_up_situ(x, w, beta, linear_beta, prefetch=None) -> tuple[int, int
     if double % (2 * PAIRED):
         fail(op, "w", f"[2I, K] with 2I a multiple of {2 * PAIRED} (gate and up rows interleaved in packets of "
              f"{PAIRED})", list(w.shape))
-    if prefetch is not None:
-        if not (isinstance(prefetch, torch.Tensor) and prefetch.is_contiguous()):
-            fail(op, "prefetch", "a contiguous tensor (the next op's weights) or None",
-                 f"strides {tuple(prefetch.stride())}" if isinstance(prefetch, torch.Tensor) else type(prefetch).__name__)
-        check_same_device(op, x=x, prefetch=prefetch)
+    check_prefetch(op, x, prefetch)
     return batch, double // 2
 
 
@@ -106,9 +114,9 @@ def gate_up_situ(x, w, beta: float, linear_beta: float, prefetch=None):
     """The shared expert's gate/up projection and its activation in one op:
     ``kimi::situ`` of BF16(x @ w.T) with ``w``'s rows interleaved (:func:`interleave_gate_up`:
     on the GPU a CTA's rows hold its gate and up rows alike, so the GEMM's epilogue applies
-    situ). [B, I] bf16; the rounding points of the two ops. ``prefetch``: the next op's
-    weights (the down projection's), which the GPU path reads into L2 while it runs (that
-    op's CTAs cannot be resident beside ours); a hint, the result is the same."""
+    situ). [B, I] bf16; the rounding points of the two ops. ``prefetch``: the down
+    projection's weights, a hint (:func:`check_prefetch`: their CTAs cannot be resident
+    beside ours); the result is the same."""
     check_gate_up_situ(x, w, beta, linear_beta, prefetch)
     return situ(deinterleave_gate_up(oproj(x, w)), beta, linear_beta)
 

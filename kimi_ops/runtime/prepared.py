@@ -15,9 +15,9 @@ from .boxes import DecodeBoxes
 
 kimi = torch.ops.kimi
 
-# A measurement knob for the layer's A/B (bench_layer, timeline): 0 drops the shared gate/up's
-# L2 prefetch of the down projection's weights; to go once measured
-DOWN_PREFETCH = os.environ.get("KIMI_OPS_DOWN_PREFETCH", "1") != "0"
+# A measurement knob for the layer's A/B (bench_layer, timeline): 0 drops the shared expert's
+# L2 prefetches of its successors' weights; to go once measured
+L2_PREFETCH = os.environ.get("KIMI_OPS_L2_PREFETCH", "1") != "0"
 
 
 def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
@@ -121,20 +121,22 @@ class PreparedFront(Prepared):
         n_logits = self.config.experts // self.tp
         kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
 
-    def run(self, x, boxes: DecodeBoxes):
+    def run(self, x, boxes: DecodeBoxes, tail_w_up):
         """Route (polled), this rank's routed experts, then the shared expert with its
         reduce-scatter shards pushed by its down projection's epilogue (after the experts:
         its gate/up streams its weights beside their latency-bound grid); returns this
-        rank's expert rows [B, 16, L] and the routing weights."""
+        rank's expert rows [B, 16, L] and the routing weights. Neither the down's CTAs nor
+        the tail's (``tail_w_up``) are resident beside their predecessor's rings: each
+        predecessor reads their weights into L2 meanwhile."""
         config, rank = self.config, self.rank
         ids, weights, latent = kimi.moe_route_poll(
             boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
             self.parity, x.shape[0], boxes.error(rank),
         )
         expanded = self.experts(latent, ids)
-        # The down's CTAs are not resident beside the gate/up's rings: its weights into L2 meanwhile.
-        act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0, self.shared_down if DOWN_PREFETCH else None)
-        kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
+        act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0, self.shared_down if L2_PREFETCH else None)
+        kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank,
+                        tail_w_up if L2_PREFETCH else None)
         return expanded, weights
 
     def shared_gate_up_rows(self) -> torch.Tensor:

@@ -98,11 +98,12 @@ def engine_variant(kernel, plan: GemmPlan) -> Variant:
     return Variant(plan, lambda: (kernel(),), lambda x, *rest: ((tma_rows(x), *rest),))
 
 
-def l2_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes from its first 16-byte aligned one (a bulk prefetch's
-    address must be): what the engine's ``after`` reads into L2."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat[-t.data_ptr() % 16:]
+def l2_bytes(x: torch.Tensor, prefetch: torch.Tensor | None) -> torch.Tensor:
+    """The engine's ``after``: ``prefetch``'s bytes from its first 16-byte aligned one (a
+    bulk prefetch's address must be), or a byte of x (nothing to prefetch)."""
+    if prefetch is None:
+        return placeholder(x, torch.uint8)
+    return prefetch.reshape(-1).view(torch.uint8)[-prefetch.data_ptr() % 16:]
 
 
 class GemmKernel:
@@ -164,10 +165,10 @@ class GateUpSituKernel(GemmKernel):
 
     def __call__(self, x, w, beta, linear_beta, prefetch=None):
         out = x.new_empty((x.shape[0], w.shape[0] // 2))
-        after = placeholder(out, torch.uint8) if prefetch is None else l2_bytes(prefetch)
         if x.shape[0]:
             self.variant(x, w, beta, linear_beta).run(
-                x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), after, 0, 0, 0)
+                x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), l2_bytes(x, prefetch),
+                0, 0, 0)
         return out
 
 
@@ -223,16 +224,16 @@ class OprojPushKernel(GemmKernel):
     check = staticmethod(oproj_op.check_oproj_push)
     writes = "stores 16-byte packets: x, w and the boxes must be"
 
-    def shape(self, x, w, rs_boxes, parity, rank):
+    def shape(self, x, w, rs_boxes, parity, rank, prefetch=None):
         return w.shape[0], w.shape[1], x.shape[0], (False, 0, len(rs_boxes), True)
 
     def prepare(self, n: int, k: int, tp: int, batches=None, peer_lists=()) -> None:
         self.prepare_buckets(n, k, (False, 0, tp, True), batches, peer_lists)
 
-    def __call__(self, x, w, rs_boxes, parity, rank):
+    def __call__(self, x, w, rs_boxes, parity, rank, prefetch=None):
         self.variant(x, w, rs_boxes, parity, rank).run(
             x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(rs_boxes),
-            placeholder(x, torch.uint8), box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]), 0, 0,
+            l2_bytes(x, prefetch), box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]), 0, 0,
         )
 
 
@@ -253,7 +254,8 @@ class FrontPublishKernel(GemmKernel):
         tp, latent_shard = len(boxes), w.shape[0] - n_logits
         self.variant(x, w, n_logits, boxes, parity, rank).run(
             x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
-            placeholder(x, torch.uint8), box_row(parity, 0, 0, 1, boxes[0].shape[2]), rank * latent_shard, tp * latent_shard + 2 * rank * n_logits,
+            placeholder(x, torch.uint8), box_row(parity, 0, 0, 1, boxes[0].shape[2]), rank * latent_shard,
+            tp * latent_shard + 2 * rank * n_logits,
         )
 
 
