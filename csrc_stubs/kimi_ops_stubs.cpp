@@ -8,7 +8,7 @@ TORCH_LIBRARY(kimi, m) {
   m.def("situ(Tensor gate_up, float beta, float linear_beta) -> Tensor");
   m.def("moe_tail(Tensor expanded, Tensor weights, Tensor shared, Tensor gamma, Tensor w_up, float eps) -> Tensor");
   m.def("oproj(Tensor x, Tensor w) -> Tensor");
-  m.def("gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta, Tensor? prefetch=None) -> Tensor");
+  m.def("gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta) -> Tensor");
   m.def("dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, float eps) -> (Tensor q, Tensor head_w)");
   m.def("dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps, Tensor(a!) cache, Tensor slots) -> ()");
   m.def("dsa_index_front_keys(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, Tensor k_in, Tensor k_norm_w, Tensor k_norm_b, float eps, Tensor(a!) cache, Tensor slots) -> (Tensor q, Tensor head_w)");
@@ -19,7 +19,7 @@ TORCH_LIBRARY(kimi, m) {
   m.def("mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor");
   m.def("attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)");
   m.def("oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()");
-  m.def("oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank, Tensor? prefetch=None) -> ()");
+  m.def("oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()");
   m.def("moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity, int rank) -> ()");
   m.def("moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error) -> (Tensor ids, Tensor weights, Tensor latent)");
   m.def("moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()");

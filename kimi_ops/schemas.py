@@ -21,7 +21,7 @@ SCHEMAS: dict[str, str] = {
         " Tensor w_up, float eps) -> Tensor"
     ),
     "oproj": "oproj(Tensor x, Tensor w) -> Tensor",
-    "gate_up_situ": "gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta, Tensor? prefetch=None) -> Tensor",
+    "gate_up_situ": "gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta) -> Tensor",
     "dsa_index_front": (
         "dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w,"
         " float eps) -> (Tensor q, Tensor head_w)"
@@ -54,7 +54,7 @@ SCHEMAS: dict[str, str] = {
         " -> (Tensor new_partial, Tensor h, Tensor h_normed)"
     ),
     "oproj_publish": "oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()",
-    "oproj_push": "oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank, Tensor? prefetch=None) -> ()",
+    "oproj_push": "oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",
     "moe_front_publish": (
         "moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity,"
         " int rank) -> ()"

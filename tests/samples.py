@@ -21,8 +21,8 @@ def sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         )
     if name == "oproj":
         return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1)
-    if name == "gate_up_situ":  # I = 16; the down [64, 16] as the weights prefetched
-        return rand(gen, batch, 64), rand(gen, 32, 64, scale=0.1), 1.0, 0.0, rand(gen, 64, 16)
+    if name == "gate_up_situ":  # I = 16
+        return rand(gen, batch, 64), rand(gen, 32, 64, scale=0.1), 1.0, 0.0
     if name == "dsa_index_front":
         return rand(gen, batch, 96), rand(gen, 4096, 96, scale=0.1), rand(gen, batch, 32), rand(gen, 96) + 1, 1e-6
     if name == "dsa_index_key_insert":
@@ -64,8 +64,8 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         )
     if name == "oproj_publish":
         return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1), boxes(1, TP, CAP, 48), 1
-    if name == "oproj_push":  # N = 64 over TP2; a tail's up projection [32, 64] as the weights prefetched
-        return rand(gen, batch, 64), rand(gen, 64, 64, scale=0.1), boxes(3, TP, CAP, 32), 0, 1, rand(gen, 32, 64)
+    if name == "oproj_push":  # N = 64 over TP2
+        return rand(gen, batch, 64), rand(gen, 64, 64, scale=0.1), boxes(3, TP, CAP, 32), 0, 1
     if name == "moe_front_publish":  # E = 32, L = 48 over TP2
         return rand(gen, batch, 128), rand(gen, 16 + 24, 128, scale=0.1), 16, boxes(3, 1, CAP, 48 + 64), 2, 1
     if name == "moe_route_poll":

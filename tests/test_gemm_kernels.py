@@ -283,9 +283,6 @@ def test_oproj_push_stores_each_shard_in_its_owners_box(tp, batch):
     for owner, box in enumerate(boxes):
         assert torch.equal(box[parity, rank, :batch], rows[:, owner * shard : (owner + 1) * shard])
         assert armed(box[parity, rank, batch:]) and armed(box[parity, :rank]) and armed(box[:parity])
-    prefetched = [armed_box(3, tp, capacity, shard) for _ in range(tp)]  # the tail's weights into L2: the same bits
-    kimi.oproj_push(x, w, prefetched, parity, rank, inputs(1, n // tp, 512, seed=batch)[1].view(-1)[5:])
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(boxes, prefetched))
     want = [armed_box(3, tp, capacity, shard) for _ in range(tp)]
     reference(kimi.oproj_push, x, w, want, parity, rank)
     for got, ref in zip(boxes, want):  # the reference op stores in the same places (its GEMM rounds apart)
@@ -343,9 +340,6 @@ def test_gate_up_situ_kernel(tp, batch):
     got = kimi.gate_up_situ(x, paired, 1.0, 0.0)
     assert_bf16_close(got, reference(kimi.gate_up_situ, x, paired, 1.0, 0.0), magnitude=situ_scale(x, w))
     assert torch.equal(got, kimi.gate_up_situ(x, paired, 1.0, 0.0))
-    down = inputs(1, 7168, n // 2, seed=batch)[1]  # the next op's weights into L2: the same bits
-    assert torch.equal(got, kimi.gate_up_situ(x, paired, 1.0, 0.0, down))
-    assert torch.equal(got, kimi.gate_up_situ(x, paired, 1.0, 0.0, down.view(-1)[3:]))  # from its first aligned byte
     if tp != 16:
         assert torch.equal(got, kimi.situ(kimi.oproj(x, w), 1.0, 0.0))
 

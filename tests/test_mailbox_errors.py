@@ -99,8 +99,6 @@ CASES = [
     ("oproj_push", lambda a: put_member(a, 2, 1, a[2][0]), ["'rs_boxes[1]'", "own"]),
     ("oproj_push", lambda a: put(a, 1, a[1][:48]), ["'rs_boxes'", "N/TP = 48/2"]),
     ("oproj_push", lambda a: put(a, 3, 3), ["'parity'"]),
-    ("oproj_push", lambda a: put(a, 5, a[5][:, :32]), ["'prefetch'", "contiguous"]),
-    ("oproj_push", lambda a: put(a, 5, meta(a[5])), ["'prefetch'", "meta"]),
     ("moe_tail_publish", lambda a: put_member(a, 2, 1, a[2][0]), ["'latent_boxes[1]'", "own"]),
     ("mailbox_take", lambda a: put(a, 3, a[0].view(-1)[:2].view(torch.int32)), ["'error'", "own"]),
     # 4. the two-shot boxes: moe_latent_reduce's against each other, the publish's widths, serve refusing them

@@ -27,7 +27,7 @@ kimi::moe_front(Tensor x, Tensor w, int n_logits) -> (Tensor logits, Tensor late
 kimi::situ(Tensor gate_up, float beta, float linear_beta) -> Tensor
 kimi::moe_tail(Tensor expanded, Tensor weights, Tensor shared, Tensor gamma, Tensor w_up, float eps) -> Tensor
 kimi::oproj(Tensor x, Tensor w) -> Tensor
-kimi::gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta, Tensor? prefetch=None) -> Tensor
+kimi::gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta) -> Tensor
 kimi::dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, float eps) -> (Tensor q, Tensor head_w)
 kimi::dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps, Tensor(a!) cache, Tensor slots) -> ()
 kimi::dsa_index_front_keys(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, Tensor k_in, Tensor k_norm_w, Tensor k_norm_b, float eps, Tensor(a!) cache, Tensor slots) -> (Tensor q, Tensor head_w)
@@ -38,7 +38,7 @@ kimi::mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()
 kimi::mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor
 kimi::attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)
 kimi::oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()
-kimi::oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank, Tensor? prefetch=None) -> ()
+kimi::oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()
 kimi::moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity, int rank) -> ()
 kimi::moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error) -> (Tensor ids, Tensor weights, Tensor latent)
 kimi::moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()

@@ -172,21 +172,6 @@ def l2_evict_first() -> Int64:
     return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_first.b64 {$w0}, 1.0;", write_only_types=[Int64])
 
 
-@cute.jit
-def l2_evict_last() -> Int64:
-    """An L2 policy that evicts last: a later kernel's weights, prefetched while evict-first
-    streams pass through, are still in L2 when that kernel reads them."""
-    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_last.b64 {$w0}, 1.0;", write_only_types=[Int64])
-
-
-@cute.jit
-def prefetch_l2(source, size: Int32, policy: Int64):
-    """``size`` bytes (a multiple of 16, 16-byte aligned) of global memory into L2 as one
-    bulk prefetch (no shared memory, no barrier: nothing waits for it); L2 ``policy``."""
-    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global.L2::cache_hint [{$r0}], {$r1}, {$r2};",
-                         read_only_args=[source, size, policy])
-
-
 # The polls' sleep and the group barrier's fence.
 
 @cute.jit

@@ -56,33 +56,21 @@ def oproj_publish(x, w, boxes, rank: int) -> None:
         box[0, rank, :batch].copy_(partial)
 
 
-def check_prefetch(op: str, x, prefetch) -> None:
-    """``prefetch`` (the next op's weights, which the GPU path reads into L2 while it runs):
-    None, or a contiguous tensor on x's device."""
-    if prefetch is not None:
-        if not (isinstance(prefetch, torch.Tensor) and prefetch.is_contiguous()):
-            fail(op, "prefetch", "a contiguous tensor (the next op's weights) or None",
-                 f"strides {tuple(prefetch.stride())}" if isinstance(prefetch, torch.Tensor) else type(prefetch).__name__)
-        check_same_device(op, x=x, prefetch=prefetch)
-
-
-def check_oproj_push(x, w, rs_boxes, parity, rank, prefetch=None) -> int:
+def check_oproj_push(x, w, rs_boxes, parity, rank) -> int:
     op = "oproj_push"
     batch, _ = check_oproj(x, w, op)
     tp = check_boxes(op, "rs_boxes", rs_boxes, rank, parity, batch, len(rs_boxes), "x.shape[0] (batch)")
     if rs_boxes[0].shape[3] * tp != w.shape[0]:
         fail(op, "rs_boxes", f"rows of width N/TP = {w.shape[0]}/{tp}", rs_boxes[0].shape[3])
-    check_prefetch(op, x, prefetch)
     check_placement(op, dict(rs_boxes=rs_boxes), dict(x=x, w=w))
     return batch
 
 
-def oproj_push(x, w, rs_boxes, parity: int, rank: int, prefetch=None) -> None:
+def oproj_push(x, w, rs_boxes, parity: int, rank: int) -> None:
     """``kimi::moe_tail_push(kimi::oproj(x, w), ...)`` in one op (the shared expert's down
     projection and its reduce-scatter stores): column shard d of BF16(x @ w.T) [B, N]
-    goes to source ``rank`` of rank d's box [3, TP, CAP, N/TP]. ``prefetch``: the tail's
-    weights, a hint (:func:`check_prefetch`)."""
-    check_oproj_push(x, w, rs_boxes, parity, rank, prefetch)
+    goes to source ``rank`` of rank d's box [3, TP, CAP, N/TP]."""
+    check_oproj_push(x, w, rs_boxes, parity, rank)
     store_shards(oproj(x, w), rs_boxes, parity, rank)
 
 
@@ -99,27 +87,24 @@ def deinterleave_gate_up(h):
     return h.view(batch, double // (2 * PAIRED), 2, PAIRED).transpose(1, 2).reshape(batch, double)
 
 
-def check_gate_up_situ(x, w, beta, linear_beta, prefetch=None) -> tuple[int, int]:
+def check_gate_up_situ(x, w, beta, linear_beta) -> tuple[int, int]:
     """Returns (B, I)."""
     op = "gate_up_situ"
     batch, double = check_oproj(x, w, op)
     if double % (2 * PAIRED):
         fail(op, "w", f"[2I, K] with 2I a multiple of {2 * PAIRED} (gate and up rows interleaved in packets of "
              f"{PAIRED})", list(w.shape))
-    check_prefetch(op, x, prefetch)
     return batch, double // 2
 
 
-def gate_up_situ(x, w, beta: float, linear_beta: float, prefetch=None):
+def gate_up_situ(x, w, beta: float, linear_beta: float):
     """The shared expert's gate/up projection and its activation in one op:
     ``kimi::situ`` of BF16(x @ w.T) with ``w``'s rows interleaved (:func:`interleave_gate_up`:
     on the GPU a CTA's rows hold its gate and up rows alike, so the GEMM's epilogue applies
-    situ). [B, I] bf16; the rounding points of the two ops. ``prefetch``: the down
-    projection's weights, a hint (:func:`check_prefetch`: their CTAs cannot be resident
-    beside ours); the result is the same."""
-    check_gate_up_situ(x, w, beta, linear_beta, prefetch)
+    situ). [B, I] bf16; the rounding points of the two ops."""
+    check_gate_up_situ(x, w, beta, linear_beta)
     return situ(deinterleave_gate_up(oproj(x, w)), beta, linear_beta)
 
 
-def gate_up_situ_fake(x, w, beta, linear_beta, prefetch=None):
-    return x.new_empty(check_gate_up_situ(x, w, beta, linear_beta, prefetch), dtype=torch.bfloat16)
+def gate_up_situ_fake(x, w, beta, linear_beta):
+    return x.new_empty(check_gate_up_situ(x, w, beta, linear_beta), dtype=torch.bfloat16)

@@ -97,7 +97,7 @@ class RankLayer(nn.Module):
     def experts(self, x, boxes: DecodeBoxes, serving: bool):
         """Routing, the shared expert's push, the routed experts, and the tail's publish
         unless ``serving`` (the tail phase publishes then: returns the rows and weights)."""
-        expanded, weights = self.front.run(x, boxes, self.tail.w_up)
+        expanded, weights = self.front.run(x, boxes)
         if serving:
             return expanded, weights
         self.tail.publish(expanded, weights, boxes)

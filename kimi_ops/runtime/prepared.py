@@ -2,8 +2,6 @@
 weight shards as buffers, the layer's parities, and the op calls of each kernel family.
 CuTe kernels slot in under the ops; the parts stay as they are."""
 
-import os
-
 import torch
 from torch import nn
 
@@ -14,10 +12,6 @@ from ..ops.oproj import deinterleave_gate_up, interleave_gate_up
 from .boxes import DecodeBoxes
 
 kimi = torch.ops.kimi
-
-# A measurement knob for the layer's A/B (bench_layer, timeline): 0 drops the shared expert's
-# L2 prefetches of its successors' weights; to go once measured
-L2_PREFETCH = os.environ.get("KIMI_OPS_L2_PREFETCH", "1") != "0"
 
 
 def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
@@ -121,22 +115,19 @@ class PreparedFront(Prepared):
         n_logits = self.config.experts // self.tp
         kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
 
-    def run(self, x, boxes: DecodeBoxes, tail_w_up):
+    def run(self, x, boxes: DecodeBoxes):
         """Route (polled), this rank's routed experts, then the shared expert with its
         reduce-scatter shards pushed by its down projection's epilogue (after the experts:
         its gate/up streams its weights beside their latency-bound grid); returns this
-        rank's expert rows [B, 16, L] and the routing weights. Neither the down's CTAs nor
-        the tail's (``tail_w_up``) are resident beside their predecessor's rings: each
-        predecessor reads their weights into L2 meanwhile."""
+        rank's expert rows [B, 16, L] and the routing weights."""
         config, rank = self.config, self.rank
         ids, weights, latent = kimi.moe_route_poll(
             boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
             self.parity, x.shape[0], boxes.error(rank),
         )
         expanded = self.experts(latent, ids)
-        act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0, self.shared_down if L2_PREFETCH else None)
-        kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank,
-                        tail_w_up if L2_PREFETCH else None)
+        act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0)
+        kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
         return expanded, weights
 
     def shared_gate_up_rows(self) -> torch.Tensor:

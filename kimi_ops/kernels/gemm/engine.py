@@ -49,10 +49,7 @@ side is unchanged.
 
 PDL: dependents are released at entry (a dependent may only prefetch its own weights
 before it waits for us, and lands on the SMs our grid leaves free); the weights' first
-slots are in flight before our own wait. A dependent whose CTAs cannot be resident beside
-ours (our rings hold the SMs: the shared gate/up's 221 KB beside the down's 108 KB) could
-only stream its weights once our CTAs end: ``after`` (its weights' bytes) has the
-producers' third warp prefetch them into L2 once our wait is over, so those CTAs read L2.
+slots are in flight before our own wait.
 """
 
 import cutlass
@@ -69,12 +66,10 @@ from ..ptx import (
     double_words,
     float_bits,
     l2_evict_first,
-    l2_evict_last,
     load_shared,
     load_words,
     pack_values,
     pinned,
-    prefetch_l2,
     rsqrt_like_torch,
     store_cluster,
     store_shared,
@@ -89,8 +84,6 @@ from .plan import (
     TILE,
     GemmPlan,
 )
-
-PREFETCH_PIECE = 16384  # bytes of one L2 prefetch of a later kernel's weights (``after``)
 
 
 class Outputs:
@@ -158,11 +151,10 @@ class DecodeGemm:
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
-                 after: cute.Tensor, row0: Int32, col0: Int32, col1: Int32, stream):
+                 row0: Int32, col0: Int32, col1: Int32, stream):
         w_copy, w_boxes = self.weight_copy(w)
         x_copy, x_boxes = self.x_copy(x)
-        self.launch(self.kernel(w_copy, w_boxes, x_copy, x_boxes, x, first, second, peers, after, row0, col0, col1),
-                    stream)
+        self.launch(self.kernel(w_copy, w_boxes, x_copy, x_boxes, x, first, second, peers, row0, col0, col1), stream)
 
     def weight_copy(self, w):
         """w's TMA descriptor (a kernel parameter): boxes of a block's rows × CHUNK columns."""
@@ -187,17 +179,16 @@ class DecodeGemm:
 
     @cute.kernel
     def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x_copy: cute.CopyAtom, x_boxes: cute.Tensor,
-               x: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor, after: cute.Tensor,
-               row0: Int32, col0: Int32, col1: Int32):
-        self.body(w_copy, w_boxes, (x_copy, x_boxes), x, (first, second, peers, row0, col0, col1), after=after)
+               x: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor, row0: Int32, col0: Int32,
+               col1: Int32):
+        self.body(w_copy, w_boxes, (x_copy, x_boxes), x, (first, second, peers, row0, col0, col1))
 
     @cute.jit
-    def body(self, w_copy, w_boxes, x_load, x, outs, norm=None, after=None):
+    def body(self, w_copy, w_boxes, x_load, x, outs, norm=None):
         """The engine, whatever the epilogue: ``x_load`` x's TMA descriptor and boxes;
         ``outs`` :meth:`finish`'s arguments; ``norm`` (gamma, eps): x holds raw rows,
         RMS-normalized on their way into shared memory by the producers' loads
-        (:meth:`produce_normalized`; ``x_load`` unused); ``after``: a later kernel's
-        weights as bytes, into L2 (:meth:`prefetch_after`)."""
+        (:meth:`produce_normalized`; ``x_load`` unused)."""
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -230,9 +221,6 @@ class DecodeGemm:
                 self.produce_normalized(w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, *norm)
             else:
                 self.produce(w_copy, w_boxes, x_load, ring, full, empty, block, part, producer)
-            if cutlass.const_expr(after is not None):
-                if producer // 32 == 2:
-                    self.prefetch_after(after, cta, producer % 32)
             for _ in cutlass.range_constexpr(2):  # the consumers' two cluster barriers
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -285,20 +273,6 @@ class DecodeGemm:
                     wait_handed_back(empty, i, plan.depth)
                     expect(full, slot, plan.x_slot, lane)
                     cute.copy(x_copy, x_out[(None, 0, first_chunk + i)], x_in[(None, slot)], tma_bar_ptr=full + slot)
-
-    @cute.jit
-    def prefetch_after(self, after, cta, lane):
-        """A later kernel's weights (``after``: bytes, 16-byte aligned) into L2, evict-last,
-        in PREFETCH_PIECE pieces, piece p by CTA p % ctas (one lane a piece). Issued once our
-        wait is over: our own weights' slots go first; a one-element placeholder
-        prefetches nothing."""
-        ctas = self.plan.ctas
-        total = after.shape[0] // 16 * 16
-        policy = l2_evict_last()
-        for piece in cutlass.range(cta + ctas * lane, (total + PREFETCH_PIECE - 1) // PREFETCH_PIECE, ctas * 32,
-                                   unroll=1):
-            offset = piece * PREFETCH_PIECE
-            prefetch_l2(after.iterator + offset, clamp(total - offset, PREFETCH_PIECE), policy)
 
     @cute.jit
     def start_stream(self, w_copy, w_boxes, ring, full, block, part, producer):

@@ -7,7 +7,7 @@ import functools
 
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from ... import backend
 from ...mailbox import box_row
@@ -22,8 +22,7 @@ from .engine import DecodeGemm, Outputs
 from .plan import MAX_BATCH, TOKEN_TILES, GemmPlan, gemm_plan, partition, token_tile
 
 # Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are
-# one-element placeholders (kernels.arguments.placeholder), ``after`` too where no later
-# kernel's weights are prefetched.
+# one-element placeholders (kernels.arguments.placeholder).
 
 
 @compiled
@@ -39,7 +38,7 @@ def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int
     return cute.compile(
         DecodeGemm(plan_of(n, k, tokens, situ), Outputs(n, front, n_logits, tp, scatter, situ)),
         fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)), latent, logits, fake(Int64, (max(tp, 1),), align=8),
-        fake(Uint8, (cute.sym_int(),)), Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
+        Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
     )
 
 
@@ -98,14 +97,6 @@ def engine_variant(kernel, plan: GemmPlan) -> Variant:
     return Variant(plan, lambda: (kernel(),), lambda x, *rest: ((tma_rows(x), *rest),))
 
 
-def l2_bytes(x: torch.Tensor, prefetch: torch.Tensor | None) -> torch.Tensor:
-    """The engine's ``after``: ``prefetch``'s bytes from its first 16-byte aligned one (a
-    bulk prefetch's address must be), or a byte of x (nothing to prefetch)."""
-    if prefetch is None:
-        return placeholder(x, torch.uint8)
-    return prefetch.reshape(-1).view(torch.uint8)[-prefetch.data_ptr() % 16:]
-
-
 class GemmKernel:
     """An op on the engine: ``shape(*call)`` gives its (N, K, batch, outputs); the variant,
     ``unsupported`` and ``prepare`` derive from it. ``writes``: what the alignment message
@@ -146,8 +137,7 @@ class OprojKernel(GemmKernel):
     def __call__(self, x, w):
         out = x.new_empty((x.shape[0], w.shape[0]))
         if x.shape[0]:
-            self.variant(x, w).run(x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64),
-                                   placeholder(out, torch.uint8), 0, 0, 0)
+            self.variant(x, w).run(x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0)
         return out
 
 
@@ -157,18 +147,17 @@ class GateUpSituKernel(GemmKernel):
 
     check = staticmethod(oproj_op.check_gate_up_situ)
 
-    def shape(self, x, w, beta, linear_beta, prefetch=None):
+    def shape(self, x, w, beta, linear_beta):
         return w.shape[0], w.shape[1], x.shape[0], (False, 0, 0, False, (float(beta), float(linear_beta)))
 
     def prepare(self, n: int, k: int, beta: float, linear_beta: float, batches=None) -> None:
         self.prepare_buckets(n, k, (False, 0, 0, False, (float(beta), float(linear_beta))), batches)
 
-    def __call__(self, x, w, beta, linear_beta, prefetch=None):
+    def __call__(self, x, w, beta, linear_beta):
         out = x.new_empty((x.shape[0], w.shape[0] // 2))
         if x.shape[0]:
             self.variant(x, w, beta, linear_beta).run(
-                x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), l2_bytes(x, prefetch),
-                0, 0, 0)
+                x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0)
         return out
 
 
@@ -190,8 +179,7 @@ class FrontKernel(GemmKernel):
         if batch:
             self.variant(x, w, n_logits).run(
                 x, w, latent if n > n_logits else placeholder(x, torch.bfloat16, 2),
-                logits if n_logits else placeholder(x, torch.float32, 2), placeholder(x, torch.int64),
-                placeholder(x, torch.uint8), 0, 0, 0,
+                logits if n_logits else placeholder(x, torch.float32, 2), placeholder(x, torch.int64), 0, 0, 0,
             )
         return logits, latent
 
@@ -212,7 +200,7 @@ class OprojPublishKernel(GemmKernel):
     def __call__(self, x, w, boxes, rank):
         self.variant(x, w, boxes, rank).run(
             x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
-            placeholder(x, torch.uint8), box_row(0, rank, 0, len(boxes), boxes[0].shape[2]), 0, 0,
+            box_row(0, rank, 0, len(boxes), boxes[0].shape[2]), 0, 0,
         )
 
 
@@ -224,16 +212,16 @@ class OprojPushKernel(GemmKernel):
     check = staticmethod(oproj_op.check_oproj_push)
     writes = "stores 16-byte packets: x, w and the boxes must be"
 
-    def shape(self, x, w, rs_boxes, parity, rank, prefetch=None):
+    def shape(self, x, w, rs_boxes, parity, rank):
         return w.shape[0], w.shape[1], x.shape[0], (False, 0, len(rs_boxes), True)
 
     def prepare(self, n: int, k: int, tp: int, batches=None, peer_lists=()) -> None:
         self.prepare_buckets(n, k, (False, 0, tp, True), batches, peer_lists)
 
-    def __call__(self, x, w, rs_boxes, parity, rank, prefetch=None):
+    def __call__(self, x, w, rs_boxes, parity, rank):
         self.variant(x, w, rs_boxes, parity, rank).run(
             x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(rs_boxes),
-            l2_bytes(x, prefetch), box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]), 0, 0,
+            box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]), 0, 0,
         )
 
 
@@ -254,8 +242,7 @@ class FrontPublishKernel(GemmKernel):
         tp, latent_shard = len(boxes), w.shape[0] - n_logits
         self.variant(x, w, n_logits, boxes, parity, rank).run(
             x, w, placeholder(x, torch.bfloat16, 2), placeholder(x, torch.float32, 2), addresses(boxes),
-            placeholder(x, torch.uint8), box_row(parity, 0, 0, 1, boxes[0].shape[2]), rank * latent_shard,
-            tp * latent_shard + 2 * rank * n_logits,
+            box_row(parity, 0, 0, 1, boxes[0].shape[2]), rank * latent_shard, tp * latent_shard + 2 * rank * n_logits,
         )
 
 
