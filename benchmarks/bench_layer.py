@@ -162,6 +162,10 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     act = unit("gate_up_situ shared gate_up", lambda w: kimi.gate_up_situ(x, w, 1.0, 0.0), front.shared_gate_up)
     rs_boxes, latent_boxes = boxes.peers("rs", 0), boxes.peers("latent", 0)
     unit("oproj_push shared down", lambda w: kimi.oproj_push(act, w, rs_boxes, front.parity, 0), front.shared_down)
+    shared_act, shared_ticket = boxes.shared(0)
+    unit("shared_expert_push (the two above, one launch)", lambda g, d: kimi.shared_expert_push(
+        x, g, d, 1.0, 0.0, shared_act, shared_ticket, rs_boxes, front.parity, 0, error),
+        front.shared_gate_up, front.shared_down, in_layer=False)
     shared = kimi.oproj(act, front.shared_down)  # the same rows, for the tail chain's push
     unit("moe_tail_push", lambda: kimi.moe_tail_push(shared, rs_boxes, front.parity, 0), in_layer=False)
     expanded = unit("routed experts (stand-in)", lambda g, d: kimi.routed_experts(latent, ids, g, d, 0, 1),

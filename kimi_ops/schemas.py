@@ -55,6 +55,10 @@ SCHEMAS: dict[str, str] = {
     ),
     "oproj_publish": "oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()",
     "oproj_push": "oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",
+    "shared_expert_push": (
+        "shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act,"
+        " Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()"
+    ),
     "moe_front_publish": (
         "moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity,"
         " int rank) -> ()"

@@ -66,6 +66,11 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1), boxes(1, TP, CAP, 48), 1
     if name == "oproj_push":  # N = 64 over TP2
         return rand(gen, batch, 64), rand(gen, 64, 64, scale=0.1), boxes(3, TP, CAP, 32), 0, 1
+    if name == "shared_expert_push":  # I = 16, N = 64 over TP2
+        return (
+            rand(gen, batch, 64), rand(gen, 32, 64, scale=0.1), rand(gen, 64, 16, scale=0.1), 1.0, 0.0,
+            rand(gen, CAP, 16), torch.zeros(1, dtype=torch.int64), boxes(3, TP, CAP, 32), 0, 1, error,
+        )
     if name == "moe_front_publish":  # E = 32, L = 48 over TP2
         return rand(gen, batch, 128), rand(gen, 16 + 24, 128, scale=0.1), 16, boxes(3, 1, CAP, 48 + 64), 2, 1
     if name == "moe_route_poll":

@@ -62,6 +62,25 @@ def test_gate_up_situ_compiles(tp, tokens, clean_ptxas):
     clean_ptxas()
 
 
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_shared_expert_compiles(tp, tokens, clean_ptxas):
+    """The fused shared expert (gate/up, situ, the grid barrier, the down and its push)."""
+    assert gemm.compile_shared.build(12288 // tp, 7168, 7168, tokens, tp, (1.0, 0.0)) is not None
+    clean_ptxas()
+
+
+def test_shared_expert_grid_is_one_size_and_resident():
+    """The fused grid: every bucket's, whole clusters, resident at once, room for both plans."""
+    for tp in (2, 8):
+        plans = [gemm.shared_plan(12288 // tp, 7168, 7168, tokens) for tokens in gemm_plans.TOKEN_TILES]
+        for plan in plans:
+            assert plan.grid == plans[0].grid and plan.grid % plan.gate_up.split == 0
+            assert plan.grid <= gemm_plans.RESIDENT[plan.gate_up.split]
+            assert plan.grid >= max(plan.gate_up.ctas, plan.down.ctas) and plan.down.split == plan.down.tiles == 1
+            assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 <= SMEM_BYTES  # barriers, ring, target
+
+
 def test_situ_epilogue_plans_own_whole_gate_up_pairs():
     """Every TP's shared gate/up shape at every bucket: a CTA owns whole 16-row pairs (TP16's
     default plan owns 8 rows a CTA: the situ plan splits otherwise)."""
@@ -287,6 +306,42 @@ def test_oproj_push_stores_each_shard_in_its_owners_box(tp, batch):
     reference(kimi.oproj_push, x, w, want, parity, rank)
     for got, ref in zip(boxes, want):  # the reference op stores in the same places (its GEMM rounds apart)
         assert torch.equal(got.view(torch.int32) == SENTINEL, ref.view(torch.int32) == SENTINEL)
+
+
+@on_hopper
+@pytest.mark.parametrize("tp", [1, 8])
+def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp):
+    """One launch, the two ops' bits: act[:B] the gate/up kernel's activations (rows past B
+    untouched), the boxes the push kernel's where its plan also takes the whole K in one CTA
+    (else within 1 ulp), at every bucket; the counter advances by whole grids and no error
+    is set."""
+    inner, n, rank, parity = 6144 // tp, 7168, tp - 1, 2
+    ticket = torch.zeros(1, dtype=torch.int64, device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for batch in (1, 5, 8, 13, 64):
+        gen = torch.Generator().manual_seed(tp * 100 + batch)
+        x = torch.randn(batch, 7168, generator=gen).bfloat16().cuda()
+        w_gate_up = (torch.randn(2 * inner, 7168, generator=gen) * 7168**-0.5).bfloat16().cuda()
+        w_down = (torch.randn(n, inner, generator=gen) * inner**-0.5).bfloat16().cuda()
+        act = torch.full((64, inner), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
+        boxes = [armed_box(3, tp, 64, n // tp) for _ in range(tp)]
+        call = (x, w_gate_up, w_down, 1.0, 0.0, act, ticket, boxes, parity, rank, error)
+        if why := gemm.SharedExpertKernel().unsupported(*call):
+            pytest.skip(f"the fused shared expert does not take TP{tp}'s shapes: {why}")
+        before = int(ticket[0])
+        kimi.shared_expert_push(*call)
+        activations = kimi.gate_up_situ(x, w_gate_up, 1.0, 0.0)
+        want = [armed_box(3, tp, 64, n // tp) for _ in range(tp)]
+        kimi.oproj_push(activations, w_down, want, parity, rank)
+        tokens = gemm_plans.token_tile(batch)
+        assert torch.equal(act[:batch], activations) and bool(torch.isnan(act[batch:]).all()), batch
+        push = gemm.gemm_variant(n, inner, batch, (False, 0, tp, True)).plan
+        for got, ref in zip(boxes, want):
+            if push.split == 1:  # each row's chunk sums in chunk order by one CTA, as the fused down's
+                assert torch.equal(got, ref), batch
+            else:
+                assert_bf16_close(got[parity, rank, :batch], ref[parity, rank, :batch], max_ulps=1)
+        assert int(error[0]) == 0 and int(ticket[0]) - before == gemm.shared_plan(2 * inner, 7168, n, tokens).grid
 
 
 @box_cases

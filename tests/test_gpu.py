@@ -51,6 +51,34 @@ def test_decoder_serving_tail_equals_the_split_tail():
             assert torch.equal(serving(x), split(x))
 
 
+def test_decoder_fused_shared_expert_equals_the_two_ops(monkeypatch):
+    """KIMI_OPS_FUSED_SHARED: TP1's shared expert in one launch gives the two ops' bits, eager
+    at 1, 5 and 13 tokens and in 20 CUDA-graph replays (its barrier's counter moving on
+    every replay: the kernel ran, not the reference); reset() restarts the counter."""
+    from kimi_ops.runtime import prepared
+
+    two = KimiDecoder(CONFIG, 3, tp=1, seed=17, device="cuda")
+    monkeypatch.setattr(prepared, "FUSED_SHARED", True)
+    fused = KimiDecoder(CONFIG, 3, tp=1, seed=17, device="cuda")
+    for batch in (1, 5, 13):
+        for x in inputs(2, batch, seed=batch):
+            assert torch.equal(fused(x), two(x)), batch
+    ticket = fused.boxes.shared(0)[1]
+    static_x = inputs(1, 5)[0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fused(static_x)
+    before = int(ticket[0])
+    for x in inputs(20, 5, seed=3):
+        static_x.copy_(x)
+        graph.replay()
+        assert torch.equal(static_out, two(x))
+    assert int(ticket[0]) > before > 0
+    fused.check()
+    fused.reset()
+    assert int(ticket[0]) == 0
+
+
 def test_decoder_reduce_overhead_graphs_without_skips():
     torch._dynamo.reset()
     counters.clear()

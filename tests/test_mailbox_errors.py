@@ -99,6 +99,17 @@ CASES = [
     ("oproj_push", lambda a: put_member(a, 2, 1, a[2][0]), ["'rs_boxes[1]'", "own"]),
     ("oproj_push", lambda a: put(a, 1, a[1][:48]), ["'rs_boxes'", "N/TP = 48/2"]),
     ("oproj_push", lambda a: put(a, 3, 3), ["'parity'"]),
+    # the fused shared expert: its workspace, counter and down checked like the two ops' arguments
+    ("shared_expert_push", lambda a: put(a, 5, a[5][:2]), ["'act'", "at least x.shape[0] = 3 rows"]),
+    ("shared_expert_push", lambda a: put(a, 5, torch.randn(8, 24).bfloat16()), ["'act'", "[*, 16]"]),
+    ("shared_expert_push", lambda a: put(a, 5, meta(a[5])), ["'act'", "meta"]),
+    ("shared_expert_push", lambda a: put(a, 5, a[0].view(-1)[:128].view(8, 16)), ["'x'", "a buffer of its own"]),
+    ("shared_expert_push", lambda a: put(a, 6, torch.zeros(1, dtype=torch.int32)), ["'ticket'", "torch.int64"]),
+    ("shared_expert_push", lambda a: put(a, 2, torch.randn(64, 24).bfloat16()), ["'w_down'", "[*, 16]"]),
+    ("shared_expert_push", lambda a: put(a, 2, torch.randn(48, 16).bfloat16()), ["'rs_boxes'", "N/TP = 48/2"]),
+    ("shared_expert_push", lambda a: put(a, 1, torch.randn(24, 64).bfloat16()), ["'w_gate_up'", "multiple of 16"]),
+    ("shared_expert_push", lambda a: put(a, 8, 3), ["'parity'"]),
+    ("shared_expert_push", lambda a: put(a, 10, torch.zeros(2, dtype=torch.int32)), ["'error'"]),
     ("moe_tail_publish", lambda a: put_member(a, 2, 1, a[2][0]), ["'latent_boxes[1]'", "own"]),
     ("mailbox_take", lambda a: put(a, 3, a[0].view(-1)[:2].view(torch.int32)), ["'error'", "own"]),
     # 4. the two-shot boxes: moe_latent_reduce's against each other, the publish's widths, serve refusing them

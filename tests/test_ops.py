@@ -149,6 +149,26 @@ def test_oproj_push_is_oproj_then_the_push(gen, tp, batch):
     assert not torch.equal(got[0][1, tp - 1, :batch], want[0][0, 0, :batch])  # rows were written
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_shared_expert_push_is_gate_up_situ_then_the_push(gen, tp, batch):
+    """The fused shared expert's activations in act[:B] (the rows past B untouched) and the
+    boxes oproj_push leaves from them."""
+    x = randn(gen, batch, 256, dtype=torch.bfloat16)
+    w_gate_up = oproj_ops.interleave_gate_up(randn(gen, 2 * 64, 256, dtype=torch.bfloat16, scale=0.05))
+    w_down = randn(gen, 128, 64, dtype=torch.bfloat16, scale=0.1)
+    act = torch.full((16, 64), 7.0, dtype=torch.bfloat16)
+    ticket, error = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+    got = [torch.full((3, tp, 16, 128 // tp), 7.0, dtype=torch.bfloat16) for _ in range(tp)]
+    want = [box.clone() for box in got]
+    kimi.shared_expert_push(x, w_gate_up, w_down, 1.0, 0.0, act, ticket, got, 2, tp - 1, error)
+    activations = kimi.gate_up_situ(x, w_gate_up, 1.0, 0.0)
+    kimi.oproj_push(activations, w_down, want, 2, tp - 1)
+    assert torch.equal(act[:batch], activations) and bool((act[batch:] == 7.0).all())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[0][2, tp - 1, :batch], torch.full_like(got[0][2, tp - 1, :batch], 7.0))
+
+
 def tail_inputs(gen, batch, hidden, latent, device):
     return (
         randn(gen, batch, 16, latent, dtype=torch.bfloat16, device=device),

@@ -39,6 +39,7 @@ kimi::mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> T
 kimi::attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)
 kimi::oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()
 kimi::oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()
+kimi::shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act, Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()
 kimi::moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity, int rank) -> ()
 kimi::moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error) -> (Tensor ids, Tensor weights, Tensor latent)
 kimi::moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()

@@ -24,6 +24,7 @@ OPS = {
     "attn_res_take": (attn_res.attn_res_take, attn_res.attn_res_take_fake),
     "oproj_publish": (oproj.oproj_publish, boxes.fake_of(oproj.check_oproj_publish)),
     "oproj_push": (oproj.oproj_push, boxes.fake_of(oproj.check_oproj_push)),
+    "shared_expert_push": (oproj.shared_expert_push, boxes.fake_of(oproj.check_shared_expert_push)),
     "moe_front_publish": (front.moe_front_publish, boxes.fake_of(front.check_moe_front_publish)),
     "moe_route_poll": (route.moe_route_poll, route.moe_route_poll_fake),
     "moe_tail_push": (tail.moe_tail_push, boxes.fake_of(tail.check_moe_tail_push)),

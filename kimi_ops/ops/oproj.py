@@ -1,7 +1,8 @@
 """The attention output projection (the seeds' ``oproj/producer.py``): ``kimi::oproj``, and
 the other projections on its engine with their own epilogues: the shared expert's gate/up
-with ``situ`` (``kimi::gate_up_situ``) and its down with the reduce-scatter push
-(``kimi::oproj_push``)."""
+with ``situ`` (``kimi::gate_up_situ``), its down with the reduce-scatter push
+(``kimi::oproj_push``), and the two in one launch (``kimi::shared_expert_push``, the seeds'
+fused ``SharedFront``)."""
 
 import torch
 
@@ -10,17 +11,18 @@ from ..mailbox import (
     canonical,
 )
 from ..numerics import bf16, matmul_f32
-from .boxes import check_boxes, store_shards
+from .boxes import check_boxes, check_error, store_shards
 from .route import situ
 
 PAIRED = 8  # gate/up rows interleaved in packets: 8 gate rows, then the same 8 up rows
 
 
-def check_oproj(x, w, op: str = "oproj") -> tuple[int, int]:
-    """Returns (B, N); errors in the name of ``op`` (the publishing op reuses the checks)."""
+def check_oproj(x, w, op: str = "oproj", w_name: str = "w") -> tuple[int, int]:
+    """Returns (B, N); errors in the name of ``op`` (the publishing op reuses the checks)
+    and of its weight argument ``w_name``."""
     check_tensor(op, "x", x, torch.bfloat16, (None, None), rows=True)
-    check_tensor(op, "w", w, torch.bfloat16, (None, x.shape[1]))
-    check_same_device(op, x=x, w=w)
+    check_tensor(op, w_name, w, torch.bfloat16, (None, x.shape[1]))
+    check_same_device(op, **{"x": x, w_name: w})
     return x.shape[0], w.shape[0]
 
 
@@ -59,11 +61,16 @@ def oproj_publish(x, w, boxes, rank: int) -> None:
 def check_oproj_push(x, w, rs_boxes, parity, rank) -> int:
     op = "oproj_push"
     batch, _ = check_oproj(x, w, op)
+    check_rs_boxes(op, w, rs_boxes, parity, rank, batch)
+    check_placement(op, dict(rs_boxes=rs_boxes), dict(x=x, w=w))
+    return batch
+
+
+def check_rs_boxes(op, w, rs_boxes, parity, rank, batch) -> None:
+    """The reduce-scatter boxes [3, TP, CAP, N/TP] of a down projection ``w`` [N, I]."""
     tp = check_boxes(op, "rs_boxes", rs_boxes, rank, parity, batch, len(rs_boxes), "x.shape[0] (batch)")
     if rs_boxes[0].shape[3] * tp != w.shape[0]:
         fail(op, "rs_boxes", f"rows of width N/TP = {w.shape[0]}/{tp}", rs_boxes[0].shape[3])
-    check_placement(op, dict(rs_boxes=rs_boxes), dict(x=x, w=w))
-    return batch
 
 
 def oproj_push(x, w, rs_boxes, parity: int, rank: int) -> None:
@@ -87,12 +94,11 @@ def deinterleave_gate_up(h):
     return h.view(batch, double // (2 * PAIRED), 2, PAIRED).transpose(1, 2).reshape(batch, double)
 
 
-def check_gate_up_situ(x, w, beta, linear_beta) -> tuple[int, int]:
+def check_gate_up_situ(x, w, beta, linear_beta, op: str = "gate_up_situ", w_name: str = "w") -> tuple[int, int]:
     """Returns (B, I)."""
-    op = "gate_up_situ"
-    batch, double = check_oproj(x, w, op)
+    batch, double = check_oproj(x, w, op, w_name)
     if double % (2 * PAIRED):
-        fail(op, "w", f"[2I, K] with 2I a multiple of {2 * PAIRED} (gate and up rows interleaved in packets of "
+        fail(op, w_name, f"[2I, K] with 2I a multiple of {2 * PAIRED} (gate and up rows interleaved in packets of "
              f"{PAIRED})", list(w.shape))
     return batch, double // 2
 
@@ -108,3 +114,34 @@ def gate_up_situ(x, w, beta: float, linear_beta: float):
 
 def gate_up_situ_fake(x, w, beta, linear_beta):
     return x.new_empty(check_gate_up_situ(x, w, beta, linear_beta), dtype=torch.bfloat16)
+
+
+def check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error) -> int:
+    """Returns B. ``act``: a model-owned [CAP, I] workspace (CAP >= B) that the down reads;
+    ``ticket``: the grid barrier's int64 counter [1] (DecodeBoxes.shared_ticket)."""
+    op = "shared_expert_push"
+    batch, inner = check_gate_up_situ(x, w_gate_up, beta, linear_beta, op, "w_gate_up")
+    check_tensor(op, "w_down", w_down, torch.bfloat16, (None, inner))
+    check_rs_boxes(op, w_down, rs_boxes, parity, rank, batch)
+    check_tensor(op, "act", act, torch.bfloat16, (None, inner))
+    if act.shape[0] < batch:
+        fail(op, "act", f"at least x.shape[0] = {batch} rows", list(act.shape))
+    check_tensor(op, "ticket", ticket, torch.int64, (1,))
+    check_error(op, error)
+    check_placement(op, dict(act=act, ticket=ticket, rs_boxes=rs_boxes, error=error),
+                    dict(x=x, w_gate_up=w_gate_up, w_down=w_down))
+    return batch
+
+
+def shared_expert_push(x, w_gate_up, w_down, beta: float, linear_beta: float, act, ticket, rs_boxes, parity: int,
+                       rank: int, error) -> None:
+    """``kimi::oproj_push(kimi::gate_up_situ(x, w_gate_up, beta, linear_beta), w_down, ...)``
+    in one op: the activations land in ``act[:B]`` (the down reads them there), the down's
+    column shards in the reduce-scatter boxes. On the GPU one launch: a grid barrier on
+    ``ticket`` (monotonic, restarted by ``DecodeBoxes.reset``; its timeout sets ``error``)
+    parts the gate/up from the down, whose weights stream in before it. The reference
+    leaves ``ticket`` and ``error`` as they are."""
+    batch = check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank,
+                                     error)
+    act[:batch].copy_(gate_up_situ(x, w_gate_up, beta, linear_beta))
+    oproj_push(act[:batch], w_down, rs_boxes, parity, rank)

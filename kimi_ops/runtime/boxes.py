@@ -44,7 +44,10 @@ class DecodeBoxes(nn.Module):
     - ``sync`` [1, TP, 1, 8]: the group barrier's tickets, a packet per rank
       (``kimi::group_barrier``; multi-process groups only call it);
     - ``error`` [1] int32 per rank: bits of the polls that found nothing;
-    - ``ticket`` [1] int64 per rank: the group barrier's monotonic counter.
+    - ``ticket`` [1] int64 per rank: the group barrier's monotonic counter;
+    - ``shared_act`` [CAP, S/TP] BF16 and ``shared_ticket`` [1] int64 per rank: the fused
+      shared expert's activations (its down reads them) and its grid barrier's counter
+      (``kimi::shared_expert_push``).
 
     The boxes this process owns are buffers (``{kind}_{rank}``); ``peers(kind, rank)`` is
     the ``boxes`` argument of a publishing op on that rank.
@@ -79,6 +82,9 @@ class DecodeBoxes(nn.Module):
         for rank in group.ranks:
             self.register_buffer(f"error_{rank}", static(torch.zeros(1, dtype=torch.int32, device=device)))
             self.register_buffer(f"ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
+            self.register_buffer(f"shared_act_{rank}", static(torch.zeros(cap, config.shared_intermediate // tp,
+                                                                            dtype=torch.bfloat16, device=device)))
+            self.register_buffer(f"shared_ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
 
     def two_shot(self, batch: int) -> bool:
         return two_shot(self.tp, self.latent, batch)
@@ -95,12 +101,17 @@ class DecodeBoxes(nn.Module):
     def ticket(self, rank: int) -> torch.Tensor:
         return getattr(self, f"ticket_{rank}")
 
+    def shared(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused shared expert's activations and grid-barrier counter."""
+        return getattr(self, f"shared_act_{rank}"), getattr(self, f"shared_ticket_{rank}")
+
     def reset(self) -> None:
         """Re-arm every box this process owns, clear its error words and restart its
-        barrier tickets (in place: the addresses peers and captured graphs hold stay
-        valid)."""
+        barrier tickets, the shared expert's too (in place: the addresses peers and captured
+        graphs hold stay valid)."""
         for rank in self.ranks:
             for kind in self.kinds:
                 torch.ops.kimi.mailbox_arm(self.own(kind, rank))
             self.error(rank).zero_()
             self.ticket(rank).zero_()
+            self.shared(rank)[1].zero_()

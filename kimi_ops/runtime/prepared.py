@@ -2,6 +2,8 @@
 weight shards as buffers, the layer's parities, and the op calls of each kernel family.
 CuTe kernels slot in under the ops; the parts stay as they are."""
 
+import os
+
 import torch
 from torch import nn
 
@@ -12,6 +14,10 @@ from ..ops.oproj import deinterleave_gate_up, interleave_gate_up
 from .boxes import DecodeBoxes
 
 kimi = torch.ops.kimi
+# The shared expert as one launch (kimi::shared_expert_push) where the decoder serves alone
+# (TP1: its grid barrier needs its whole grid resident, which ranks sharing a GPU cannot
+# promise); opt-in until measured on a GPU
+FUSED_SHARED = os.environ.get("KIMI_OPS_FUSED_SHARED", "0") == "1"
 
 
 def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
@@ -109,6 +115,9 @@ class PreparedFront(Prepared):
         backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
         backend.prepare("gate_up_situ", *self.shared_gate_up.shape, 1.0, 0.0, batches)
         backend.prepare("oproj_push", *self.shared_down.shape, tp, batches, [boxes.peers("rs", rank)])
+        if FUSED_SHARED and tp == 1:
+            backend.prepare("shared_expert_push", *self.shared_gate_up.shape, self.shared_down.shape[0], 1.0, 0.0, tp,
+                            batches, [boxes.peers("rs", rank)])
         backend.prepare("routed_experts", config.latent, self.expert_down.shape[2])
 
     def publish(self, x, boxes: DecodeBoxes):
@@ -118,16 +127,21 @@ class PreparedFront(Prepared):
     def run(self, x, boxes: DecodeBoxes):
         """Route (polled), this rank's routed experts, then the shared expert with its
         reduce-scatter shards pushed by its down projection's epilogue (after the experts:
-        its gate/up streams its weights beside their latency-bound grid); returns this
-        rank's expert rows [B, 16, L] and the routing weights."""
+        its gate/up streams its weights beside their latency-bound grid; at TP1 in one
+        launch under FUSED_SHARED); returns this rank's expert rows [B, 16, L] and the
+        routing weights."""
         config, rank = self.config, self.rank
         ids, weights, latent = kimi.moe_route_poll(
             boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
             self.parity, x.shape[0], boxes.error(rank),
         )
         expanded = self.experts(latent, ids)
-        act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0)
-        kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
+        if FUSED_SHARED and self.tp == 1:
+            kimi.shared_expert_push(x, self.shared_gate_up, self.shared_down, 1.0, 0.0, *boxes.shared(rank),
+                                    boxes.peers("rs", rank), self.parity, rank, boxes.error(rank))
+        else:
+            act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0)
+            kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
         return expanded, weights
 
     def shared_gate_up_rows(self) -> torch.Tensor:

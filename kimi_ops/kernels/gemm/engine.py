@@ -144,10 +144,16 @@ class Outputs:
 
 
 class DecodeGemm:
-    """One variant of the engine: a :class:`GemmPlan` and its :class:`Outputs`."""
+    """One variant of the engine: a :class:`GemmPlan` and its :class:`Outputs`. A kernel that
+    runs this plan after another one (kernels/gemm/shared.py) gives ``cluster``, its launch's
+    CTAs per cluster (a K group is then ``split`` consecutive CTAs of it), and ``waiter``,
+    whose ``wait(*inputs)`` stands for the PDL wait (x is then in) and releases the
+    dependents itself."""
 
-    def __init__(self, plan: GemmPlan, outputs: Outputs):
+    def __init__(self, plan: GemmPlan, outputs: Outputs, cluster: int | None = None, waiter=None):
         self.plan, self.outputs = plan, outputs
+        self.cluster, self.waiter = cluster or plan.split, waiter
+        assert self.cluster % plan.split == 0, "a K group is split consecutive CTAs of a cluster"
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
@@ -184,25 +190,27 @@ class DecodeGemm:
         self.body(w_copy, w_boxes, (x_copy, x_boxes), x, (first, second, peers, row0, col0, col1))
 
     @cute.jit
-    def body(self, w_copy, w_boxes, x_load, x, outs, norm=None):
+    def body(self, w_copy, w_boxes, x_load, x, outs, norm=None, storage=None, inputs=None):
         """The engine, whatever the epilogue: ``x_load`` x's TMA descriptor and boxes;
         ``outs`` :meth:`finish`'s arguments; ``norm`` (gamma, eps): x holds raw rows,
         RMS-normalized on their way into shared memory by the producers' loads
-        (:meth:`produce_normalized`; ``x_load`` unused)."""
+        (:meth:`produce_normalized`; ``x_load`` unused). A kernel that runs two plans
+        (kernels/gemm/shared.py) gives ``storage``, the barriers and the ring sized for
+        both, and for the second ``inputs``, the waiter's arguments."""
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp, lane = tid // 32, tid % 32
         block, part = cta // plan.split, cta % plan.split
-        cute.arch.griddepcontrol_launch_dependents()  # see the module doc
-        smem = SmemAllocator()
-        full = smem.allocate_tensor(Int64, cute.make_layout(2 * plan.depth + 1), 16).iterator
+        if cutlass.const_expr(storage is None):
+            cute.arch.griddepcontrol_launch_dependents()  # see the module doc
+            storage = self.allocate(self.plan.depth, self.plan.ring_bytes)
+        full, ring = storage
         empty = full + plan.depth
         factored = empty + plan.depth  # norm: every K part's Σ x² of every token is in
-        ring = smem.allocate_tensor(Uint32, cute.make_layout(plan.ring_bytes // 4), 1024).iterator
         squares = None
         if cutlass.const_expr(norm is not None):
-            squares = smem.allocate_tensor(Float64, cute.make_layout(plan.split * plan.tokens), 16)  # [part][token]
+            squares = SmemAllocator().allocate_tensor(Float64, cute.make_layout(plan.split * plan.tokens), 16)  # [part][token]
         if tid == 0:
             for slot in cutlass.range_constexpr(plan.depth):
                 # the weights' expect_tx and x's (raw rows: the producers' stores)
@@ -220,7 +228,7 @@ class DecodeGemm:
             if cutlass.const_expr(norm is not None):
                 self.produce_normalized(w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, *norm)
             else:
-                self.produce(w_copy, w_boxes, x_load, ring, full, empty, block, part, producer)
+                self.produce(w_copy, w_boxes, x_load, ring, full, empty, block, part, producer, inputs)
             for _ in cutlass.range_constexpr(2):  # the consumers' two cluster barriers
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -232,14 +240,29 @@ class DecodeGemm:
             prefetched = self.prefetched(outs, block, part)
             cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer
             cute.arch.cluster_wait()
-            self.scatter(acc, cute.recast_ptr(ring, dtype=Float32), part, warp, lane)
+            self.scatter(acc, cute.recast_ptr(ring, dtype=Float32), part, warp, lane, self.group(part))
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             self.finish(cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(plan.receive_bytes // 4)),
                         x.shape[0], block, part, tid, *prefetched)
 
+    @staticmethod
+    def allocate(depth: int, ring_bytes: int):
+        """Shared memory for plans of up to ``depth`` slots and ``ring_bytes``: the full and
+        empty barriers (and norm's one more), then the ring."""
+        smem = SmemAllocator()
+        full = smem.allocate_tensor(Int64, cute.make_layout(2 * depth + 1), 16).iterator
+        return full, smem.allocate_tensor(Uint32, cute.make_layout(ring_bytes // 4), 1024).iterator
+
     @cute.jit
-    def produce(self, w_copy, w_boxes, x_load, ring, full, empty, block, part, producer):
+    def group(self, part):
+        """The cluster rank of our K group's part 0 (0 where the cluster is the group)."""
+        if cutlass.const_expr(self.cluster == self.plan.split):
+            return 0
+        return cute.arch.block_idx_in_cluster() - part
+
+    @cute.jit
+    def produce(self, w_copy, w_boxes, x_load, ring, full, empty, block, part, producer, inputs=None):
         """Producer thread ``producer`` of the warpgroup. Warp 0 streams the CTA's weight
         chunks by TMA: the plan's ``pace`` before the PDL wait, then ``paced`` until x's first chunk is in
         (a full ring queued ahead of x would hold x's loads behind it), then as the
@@ -260,7 +283,10 @@ class DecodeGemm:
         if copier:
             if lane == 0:
                 cpasync.prefetch_descriptor(x_copy)  # x's first copy, after the wait, finds it fetched
-        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.waiter is None):
+            cute.arch.griddepcontrol_wait()
+        elif copier:  # the one warp that reads x
+            self.waiter.wait(*inputs)
         if producer < 64:  # the other two warps have no copies to issue
             for i in cutlass.range(plan.chunks, unroll=1):
                 slot = i % plan.depth
@@ -415,9 +441,10 @@ class DecodeGemm:
         return [sums[k] for k in range(count)]
 
     @cute.jit
-    def scatter(self, acc, receive, part, warp, lane):
-        """Our FP32 sums to their owners in the cluster: [part][owned row][token] (by_token:
-        [part][row][the owner's token index], one word a store: the odd stride)."""
+    def scatter(self, acc, receive, part, warp, lane, group):
+        """Our FP32 sums to their owners in the cluster (ranks ``group`` + owner):
+        [part][owned row][token] (by_token: [part][row][the owner's token index], one word a
+        store: the odd stride)."""
         plan = self.plan
         n = plan.tokens // 2
         g, t = lane // 4, lane % 4
@@ -429,7 +456,7 @@ class DecodeGemm:
                         k = tile * n + 4 * j + 2 * h
                         for e in cutlass.range_constexpr(2):
                             owner, index = plan.owner(8 * j + 2 * t + e)
-                            store_cluster(receive + plan.receive_word(part, row, index), acc[k + e], owner)
+                            store_cluster(receive + plan.receive_word(part, row, index), acc[k + e], group + owner)
         else:
             for tile in cutlass.range_constexpr(plan.tiles):
                 for h in cutlass.range_constexpr(2):
@@ -439,7 +466,7 @@ class DecodeGemm:
                     for j in cutlass.range_constexpr(plan.tokens // 8):
                         k = tile * n + 4 * j + 2 * h
                         store_cluster(receive + plan.receive_word(part, index, 8 * j + 2 * t), [acc[k], acc[k + 1]],
-                                      owner)
+                                      group + owner)
 
     @cute.jit
     def prefetched(self, outs, block, part):

@@ -1,7 +1,8 @@
 """The engine's host side: its compiles, a call's variant (chosen once by
 :func:`gemm_variant`, which every adapter's ``prepare``, ``unsupported`` and call ask) and
 the adapters of ``kimi::oproj``, ``kimi::gate_up_situ``, ``kimi::moe_front``,
-``kimi::oproj_publish``, ``kimi::oproj_push`` and ``kimi::moe_front_publish``."""
+``kimi::oproj_publish``, ``kimi::oproj_push``, ``kimi::moe_front_publish`` and
+``kimi::shared_expert_push`` (the two plans of :mod:`.shared`)."""
 
 import functools
 
@@ -19,7 +20,8 @@ from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..ring import CHUNK
 from ..variant import Unsupported, Variant, prepare_all, reason
 from .engine import DecodeGemm, Outputs
-from .plan import MAX_BATCH, TOKEN_TILES, GemmPlan, gemm_plan, partition, token_tile
+from .plan import MAX_BATCH, RESIDENT, SPLITS, TILE, TOKEN_TILES, GemmPlan, gemm_plan, partition, token_tile
+from .shared import SharedExpert, SharedPlan
 
 # Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are
 # one-element placeholders (kernels.arguments.placeholder).
@@ -246,7 +248,92 @@ class FrontPublishKernel(GemmKernel):
         )
 
 
+# The fused shared expert (kernels/gemm/shared.py): its plans and grid, one compile per
+# (gate/up N, K, down N, T, TP, situ).
+
+
+@compiled
+def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, situ: tuple):
+    batch, inner = cute.sym_int(), n_gate_up // 2
+    return cute.compile(
+        SharedExpert(shared_plan(n_gate_up, k, n_down, tokens), situ, tp),
+        fake(BFloat16, (batch, k)), fake(BFloat16, (n_gate_up, k)), fake(BFloat16, (batch, inner)),
+        fake(BFloat16, (n_down, inner)), fake(Float32, (1, 1)), fake(Int64, (tp,), align=8),
+        fake(Int64, (1,), align=8), fake(Int32, (1,), align=4), Int32(0), fake_stream(), options=compile_options(),
+    )
+
+
+@functools.cache
+def shared_plan(n_gate_up: int, k: int, n_down: int, tokens: int) -> SharedPlan:
+    """The gate/up's plan (situ's), the down's one tile a CTA over its whole K, and the grid
+    of every bucket: the most CTAs either plan takes at any T, in clusters of the largest
+    split (every bucket's cluster size divides it). Unsupported where that grid is not
+    resident at once or a plan does not fit."""
+    inner = n_gate_up // 2
+    try:
+        gate_ups = {t: plan_of(n_gate_up, k, t, True) for t in TOKEN_TILES}
+        down = GemmPlan(n_down, inner, tokens, (1, 1))
+    except ValueError as why:
+        raise Unsupported(f"the fused shared expert's plans: {why}") from None
+    unit = max(SPLITS)
+    grid = -(-max(down.ctas, *(p.ctas for p in gate_ups.values())) // unit) * unit
+    gate_up = gate_ups[tokens]
+    if down.ctas % gate_up.split:
+        raise Unsupported(f"the fused shared expert's down tiles ({down.ctas}) must fill whole clusters of "
+                          f"{gate_up.split} (a cluster past them skips the down whole)")
+    if grid > RESIDENT[gate_up.split]:
+        raise Unsupported(f"the fused shared expert's grid of {grid} CTAs is not resident at once in clusters of "
+                          f"{gate_up.split} ({RESIDENT[gate_up.split]}: gate/up {gate_up.ctas}, down {down.ctas} CTAs)")
+    return SharedPlan(gate_up, down, grid)
+
+
+def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, situ: tuple) -> Variant:
+    why = unsupported_shape(n_gate_up, k, batch, 0, owned_rows(situ)) or unsupported_shape(n_down, n_gate_up // 2, batch)
+    if why:
+        raise Unsupported(why)
+    tokens = token_tile(batch)
+    plan = shared_plan(n_gate_up, k, n_down, tokens)
+    if (n_down // tp) % TILE:
+        raise Unsupported(f"the fused shared expert's down stores a CTA's {TILE} rows into one owner: N/TP must be a "
+                          f"multiple of them (N={n_down}, TP={tp})")
+    kernel = lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ)  # noqa: E731
+    return Variant(plan, lambda: (kernel(),), lambda x, *rest: ((tma_rows(x), *rest),))
+
+
+class SharedExpertKernel(GemmKernel):
+    """``kimi::shared_expert_push`` on CUDA: gate/up, situ, down and the reduce-scatter push
+    in one launch, the activations through ``act``, a grid barrier on ``ticket``."""
+
+    check = staticmethod(oproj_op.check_shared_expert_push)
+    writes = "stores 16-byte packets: x, the weights, act and the boxes must be"
+
+    def variant(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
+        return shared_variant(w_gate_up.shape[0], w_gate_up.shape[1], w_down.shape[0], x.shape[0], len(rs_boxes),
+                              (float(beta), float(linear_beta)))
+
+    def unsupported(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, *rest):
+        if not aligned(x, w_gate_up, w_down, act, *rs_boxes):
+            return f"the decode GEMM {self.writes} 16-byte aligned"
+        return reason(lambda: self.variant(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, *rest)) \
+            or hopper(x)
+
+    def prepare(self, n_gate_up: int, k: int, n_down: int, beta: float, linear_beta: float, tp: int, batches=None,
+                peer_lists=()) -> None:
+        prepare_all(lambda tokens=tokens: shared_variant(n_gate_up, k, n_down, tokens, tp,
+                                                         (float(beta), float(linear_beta)))
+                    for tokens in tokens_of(batches))
+        register_addresses(peer_lists)
+
+    def __call__(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
+        batch = x.shape[0]
+        self.variant(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error).run(
+            x, w_gate_up, tma_rows(act[:batch]), w_down, placeholder(x, torch.float32, 2), addresses(rs_boxes),
+            ticket, error, box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]),
+        )
+
+
 def register() -> None:
     backend.KERNELS.update(oproj=OprojKernel(), gate_up_situ=GateUpSituKernel(), moe_front=FrontKernel(),
                            oproj_publish=OprojPublishKernel(),
-                           oproj_push=OprojPushKernel(), moe_front_publish=FrontPublishKernel())
+                           oproj_push=OprojPushKernel(), moe_front_publish=FrontPublishKernel(),
+                           shared_expert_push=SharedExpertKernel())

@@ -1,0 +1,136 @@
+"""The shared expert in one launch (``kimi::shared_expert_push``, the seeds' fused
+``SharedFront``): the engine's gate/up plan with situ into the model-owned ``act``, a grid
+barrier, then its down plan (one 64-row tile a CTA over the whole K, split 1) with the
+reduce-scatter push, on the same CTAs and the same shared memory.
+
+Why one launch: launched apart, the down's CTAs that are not resident beside the gate/up's
+rings start only when the gate/up ends, and then pay their wave (the push added ~5 µs to the
+TP8-rank layer, benchmarks/NOTES.md). Here every CTA is resident before the barrier, and
+each one streams its down tile into its ring while it waits there: the down's weights do
+not depend on the activations.
+
+The grid (:class:`SharedPlan`): the down's tiles and the gate/up's CTAs, whichever is more,
+in whole clusters of the gate/up's K split. It is one size for every batch bucket, so the
+barrier's counter (``ticket``, monotonic, zeroed by ``DecodeBoxes.reset``) holds a multiple
+of the grid between calls. The whole grid must be resident at once (one CTA an SM,
+RESIDENT). The clusters past the gate/up's CTAs only arrive at the barrier; those past the
+down's tiles leave after it.
+
+The barrier: each CTA's activations stored (and fenced for the async proxy that reads
+them), one thread adds 1 to the counter (release, GPU scope), and the down's x copier warp
+waits until the counter reaches the end of this call's multiple (acquire, bounded by
+POLL_TIMEOUT_NS from our predecessor's end: past it the error word gets SHARED_BARRIER, the
+down reads whatever ``act`` holds, and a straggler's late arrival may let the next call's
+barrier pass early — the step is lost either way until reset()). The dependents are
+released there, not at entry: before the barrier, a dependent's CTAs could take the SMs
+that ours still need. (The down's split-1 CTAs keep the engine's two cluster barriers, over
+all 8 CTAs of the gate/up's clusters: each waits for the slowest of its cluster.)
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from ...mailbox import SHARED_BARRIER
+from ..launch import PDL
+from ..mailbox import POLL_TIMEOUT_NS
+from ..ptx import nap
+from .engine import DecodeGemm, Outputs
+from .plan import THREADS, GemmPlan
+
+
+class SharedPlan:
+    """The two plans of one (gate/up [2I, K], down [N, I], T) variant and their grid
+    (``grid`` CTAs: every bucket's, see the module doc)."""
+
+    def __init__(self, gate_up: GemmPlan, down: GemmPlan, grid: int):
+        self.gate_up, self.down, self.grid = gate_up, down, grid
+        self.depth = gate_up.depth + down.depth  # each plan its own barriers: none is initialized twice
+        self.ring_bytes = max(gate_up.ring_bytes, down.ring_bytes)
+
+
+class GridBarrier:
+    """The barrier between the two plans of a grid of ``grid`` CTAs (see the module doc):
+    ``ticket`` the counter, ``target`` a shared word that :meth:`arrive` fills for
+    :meth:`wait` (arguments: an ``if`` of the DSL carries no object that holds tensors).
+    The down's :class:`DecodeGemm` holds it as its ``waiter``."""
+
+    def __init__(self, grid: int):
+        self.grid = grid
+
+    @cute.jit
+    def arrive(self, tid, ticket: cute.Tensor, target: cute.Tensor):
+        """Every thread's activations stored: one arrival of this CTA, and the count this
+        call's last arrival reaches, for the waiters."""
+        cute.arch.fence_proxy("async.global")  # our generic stores, then other CTAs' TMA reads
+        cute.arch.sync_threads()
+        if tid == 0:
+            cute.arch.fence_acq_rel_gpu()
+            old = cute.arch.atomic_add(ticket.iterator, Int64(1), sem="release", scope="gpu")
+            target[0] = (old // self.grid + 1) * self.grid
+
+    @cute.jit
+    def wait(self, ticket: cute.Tensor, target: cute.Tensor, error: cute.Tensor):
+        """Until every CTA arrived (bounded), then the dependents' release. A warp's lane 0
+        polls; the warp then fences for its TMA reads of the activations. The bound's clock
+        starts after our predecessor ended (the PDL wait first: the clusters that skip the
+        gate/up arrive before it ends)."""
+        cute.arch.griddepcontrol_wait()
+        goal = target[0]
+        if cute.arch.lane_idx() == 0:
+            start = cute.arch.globaltimer()
+            waiting = cute.arch.load(ticket.iterator, Int64, sem="acquire", scope="gpu") < goal
+            while waiting:
+                nap()
+                waiting = cute.arch.load(ticket.iterator, Int64, sem="acquire", scope="gpu") < goal
+                if waiting & (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS):
+                    cute.arch.atomic_or(error.iterator, Int32(SHARED_BARRIER))
+                    waiting = cutlass.Boolean(False)
+        cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+class SharedExpert:
+    """The kernel of one :class:`SharedPlan`: ``situ`` (beta, linear_beta), the down's
+    reduce-scatter over ``tp`` boxes."""
+
+    def __init__(self, plan: SharedPlan, situ: tuple, tp: int):
+        self.plan = plan
+        cluster = plan.gate_up.split
+        self.gate_up = DecodeGemm(plan.gate_up, Outputs(plan.gate_up.n, situ=situ))
+        self.down = DecodeGemm(plan.down, Outputs(plan.down.n, tp=tp, scatter=True), cluster, GridBarrier(plan.grid))
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w_gate_up: cute.Tensor, act: cute.Tensor, w_down: cute.Tensor,
+                 second: cute.Tensor, peers: cute.Tensor, ticket: cute.Tensor, error: cute.Tensor, row0: Int32,
+                 stream):
+        gate_up_copy, gate_up_boxes = self.gate_up.weight_copy(w_gate_up)
+        x_copy, x_boxes = self.gate_up.x_copy(x)
+        down_copy, down_boxes = self.down.weight_copy(w_down)
+        act_copy, act_boxes = self.down.x_copy(act)
+        self.kernel(gate_up_copy, gate_up_boxes, x_copy, x_boxes, down_copy, down_boxes, act_copy, act_boxes, x, act,
+                    second, peers, ticket, error, row0).launch(
+            grid=[self.plan.grid, 1, 1], block=[THREADS, 1, 1], cluster=[self.plan.gate_up.split, 1, 1],
+            stream=stream, use_pdl=PDL, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, gate_up_copy: cute.CopyAtom, gate_up_boxes: cute.Tensor, x_copy: cute.CopyAtom,
+               x_boxes: cute.Tensor, down_copy: cute.CopyAtom, down_boxes: cute.Tensor, act_copy: cute.CopyAtom,
+               act_boxes: cute.Tensor, x: cute.Tensor, act: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
+               ticket: cute.Tensor, error: cute.Tensor, row0: Int32):
+        plan = self.plan
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        full, ring = DecodeGemm.allocate(plan.depth, plan.ring_bytes)
+        target = SmemAllocator().allocate_tensor(Int64, cute.make_layout(1), 8)
+        # (a plan's CTAs are whole clusters: a cluster past one plan's CTAs skips it whole)
+        if cta < plan.gate_up.ctas:
+            self.gate_up.body(gate_up_copy, gate_up_boxes, (x_copy, x_boxes), x, (act, second, peers, 0, 0, 0),
+                              storage=(full, ring))
+        self.down.waiter.arrive(tid, ticket, target)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the epilogue's reads of the ring, then TMA's writes
+        if cta < plan.down.ctas:
+            self.down.body(down_copy, down_boxes, (act_copy, act_boxes), act, (act, second, peers, row0, 0, 0),
+                           storage=(full + 2 * plan.gate_up.depth, ring), inputs=(ticket, target, error))
