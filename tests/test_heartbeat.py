@@ -85,17 +85,26 @@ def test_a_killed_ranks_word_stops():
     first.close()
 
 
-def group_member(rank: int, tp: int, store: str, out: str) -> None:
-    """One process of a gloo group: start the group's heartbeat, then see every peer tick."""
+def group_member(rank: int, tp: int, store: str, out: str, failing: int = -1) -> None:
+    """One process of a gloo group: start the group's heartbeat, then see every peer tick
+    (rank ``failing`` cannot open the page: every rank warns and goes without)."""
     import json
+    import warnings
 
     import torch.distributed as dist
 
     from kimi_ops.runtime import heartbeat
 
+    if rank == failing:
+        def refuse(self, *args, **kwargs):
+            raise OSError("no /dev/shm here")
+
+        heartbeat.Heartbeat.__init__ = refuse
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
-    beat = heartbeat.start(dist.group.WORLD, tp, rank)
-    seen = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        beat = heartbeat.start(dist.group.WORLD, tp, rank)
+    seen = {"warned": [str(w.message) for w in caught]} if caught else {}
     if beat is not None:
         first = [beat.beat(r) for r in range(tp)]
         wait_for(lambda: all(beat.beat(r) > first[r] for r in range(tp)))
@@ -115,3 +124,16 @@ def test_a_group_shares_one_page(tmp_path):
     mp.spawn(group_member, args=(tp, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=tp, join=True)
     results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(tp)]
     assert all(r == {"started": True, "moved": True, "page_gone": True} for r in results), results
+
+
+def test_a_rank_without_the_page_makes_every_rank_warn(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    tp = 3
+    mp.spawn(group_member, args=(tp, str(tmp_path / "store"), str(tmp_path / "out"), 1), nprocs=tp, join=True)
+    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(tp)]
+    for result in results:
+        assert not result["started"] and len(result["warned"]) == 1, results
+        assert "rank 1: OSError: no /dev/shm here" in result["warned"][0] and "1 s" in result["warned"][0]

@@ -166,8 +166,9 @@ def main() -> None:
     group = launch.group_from_env()
     try:
         result = {"ok": True, **globals()[scenario](group, out)}
-    except Exception:
-        result = {"ok": False, "error": traceback.format_exc()}
+    except Exception:  # with the barrier's bound in force (a timeout's first question)
+        bound = "a peer's silence (heartbeat on)" if group.pulses else "fixed (no heartbeat)"
+        result = {"ok": False, "error": f"{traceback.format_exc()}group barrier bound: {bound}"}
     (out / f"{scenario}_{group.rank}.json").write_text(json.dumps(result))
     launch.finish(0, barrier=scenario != "dead")
 

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import uuid
+import warnings
 
 import torch
 
@@ -115,28 +116,31 @@ def start(group, tp: int, rank: int) -> Heartbeat | None:
     """The page of a process group on one host (torch.distributed ``group``: every rank calls
     this): rank 0 makes it, every rank maps it and ticks its word. None on every rank where
     some rank cannot (no /dev/shm, a rank on another host, no mapping): the barrier then
-    keeps its fixed bound."""
+    keeps its fixed bound, and every rank warns, naming the ranks that could not and why."""
     import torch.distributed as dist
 
     name = [f"kimi_ops_heartbeat_{os.getpid()}_{uuid.uuid4().hex[:8]}" if rank == 0 else None]
     dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
 
-    def opened(create: bool) -> Heartbeat | None:
+    def opened(create: bool) -> tuple[Heartbeat | None, str | None]:
         try:
-            return Heartbeat(name[0], tp, rank, create)
-        except (OSError, RuntimeError):
-            return None
+            return Heartbeat(name[0], tp, rank, create), None
+        except (OSError, RuntimeError) as error:
+            return None, f"{type(error).__name__}: {error}"
 
-    heartbeat = opened(create=True) if rank == 0 else None
+    heartbeat, why = opened(create=True) if rank == 0 else (None, None)
     dist.barrier(group=group)  # the page exists (or rank 0 could not make it) before the others open it
     if rank:
-        heartbeat = opened(create=False)
-    mapped = [None] * tp
-    dist.all_gather_object(mapped, heartbeat is not None, group=group)
+        heartbeat, why = opened(create=False)
+    reasons = [None] * tp
+    dist.all_gather_object(reasons, why, group=group)
     if rank == 0 and heartbeat:
         heartbeat.unlink()  # every rank that could has it open
-    if all(mapped):
+    if not any(reasons):
         return heartbeat
     if heartbeat:
         heartbeat.close()
+    failed = "; ".join(f"rank {r}: {reason}" for r, reason in enumerate(reasons) if reason)
+    warnings.warn(f"kimi_ops: the TP group's heartbeat did not start ({failed}); kimi::group_barrier keeps its fixed "
+                  "bound (KIMI_OPS_BARRIER_TIMEOUT_MS, 1 s): a rank slower than that on the host trips the group")
     return None
