@@ -115,10 +115,15 @@ class PreparedFront(Prepared):
         backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
         backend.prepare("gate_up_situ", *self.shared_gate_up.shape, 1.0, 0.0, batches)
         backend.prepare("oproj_push", *self.shared_down.shape, tp, batches, [boxes.peers("rs", rank)])
-        if FUSED_SHARED and tp == 1:
+        if self.fused_shared:
             backend.prepare("shared_expert_push", *self.shared_gate_up.shape, self.shared_down.shape[0], 1.0, 0.0, tp,
                             batches, [boxes.peers("rs", rank)])
         backend.prepare("routed_experts", config.latent, self.expert_down.shape[2])
+
+    @property
+    def fused_shared(self) -> bool:
+        """The shared expert in one launch (kimi::shared_expert_push): at TP1, under FUSED_SHARED."""
+        return FUSED_SHARED and self.tp == 1
 
     def publish(self, x, boxes: DecodeBoxes):
         n_logits = self.config.experts // self.tp
@@ -136,7 +141,7 @@ class PreparedFront(Prepared):
             self.parity, x.shape[0], boxes.error(rank),
         )
         expanded = self.experts(latent, ids)
-        if FUSED_SHARED and self.tp == 1:
+        if self.fused_shared:
             kimi.shared_expert_push(x, self.shared_gate_up, self.shared_down, 1.0, 0.0, *boxes.shared(rank),
                                     boxes.peers("rs", rank), self.parity, rank, boxes.error(rank))
         else:

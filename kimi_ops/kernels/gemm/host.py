@@ -287,6 +287,7 @@ def shared_plan(n_gate_up: int, k: int, n_down: int, tokens: int) -> SharedPlan:
     return SharedPlan(gate_up, down, grid)
 
 
+@functools.cache  # asked by unsupported and the call, as gemm_variant
 def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, situ: tuple) -> Variant:
     why = unsupported_shape(n_gate_up, k, batch, 0, owned_rows(situ)) or unsupported_shape(n_down, n_gate_up // 2, batch)
     if why:
@@ -296,8 +297,7 @@ def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, sit
     if (n_down // tp) % TILE:
         raise Unsupported(f"the fused shared expert's down stores a CTA's {TILE} rows into one owner: N/TP must be a "
                           f"multiple of them (N={n_down}, TP={tp})")
-    kernel = lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ)  # noqa: E731
-    return Variant(plan, lambda: (kernel(),), lambda x, *rest: ((tma_rows(x), *rest),))
+    return engine_variant(lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ), plan)
 
 
 class SharedExpertKernel(GemmKernel):
