@@ -159,13 +159,16 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
 
     ids, weights, latent = unit("moe_front_publish + moe_route_poll", route, front.front,
                                 extra_bytes=front.bias.nbytes)
-    act = unit("gate_up_situ shared gate_up", lambda w: kimi.gate_up_situ(x, w, 1.0, 0.0), front.shared_gate_up)
+    fused = front.fused_shared
+    act = unit("gate_up_situ shared gate_up", lambda w: kimi.gate_up_situ(x, w, 1.0, 0.0), front.shared_gate_up,
+               in_layer=not fused)
     rs_boxes, latent_boxes = boxes.peers("rs", 0), boxes.peers("latent", 0)
-    unit("oproj_push shared down", lambda w: kimi.oproj_push(act, w, rs_boxes, front.parity, 0), front.shared_down)
+    unit("oproj_push shared down", lambda w: kimi.oproj_push(act, w, rs_boxes, front.parity, 0), front.shared_down,
+         in_layer=not fused)
     shared_act, shared_ticket = boxes.shared(0)
     unit("shared_expert_push (the two above, one launch)", lambda g, d: kimi.shared_expert_push(
         x, g, d, 1.0, 0.0, shared_act, shared_ticket, rs_boxes, front.parity, 0, error),
-        front.shared_gate_up, front.shared_down, in_layer=False)
+        front.shared_gate_up, front.shared_down, in_layer=fused)
     shared = kimi.oproj(act, front.shared_down)  # the same rows, for the tail chain's push
     unit("moe_tail_push", lambda: kimi.moe_tail_push(shared, rs_boxes, front.parity, 0), in_layer=False)
     expanded = unit("routed experts (stand-in)", lambda g, d: kimi.routed_experts(latent, ids, g, d, 0, 1),
@@ -287,7 +290,8 @@ def without_pdl(args) -> dict:
         command = [sys.executable, "-m", __spec__.name, "--ours-only", "--json", path,
                    "--expert-intermediate", str(args.expert_intermediate), "--batches", *map(str, args.batches)]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's parent: -m finds it
-        subprocess.run(command + ["--tp8-rank"] * args.tp8_rank, check=True, cwd=root,
+        subprocess.run(command + ["--tp8-rank"] * args.tp8_rank + ["--two-op-shared"] * args.two_op_shared,
+                       check=True, cwd=root,
                        env={**os.environ, "KIMI_OPS_PDL": "0"})
         with open(path) as f:
             return {int(b): us for b, us in json.load(f).items()}
@@ -374,6 +378,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the rows and breakdowns here")
     parser.add_argument("--smoke", action="store_true", help="KimiConfig.tiny(), every path once, no timing")
     parser.add_argument("--replays", type=int, default=1000, help="graph replays checked against eager steps")
+    parser.add_argument("--two-op-shared", action="store_true",
+                        help="the shared expert as gate_up_situ + oproj_push (the A/B of its fused launch)")
     parser.add_argument("--skip-no-pdl", action="store_true", help="no 'ours no PDL' column (its child recompiles all)")
     parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # without_pdl's child
     args = parser.parse_args(argv)
@@ -384,6 +390,8 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_layer times CUDA graphs: it needs a GPU (--smoke runs anywhere)")
     name = "tiny" if args.smoke else "kimi_k3 TP8 rank" if args.tp8_rank else "kimi_k3"
     decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device=device)
+    for layer in decoder.layers:
+        layer[0].front.fused_shared &= not args.two_op_shared
     if args.ours_only:
         times = {b: ours_us(decoder, *inputs(config, b, device)) for b in args.batches}
         with open(args.json, "w") as f:

@@ -51,15 +51,15 @@ def test_decoder_serving_tail_equals_the_split_tail():
             assert torch.equal(serving(x), split(x))
 
 
-def test_decoder_fused_shared_expert_equals_the_two_ops(monkeypatch):
-    """KIMI_OPS_FUSED_SHARED: TP1's shared expert in one launch gives the two ops' bits, eager
-    at 1, 5 and 13 tokens and in 20 CUDA-graph replays (its barrier's counter moving on
-    every replay: the kernel ran, not the reference); reset() restarts the counter."""
-    from kimi_ops.runtime import prepared
-
-    two = KimiDecoder(CONFIG, 3, tp=1, seed=17, device="cuda")
-    monkeypatch.setattr(prepared, "FUSED_SHARED", True)
+def test_decoder_fused_shared_expert_equals_the_two_ops():
+    """TP1's shared expert in one launch (the decoder's default there) gives the two ops'
+    bits, eager at 1, 5 and 13 tokens and in 20 CUDA-graph replays (its barrier's counter
+    moving on every replay: the kernel ran, not the reference); reset() restarts the counter."""
     fused = KimiDecoder(CONFIG, 3, tp=1, seed=17, device="cuda")
+    two = KimiDecoder(CONFIG, 3, tp=1, seed=17, device="cuda")
+    assert all(layer[0].front.fused_shared for layer in fused.layers)
+    for layer in two.layers:
+        layer[0].front.fused_shared = False
     for batch in (1, 5, 13):
         for x in inputs(2, batch, seed=batch):
             assert torch.equal(fused(x), two(x)), batch

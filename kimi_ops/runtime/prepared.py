@@ -2,8 +2,6 @@
 weight shards as buffers, the layer's parities, and the op calls of each kernel family.
 CuTe kernels slot in under the ops; the parts stay as they are."""
 
-import os
-
 import torch
 from torch import nn
 
@@ -14,10 +12,6 @@ from ..ops.oproj import deinterleave_gate_up, interleave_gate_up
 from .boxes import DecodeBoxes
 
 kimi = torch.ops.kimi
-# The shared expert as one launch (kimi::shared_expert_push) where the decoder serves alone
-# (TP1: its grid barrier needs its whole grid resident, which ranks sharing a GPU cannot
-# promise); opt-in until measured on a GPU
-FUSED_SHARED = os.environ.get("KIMI_OPS_FUSED_SHARED", "0") == "1"
 
 
 def shard(w: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
@@ -107,6 +101,11 @@ class PreparedFront(Prepared):
             expert_gate_up=moe.expert_gate_up, expert_down=moe.expert_down,
         )
         self.parity = parity
+        # The shared expert in one launch (kimi::shared_expert_push) where the decoder serves
+        # alone: its grid barrier needs its whole grid resident, which ranks sharing a GPU
+        # cannot promise. At the TP8 rank's shapes it took 67.24 / 78.74 / 107.08 µs a layer
+        # against the two ops' 68.09 / 79.56 / 107.46 at B = 1 / 8 / 64 (benchmarks/NOTES.md).
+        self.fused_shared = tp == 1
 
     def prepare(self, batches, boxes):
         config, tp, rank = self.config, self.tp, self.rank
@@ -120,11 +119,6 @@ class PreparedFront(Prepared):
                             batches, [boxes.peers("rs", rank)])
         backend.prepare("routed_experts", config.latent, self.expert_down.shape[2])
 
-    @property
-    def fused_shared(self) -> bool:
-        """The shared expert in one launch (kimi::shared_expert_push): at TP1, under FUSED_SHARED."""
-        return FUSED_SHARED and self.tp == 1
-
     def publish(self, x, boxes: DecodeBoxes):
         n_logits = self.config.experts // self.tp
         kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
@@ -133,7 +127,7 @@ class PreparedFront(Prepared):
         """Route (polled), this rank's routed experts, then the shared expert with its
         reduce-scatter shards pushed by its down projection's epilogue (after the experts:
         its gate/up streams its weights beside their latency-bound grid; at TP1 in one
-        launch under FUSED_SHARED); returns this rank's expert rows [B, 16, L] and the
+        launch); returns this rank's expert rows [B, 16, L] and the
         routing weights."""
         config, rank = self.config, self.rank
         ids, weights, latent = kimi.moe_route_poll(
