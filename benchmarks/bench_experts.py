@@ -4,7 +4,8 @@ routing (16 distinct experts a token, so the experts a call reads are mostly not
 against the floor of the distinct experts' bytes. The torch forms of the stand-in are in
 benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the floor.
 
-    python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--shapes kimi_k3 tp8_rank]
+    python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--per-sm 1 3]
+                                       [--shapes kimi_k3 tp8_rank]
 """
 
 import argparse
@@ -19,7 +20,7 @@ SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): 
 CALLS = 20
 
 
-def measure(batches, clusters, shapes) -> list[tuple]:
+def measure(batches, clusters, shapes, per_sms=(0,)) -> list[tuple]:
     from kimi_ops.kernels.experts import host as experts
     from kimi_ops.kernels.experts import plan as experts_plan
 
@@ -37,15 +38,17 @@ def measure(batches, clusters, shapes) -> list[tuple]:
             out = latent.new_empty((batch * 16, width))
             floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
             times = []
-            for cluster in clusters:
+            for cluster, per_sm in ((c, p) for c in clusters for p in per_sms):
                 cluster = cluster or experts_plan.cluster_for(width, intermediate, batch, 0)
+                per_sm = per_sm or experts.ctas_per_sm(width, intermediate, cluster, batch, 0)
                 wave = int(experts_plan.releases_at_entry(batch, cluster, 0))
-                launch = experts.compile_routed_experts(width, intermediate, cluster)
+                launch = experts.compile_routed_experts(width, intermediate, cluster, per_sm)
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, batch, 0, count, count,
                     wave), routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
-    print_table(rows, ("shape", "B", *(f"C = {c}" if c else "call's C" for c in clusters), "floor"))
+    columns = [f"{f'C = {c}' if c else 'C call'}, {f'{p}/SM' if p else 'SM call'}" for c in clusters for p in per_sms]
+    print_table(rows, ("shape", "B", *columns, "floor"))
     return rows
 
 
@@ -54,10 +57,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--clusters", type=int, nargs="+", default=[1, 0],
                         help="cluster sizes to time (0: the call's own, cluster_for)")
+    parser.add_argument("--per-sm", type=int, nargs="+", default=[0],
+                        help="CTAs an SM holds at once (0: the call's own, ctas_per_sm)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")
-    measure(args.batches, args.clusters, args.shapes)
+    measure(args.batches, args.clusters, args.shapes, args.per_sm)
 
 
 if __name__ == "__main__":

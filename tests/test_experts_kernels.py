@@ -25,13 +25,15 @@ K3, TINY = (3584, 16, 896), (128, 16, 64)  # (L, I, E): kimi_k3's stand-in, Kimi
 TP8_RANK = (512, 16, 112)  # bench_layer --tp8-rank's: a CTA the expert, 8 chunk groups (4 with no down chunk)
 
 
-@pytest.mark.parametrize("latent, intermediate, cluster", [
-    (3584, 16, None), (3584, 8, None), (128, 16, None), (256, 16, None), (320, 16, None), (64, 8, None),
-    (3584, 16, 1), (3584, 16, 2), (3584, 16, 7), (3584, 16, 8),  # a ring shorter than the stream; two groups
-    # of 224 threads; full warps; 8 groups
+@pytest.mark.parametrize("latent, intermediate, cluster, per_sm", [
+    (3584, 16, None, 1), (3584, 8, None, 1), (128, 16, None, 1), (256, 16, None, 1), (320, 16, None, 1),
+    (64, 8, None, 1),
+    (3584, 16, 1, 1), (3584, 16, 2, 1), (3584, 16, 7, 1), (3584, 16, 8, 1),  # a ring shorter than the stream; two
+    # groups of 224 threads; full warps; 8 groups
+    (512, 16, 1, 3), (512, 16, 1, 2), (128, 16, 1, 4),  # CTAs sharing an SM past one wave (ctas_per_sm)
 ])
-def test_routed_experts_compiles(latent, intermediate, cluster, clean_ptxas):
-    assert experts.compile_routed_experts.build(latent, intermediate, cluster) is not None
+def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, clean_ptxas):
+    assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm) is not None
     clean_ptxas()
 
 

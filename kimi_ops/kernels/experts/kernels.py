@@ -46,7 +46,7 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
 from ...config import TOP_K
-from ..launch import PDL, SMEM_BYTES
+from ..launch import PDL
 from ..packets import (
     butterfly,
     clamp,
@@ -73,14 +73,17 @@ from .plan import (
     MAX_THREADS,
     TOKENS,
     cluster_size,
+    smem_share,
 )
 
 
 class RoutedExperts:
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
-    def __init__(self, latent: int, intermediate: int, cluster: int | None = None):
-        self.latent, self.intermediate = latent, intermediate
+    def __init__(self, latent: int, intermediate: int, cluster: int | None = None, per_sm: int = 1):
+        """``per_sm``: the CTAs an SM is to hold at once (:func:`~.plan.ctas_per_sm`): each
+        takes at most 1/per_sm of its shared memory, threads and registers."""
+        self.latent, self.intermediate, self.per_sm = latent, intermediate, per_sm
         self.cluster = cluster or cluster_size(latent, intermediate)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
         self.packets = self.slice // 8  # P: a slice row's packets
@@ -93,14 +96,14 @@ class RoutedExperts:
         self.slot_words = GATE_ROWS * self.row_words
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
         # the whole slice in flight where it fits (a B ≤ 8 step is the stream's latency)
-        self.depth = max(d for d in range(1, self.chunks + 1) if self.smem_bytes(d) <= SMEM_BYTES)
+        self.depth = max(d for d in range(1, self.chunks + 1) if self.smem_bytes(d) <= smem_share(per_sm))
         # With the whole slice in flight, groups of P threads take chunks g, g + G, … at once
         # (a chunk's serial ~400 clocks, benchmarks/NOTES.md, G times fewer); a ring shorter
         # than the stream is one group's, its slots re-issued in chunk order
         self.groups = 1
         if self.depth == self.chunks:
             self.groups = max(g for g in range(1, self.gate_chunks + 1)
-                              if self.gate_chunks % g == 0 and g * self.group_threads <= MAX_THREADS)
+                              if self.gate_chunks % g == 0 and g * self.group_threads <= MAX_THREADS // per_sm)
         self.threads = self.groups * self.group_threads
         self.warps = self.threads // 32
 
@@ -122,7 +125,7 @@ class RoutedExperts:
         1 where the pairs served are one wave (:func:`~.plan.releases_at_entry`)."""
         self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, wave).launch(
             grid=[batch * TOP_K * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
-            stream=stream, use_pdl=PDL)
+            stream=stream, use_pdl=PDL, **shares_sm(self.per_sm))
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
@@ -353,6 +356,12 @@ class RoutedExperts:
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
         counts = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
         return ExpertsSpace(ring, full, xs, parts, received, hidden, acts, masks, matched, counts)
+
+
+def shares_sm(per_sm: int) -> dict:
+    """Launch attributes of a CTA that shares its SM: ptxas's register target (the carveout
+    attribute lets it compile without a device: tail/fronts.py); none for a CTA an SM."""
+    return {"min_blocks_per_mp": per_sm, "preferred_smem_carveout": -1} if per_sm > 1 else {}
 
 
 class ExpertsSpace(NamedTuple):

@@ -4,7 +4,7 @@ grid fits the SMs, the bounds of a variant."""
 import functools
 
 from ...config import TOP_K
-from ..launch import multiprocessors
+from ..launch import SMEM_BYTES, multiprocessors
 
 GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)
 MAX_CLUSTER = 8  # portable cluster size
@@ -13,6 +13,8 @@ MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
 MAX_THREADS = 512  # a CTA's chunk groups (kernels.RoutedExperts.groups): 128 registers a thread
+MAX_PER_SM = 4  # CTAs an SM holds at once past one wave (ctas_per_sm)
+SM_SHARED = SMEM_BYTES + 1024  # an SM's shared memory; each resident CTA's share keeps 1 KB for the system
 
 
 # The most of an expert's bytes one CTA streams: past it a pair takes a cluster (bench_experts,
@@ -53,3 +55,9 @@ def releases_at_entry(batch: int, cluster: int, device: int, tp: int = 1) -> boo
     (bench_layer at the TP8 rank against a release at the end: 67.9 / 78.8 / 107.2 against
     68.3 / 81.5 / 107.0 µs at B = 1 / 8 / 64, benchmarks/NOTES.md)."""
     return one_wave(batch, cluster, device, tp)
+
+
+def smem_share(per_sm: int) -> int:
+    """The shared bytes a CTA may take so that ``per_sm`` of them are resident on an SM."""
+    return SM_SHARED // per_sm - 1024
+
