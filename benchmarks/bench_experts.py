@@ -40,7 +40,7 @@ def measure(batches, clusters, shapes, per_sms=(0,)) -> list[tuple]:
             times = []
             for cluster, per_sm in ((c, p) for c in clusters for p in per_sms):
                 cluster = cluster or experts_plan.cluster_for(width, intermediate, batch, 0)
-                per_sm = per_sm or experts.ctas_per_sm(width, intermediate, cluster, batch, 0)
+                per_sm = per_sm or experts_plan.ctas_per_sm(batch, cluster, 0)
                 wave = int(experts_plan.releases_at_entry(batch, cluster, 0))
                 launch = experts.compile_routed_experts(width, intermediate, cluster, per_sm)
                 times.append(graph_us(rotating(lambda ids: launch(

@@ -30,7 +30,7 @@ TP8_RANK = (512, 16, 112)  # bench_layer --tp8-rank's: a CTA the expert, 8 chunk
     (64, 8, None, 1),
     (3584, 16, 1, 1), (3584, 16, 2, 1), (3584, 16, 7, 1), (3584, 16, 8, 1),  # a ring shorter than the stream; two
     # groups of 224 threads; full warps; 8 groups
-    (512, 16, 1, 3), (512, 16, 1, 2), (128, 16, 1, 4),  # CTAs sharing an SM past one wave (ctas_per_sm)
+    (3584, 16, 1, 2), (512, 16, 1, 2),  # two CTAs an SM past one wave (ctas_per_sm): a ring of 2; 4 groups
 ])
 def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, clean_ptxas):
     assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm) is not None
@@ -49,6 +49,9 @@ def test_cluster_size(monkeypatch):
     assert [experts_plan.releases_at_entry(b, experts_plan.cluster_for(3584, 16, b, 0), 0) for b in (1, 2, 8, 9)] \
         == [True, True, True, False]
     assert [experts_plan.releases_at_entry(b, 1, 0, 8) for b in (64, 66, 67)] == [True, True, False]
+    # two CTAs an SM past one wave
+    assert [experts_plan.ctas_per_sm(b, 1, 0) for b in (1, 8, 9, 64)] == [1, 1, 2, 2]
+    assert [experts_plan.ctas_per_sm(b, 4, 0) for b in (2, 3)] == [1, 2]
     assert experts_plan.cluster_size(3584, 16) == 4 and experts_plan.cluster_size(3584, 8) == 2
     assert experts_plan.cluster_size(512, 16) == 1 and experts_plan.cluster_size(4096, 16) == 4
     for latent in range(64, 4097, 64):
@@ -62,14 +65,14 @@ def test_cluster_size(monkeypatch):
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
-            for cluster in (None, 1):
-                kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster)
+            for cluster, per_sm in ((None, 1), (1, 1), (1, experts_plan.PAST_WAVE_PER_SM)):
+                kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm)
                 group = kernel.group_threads
                 assert group % 32 == 0 and kernel.packets <= group < kernel.packets + 32
                 # groups take whole gate chunks at once only with the whole slice in flight
                 assert kernel.gate_chunks % kernel.groups == 0 and kernel.threads == kernel.groups * group
                 assert kernel.groups == 1 or kernel.depth == kernel.chunks
-                assert kernel.threads <= max(experts_plan.MAX_THREADS, group)
+                assert kernel.threads <= max(experts_plan.MAX_THREADS // per_sm, group)
                 assert kernel.slice * kernel.cluster == latent and kernel.packets * 8 == kernel.slice
                 assert kernel.row_threads * experts_plan.GATE_ROWS == kernel.packets
                 assert kernel.gate_chunks * experts_plan.GATE_ROWS == 2 * intermediate  # every gate/up row once
@@ -77,7 +80,8 @@ def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
                 assert down_chunks * 4 * kernel.slice == kernel.slice * intermediate
                 assert kernel.down_rows * intermediate == 32  # a thread's 4 packets: whole down rows
                 assert kernel.packets * kernel.down_rows * down_chunks == kernel.slice  # every output row once
-                assert 1 <= kernel.depth <= kernel.chunks and kernel.smem_bytes() <= SMEM_BYTES
+                assert 1 <= kernel.depth <= kernel.chunks and kernel.smem_bytes() <= experts_plan.smem_share(per_sm)
+                assert per_sm * (kernel.smem_bytes() + 1024) <= SMEM_BYTES + 1024  # an SM's 228 KB
             assert experts_kernels.RoutedExperts(latent, intermediate).depth == kernel.chunks  # the whole slice in flight
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
     assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference

@@ -18,19 +18,18 @@ from .plan import (
     MAX_BATCH,
     MAX_INTERMEDIATE,
     MAX_LATENT,
-    MAX_PER_SM,
+    PAST_WAVE_PER_SM,
     cluster_for,
     cluster_size,
-    one_wave,
+    ctas_per_sm,
     releases_at_entry,
-    smem_share,
 )
 
 
 @compiled
 def compile_routed_experts(latent: int, intermediate: int, cluster: int | None = None, per_sm: int = 1):
     """``cluster``: C (:func:`cluster_for`; None: :func:`cluster_size`'s); ``per_sm``:
-    :func:`ctas_per_sm`'s."""
+    :func:`~.plan.ctas_per_sm`'s."""
     tokens, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
         RoutedExperts(latent, intermediate, cluster, per_sm), fake(BFloat16, (tokens, latent)),
@@ -52,24 +51,10 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
     return None
 
 
-@functools.cache
-def ctas_per_sm(latent: int, intermediate: int, cluster: int, batch: int, device: int, tp: int = 1) -> int:
-    """A call's CTAs an SM holds at once: one while the pairs served are one wave (each CTA
-    its SM's whole share: the shortest latency), else the most (up to MAX_PER_SM) whose
-    share still holds the whole slice in flight. Past one wave most pairs' CTAs end at once,
-    and a serving CTA's latency (its stream, its barriers, the cluster's exchange) leaves
-    the SM's FP64 conversions idle: CTAs that share an SM hide both."""
-    if one_wave(batch, cluster, device, tp):
-        return 1
-    kernel = RoutedExperts(latent, intermediate, cluster)
-    whole = kernel.smem_bytes(kernel.chunks)
-    return max(p for p in range(1, MAX_PER_SM + 1) if p == 1 or whole <= smem_share(p))
-
-
 @functools.cache  # asked by unsupported and the call: built once a shape
 def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int = 1) -> Variant:
     """A call's variant: L, I, the CTAs a (token group, expert) pair takes and the CTAs an
-    SM holds (its plan; :func:`~.plan.cluster_for` and :func:`ctas_per_sm` pick them per
+    SM holds (its plan; :func:`~.plan.cluster_for` and :func:`~.plan.ctas_per_sm` pick them per
     call); the kernel takes the adapter's arguments. Unsupported (why) where it does not
     take the shape."""
     why = unsupported_shape(latent, intermediate, batch)
@@ -85,8 +70,7 @@ class RoutedExpertsKernel:
 
     def prepare(self, latent: int, intermediate: int) -> None:
         if unsupported_shape(latent, intermediate, 0) is None:  # cluster_size needs a shape the kernel takes
-            variants = {(cluster_size(latent, intermediate), 1), (1, 1),
-                        (1, ctas_per_sm(latent, intermediate, 1, MAX_BATCH, 0))}  # past one wave: C = 1
+            variants = {(cluster_size(latent, intermediate), 1), (1, 1), (1, PAST_WAVE_PER_SM)}  # past one wave: C = 1
             prepare_all(lambda key=key: experts_variant(latent, intermediate, 0, *key) for key in sorted(variants))
 
     def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
@@ -102,7 +86,7 @@ class RoutedExpertsKernel:
         if batch:
             device = latent.device.index
             cluster = cluster_for(width, intermediate, batch, device, tp)
-            per_sm = ctas_per_sm(width, intermediate, cluster, batch, device, tp)
+            per_sm = ctas_per_sm(batch, cluster, device, tp)
             experts_variant(width, intermediate, batch, cluster, per_sm).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
                 rank, experts // tp, experts, int(releases_at_entry(batch, cluster, device, tp)))

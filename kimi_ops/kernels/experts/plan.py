@@ -13,7 +13,7 @@ MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
 MAX_THREADS = 512  # a CTA's chunk groups (kernels.RoutedExperts.groups): 128 registers a thread
-MAX_PER_SM = 4  # CTAs an SM holds at once past one wave (ctas_per_sm)
+PAST_WAVE_PER_SM = 2  # CTAs an SM holds at once past one wave (ctas_per_sm)
 SM_SHARED = SMEM_BYTES + 1024  # an SM's shared memory; each resident CTA's share keeps 1 KB for the system
 
 
@@ -57,7 +57,17 @@ def releases_at_entry(batch: int, cluster: int, device: int, tp: int = 1) -> boo
     return one_wave(batch, cluster, device, tp)
 
 
+def ctas_per_sm(batch: int, cluster: int, device: int, tp: int = 1) -> int:
+    """A call's CTAs an SM holds at once: one while the pairs served are one wave (each CTA
+    its SM's whole share: the shortest latency), else PAST_WAVE_PER_SM. Past one wave most
+    pairs' CTAs end at once, and a serving CTA's latency (its stream, its barriers) leaves
+    its SM idle unless another CTA shares it: kimi_k3 (L = 3584, 220 KB a CTA alone) at
+    B = 64 took 99.3 µs so against 117.8 (3/SM: 157.2); a TP8 rank's (L = 512: 61 KB and 64
+    registers a thread, so two CTAs an SM already) 18.0 against 18.2 (bench_experts,
+    benchmarks/NOTES.md)."""
+    return 1 if one_wave(batch, cluster, device, tp) else PAST_WAVE_PER_SM
+
+
 def smem_share(per_sm: int) -> int:
     """The shared bytes a CTA may take so that ``per_sm`` of them are resident on an SM."""
     return SM_SHARED // per_sm - 1024
-
