@@ -63,6 +63,14 @@ def prepare(name: str, *key) -> None:
         kernel.prepare(*key)
 
 
+def prefers(name: str, *key) -> bool:
+    """Whether op ``name``'s kernel is the faster form of its computation at shapes ``key``
+    (its ``prefers``: an op that fuses others'); False without one or under the reference
+    backend, where the ops it fuses serve alike."""
+    kernel = KERNELS.get(name)
+    return kernel is not None and selected() != "reference" and kernel.prefers(*key)
+
+
 def cuda_impl(name: str, reference: Callable) -> Callable:
     """The CUDA kernel of op ``name``: its CuTe kernel where it applies, else ``reference``."""
 

@@ -81,6 +81,16 @@ def test_shared_expert_grid_is_one_size_and_resident():
             assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 <= SMEM_BYTES  # barriers, ring, target
 
 
+def test_fused_shared_expert_preferred_where_the_push_takes_the_whole_k():
+    """The decoder's choice (backend.prefers): the TP8 rank's down (K = 768) and tiny's,
+    whose push runs one CTA over the whole K as the fused down does, not kimi_k3 TP1's
+    (K = 6144: the push splits K)."""
+    kernel = gemm.SharedExpertKernel()
+    assert kernel.prefers(2 * 768, 7168, 7168) and kernel.prefers(2 * 192, 256, 256)
+    assert not kernel.prefers(12288, 7168, 7168)
+    assert not kernel.prefers(2 * 768, 7168, 7164)  # no plan of the push (N % 8): no fused op either
+
+
 def test_situ_epilogue_plans_own_whole_gate_up_pairs():
     """Every TP's shared gate/up shape at every bucket: a CTA owns whole 16-row pairs (TP16's
     default plan owns 8 rows a CTA: the situ plan splits otherwise)."""

@@ -102,10 +102,11 @@ class PreparedFront(Prepared):
         )
         self.parity = parity
         # The shared expert in one launch (kimi::shared_expert_push) where the decoder serves
-        # alone: its grid barrier needs its whole grid resident, which ranks sharing a GPU
-        # cannot promise. At the TP8 rank's shapes it took 67.24 / 78.74 / 107.08 µs a layer
-        # against the two ops' 68.09 / 79.56 / 107.46 at B = 1 / 8 / 64 (benchmarks/NOTES.md).
-        self.fused_shared = tp == 1
+        # alone (its grid barrier needs its whole grid resident, which ranks sharing a GPU
+        # cannot promise) and where its kernel is the faster form (the TP8 rank's shapes, not
+        # kimi_k3's: SharedExpertKernel.prefers)
+        self.fused_shared = tp == 1 and backend.prefers("shared_expert_push", *self.shared_gate_up.shape,
+                                                        self.shared_down.shape[0])
 
     def prepare(self, batches, boxes):
         config, tp, rank = self.config, self.tp, self.rank
@@ -126,8 +127,8 @@ class PreparedFront(Prepared):
     def run(self, x, boxes: DecodeBoxes):
         """Route (polled), this rank's routed experts, then the shared expert with its
         reduce-scatter shards pushed by its down projection's epilogue (after the experts:
-        its gate/up streams its weights beside their latency-bound grid; at TP1 in one
-        launch); returns this rank's expert rows [B, 16, L] and the
+        its gate/up streams its weights beside their latency-bound grid; in one launch where
+        ``fused_shared``); returns this rank's expert rows [B, 16, L] and the
         routing weights."""
         config, rank = self.config, self.rank
         ids, weights, latent = kimi.moe_route_poll(

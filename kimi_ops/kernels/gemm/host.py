@@ -317,6 +317,17 @@ class SharedExpertKernel(GemmKernel):
         return reason(lambda: self.variant(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, *rest)) \
             or hopper(x)
 
+    def prefers(self, n_gate_up: int, k: int, n_down: int) -> bool:
+        """Where the push's own plan also takes the whole K in one CTA at every bucket (as the
+        fused down does): one launch and one wave less, the same down. Where the push splits K
+        it streams faster than the fused one-CTA tiles: at kimi_k3 TP1 (K = 6144) the fused op
+        took 65.3 / 65.8 / 78.8 µs against the two ops' 62.6 / 63.3 / 75.0 at B = 1 / 8 / 64;
+        at the TP8 rank (K = 768, split 1) the layer 67.2 / 78.7 / 107.1 against 68.1 / 79.6 /
+        107.5 (benchmarks/NOTES.md)."""
+        pushes = [partition(n_down, n_gate_up // 2, tokens) for tokens in TOKEN_TILES]
+        return all(parts is not None and parts[1] == 1 for parts in pushes) and all(
+            reason(lambda tokens=tokens: shared_plan(n_gate_up, k, n_down, tokens)) is None for tokens in TOKEN_TILES)
+
     def prepare(self, n_gate_up: int, k: int, n_down: int, beta: float, linear_beta: float, tp: int, batches=None,
                 peer_lists=()) -> None:
         prepare_all(lambda tokens=tokens: shared_variant(n_gate_up, k, n_down, tokens, tp,
