@@ -4,8 +4,8 @@ routing (16 distinct experts a token, so the experts a call reads are mostly not
 against the floor of the distinct experts' bytes. The torch forms of the stand-in are in
 benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the floor.
 
-    python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--per-sm 1 3]
-                                       [--shapes kimi_k3 tp8_rank]
+    python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--per-sm 1 2]
+                                       [--tokens 1 4] [--shapes kimi_k3 tp8_rank]
 """
 
 import argparse
@@ -20,7 +20,9 @@ SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): 
 CALLS = 20
 
 
-def measure(batches, clusters, shapes, per_sms=(0,)) -> list[tuple]:
+def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,)) -> list[tuple]:
+    """Columns: every (C, CTAs an SM, T) of the lists (0: the call's own, call_plan's; a
+    bare letter in the header)."""
     from kimi_ops.kernels.experts import host as experts
     from kimi_ops.kernels.experts import plan as experts_plan
 
@@ -38,16 +40,16 @@ def measure(batches, clusters, shapes, per_sms=(0,)) -> list[tuple]:
             out = latent.new_empty((batch * 16, width))
             floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
             times = []
-            for cluster, per_sm in ((c, p) for c in clusters for p in per_sms):
-                cluster = cluster or experts_plan.cluster_for(width, intermediate, batch, 0)
-                per_sm = per_sm or experts_plan.ctas_per_sm(batch, cluster, 0)
-                wave = int(experts_plan.releases_at_entry(batch, cluster, 0))
-                launch = experts.compile_routed_experts(width, intermediate, cluster, per_sm)
+            plan = experts_plan.call_plan(width, intermediate, batch, 0)
+            for cluster, per_sm, tokens in ((c, p, t) for c in clusters for p in per_sms for t in tokens_list):
+                cluster, per_sm, tokens = cluster or plan.cluster, per_sm or plan.per_sm, tokens or plan.tokens
+                launch = experts.compile_routed_experts(width, intermediate, cluster, per_sm, tokens)
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, batch, 0, count, count,
-                    wave), routings), calls=CALLS))
+                    int(experts_plan.releases_at_entry(batch, cluster, 0))), routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
-    columns = [f"{f'C = {c}' if c else 'C call'}, {f'{p}/SM' if p else 'SM call'}" for c in clusters for p in per_sms]
+    columns = [f"{f'C={c}' if c else 'C'} {f'{p}/SM' if p else '-/SM'} {f'T={t}' if t else 'T'}"
+               for c in clusters for p in per_sms for t in tokens_list]
     print_table(rows, ("shape", "B", *columns, "floor"))
     return rows
 
@@ -56,13 +58,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--clusters", type=int, nargs="+", default=[1, 0],
-                        help="cluster sizes to time (0: the call's own, cluster_for)")
+                        help="cluster sizes to time (0: the call's own, call_plan)")
     parser.add_argument("--per-sm", type=int, nargs="+", default=[0],
-                        help="CTAs an SM holds at once (0: the call's own, ctas_per_sm)")
+                        help="CTAs an SM holds at once (0: the call's own, call_plan)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[0],
+                        help="the most of an expert's tokens a CTA serves (0: the call's own)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")
-    measure(args.batches, args.clusters, args.shapes, args.per_sm)
+    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ TP8_RANK = (512, 16, 112)  # bench_layer --tp8-rank's: a CTA the expert, 8 chunk
     (64, 8, None, 1),
     (3584, 16, 1, 1), (3584, 16, 2, 1), (3584, 16, 7, 1), (3584, 16, 8, 1),  # a ring shorter than the stream; two
     # groups of 224 threads; full warps; 8 groups
-    (3584, 16, 1, 2), (512, 16, 1, 2),  # two CTAs an SM past one wave (ctas_per_sm): a ring of 2; 4 groups
+    (3584, 16, 1, 2), (512, 16, 1, 2),  # two CTAs an SM past one wave (call_plan): a ring of 2; 4 groups
 ])
-def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, clean_ptxas):
-    assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm) is not None
+@pytest.mark.parametrize("tokens", [1, experts_plan.TOKENS])
+def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, clean_ptxas):
+    """T = 1 (a CTA a pair in one wave: no count of the tokens before) and TOKENS."""
+    assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm, tokens) is not None
     clean_ptxas()
 
 
@@ -49,9 +51,12 @@ def test_cluster_size(monkeypatch):
     assert [experts_plan.releases_at_entry(b, experts_plan.cluster_for(3584, 16, b, 0), 0) for b in (1, 2, 8, 9)] \
         == [True, True, True, False]
     assert [experts_plan.releases_at_entry(b, 1, 0, 8) for b in (64, 66, 67)] == [True, True, False]
-    # two CTAs an SM past one wave
-    assert [experts_plan.ctas_per_sm(b, 1, 0) for b in (1, 8, 9, 64)] == [1, 1, 2, 2]
-    assert [experts_plan.ctas_per_sm(b, 4, 0) for b in (2, 3)] == [1, 2]
+    # in one wave a CTA an SM serving one token; past it two an SM serving up to TOKENS
+    one, past = (1, 1, True), (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False)
+    plans = [experts_plan.call_plan(3584, 16, b, 0) for b in (1, 2, 3, 8, 9, 64)]
+    assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1]
+    assert [p[1:] for p in plans] == [one, one, one, one, past, past]
+    assert [experts_plan.call_plan(512, 16, b, 0, 8)[1:] for b in (66, 67)] == [one, past]
     assert experts_plan.cluster_size(3584, 16) == 4 and experts_plan.cluster_size(3584, 8) == 2
     assert experts_plan.cluster_size(512, 16) == 1 and experts_plan.cluster_size(4096, 16) == 4
     for latent in range(64, 4097, 64):
@@ -65,8 +70,9 @@ def test_cluster_size(monkeypatch):
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
-            for cluster, per_sm in ((None, 1), (1, 1), (1, experts_plan.PAST_WAVE_PER_SM)):
-                kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm)
+            for cluster, per_sm, tokens in ((None, 1, 1), (1, 1, 1), (1, 1, experts_plan.TOKENS),
+                                            (1, experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS)):
+                kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm, tokens)
                 group = kernel.group_threads
                 assert group % 32 == 0 and kernel.packets <= group < kernel.packets + 32
                 # groups take whole gate chunks at once only with the whole slice in flight

@@ -18,21 +18,19 @@ from .plan import (
     MAX_BATCH,
     MAX_INTERMEDIATE,
     MAX_LATENT,
-    PAST_WAVE_PER_SM,
-    cluster_for,
-    cluster_size,
-    ctas_per_sm,
-    releases_at_entry,
+    TOKENS,
+    call_plan,
 )
 
 
 @compiled
-def compile_routed_experts(latent: int, intermediate: int, cluster: int | None = None, per_sm: int = 1):
-    """``cluster``: C (:func:`cluster_for`; None: :func:`cluster_size`'s); ``per_sm``:
-    :func:`~.plan.ctas_per_sm`'s."""
-    tokens, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
+def compile_routed_experts(latent: int, intermediate: int, cluster: int | None = None, per_sm: int = 1,
+                           tokens: int = TOKENS):
+    """``cluster``: C (:func:`~.plan.cluster_for`; None: :func:`~.plan.cluster_size`'s); ``per_sm``,
+    ``tokens``: :func:`~.plan.call_plan`'s."""
+    batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
-        RoutedExperts(latent, intermediate, cluster, per_sm), fake(BFloat16, (tokens, latent)),
+        RoutedExperts(latent, intermediate, cluster, per_sm, tokens), fake(BFloat16, (batch, latent)),
         fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
         fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), fake_stream(),
         options=compile_options(),
@@ -52,15 +50,16 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
 
 
 @functools.cache  # asked by unsupported and the call: built once a shape
-def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int = 1) -> Variant:
-    """A call's variant: L, I, the CTAs a (token group, expert) pair takes and the CTAs an
-    SM holds (its plan; :func:`~.plan.cluster_for` and :func:`~.plan.ctas_per_sm` pick them per
-    call); the kernel takes the adapter's arguments. Unsupported (why) where it does not
-    take the shape."""
+def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int = 1,
+                    tokens: int = TOKENS) -> Variant:
+    """A call's variant: L, I, and its :class:`~.plan.CallPlan`'s CTAs a pair, CTAs an SM
+    and tokens a CTA (:func:`~.plan.call_plan` picks them per call); the kernel takes the
+    adapter's arguments. Unsupported (why) where it does not take the shape."""
     why = unsupported_shape(latent, intermediate, batch)
     if why:
         raise Unsupported(why)
-    return single(lambda: compile_routed_experts(latent, intermediate, cluster, per_sm), (cluster, per_sm))
+    return single(lambda: compile_routed_experts(latent, intermediate, cluster, per_sm, tokens),
+                  (cluster, per_sm, tokens))
 
 
 class RoutedExpertsKernel:
@@ -70,8 +69,9 @@ class RoutedExpertsKernel:
 
     def prepare(self, latent: int, intermediate: int) -> None:
         if unsupported_shape(latent, intermediate, 0) is None:  # cluster_size needs a shape the kernel takes
-            variants = {(cluster_size(latent, intermediate), 1), (1, 1), (1, PAST_WAVE_PER_SM)}  # past one wave: C = 1
-            prepare_all(lambda key=key: experts_variant(latent, intermediate, 0, *key) for key in sorted(variants))
+            # every TP's calls take these keys (cluster_size's or 1 a pair; one wave or past it)
+            keys = {call_plan(latent, intermediate, batch, 0).variant for batch in range(1, MAX_BATCH + 1)}
+            prepare_all(lambda key=key: experts_variant(latent, intermediate, 0, *key) for key in sorted(keys))
 
     def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
         why = reason(lambda: experts_variant(latent.shape[1], down.shape[2], latent.shape[0], 1))
@@ -84,12 +84,10 @@ class RoutedExpertsKernel:
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
-            device = latent.device.index
-            cluster = cluster_for(width, intermediate, batch, device, tp)
-            per_sm = ctas_per_sm(batch, cluster, device, tp)
-            experts_variant(width, intermediate, batch, cluster, per_sm).run(
+            plan = call_plan(width, intermediate, batch, latent.device.index, tp)
+            experts_variant(width, intermediate, batch, *plan.variant).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
-                rank, experts // tp, experts, int(releases_at_entry(batch, cluster, device, tp)))
+                rank, experts // tp, experts, int(plan.wave))
         return out
 
 

@@ -3,10 +3,10 @@
 One cluster of C CTAs a (token, expert) pair: the grid is B·16·C CTAs, which the hardware
 hands to SMs as others end (a balanced schedule, no persistent loop). For pair (b, k),
 expert e = ids[b, k]: if e is this rank's, k is e's first slot in token b, and b is e's
-token number 0, TOKENS, 2·TOKENS, … (token-major; the CTA's threads count the tokens
-before it that hold e), the cluster serves e for that token and the next TOKENS − 1
+token number 0, T, 2·T, … (token-major; the CTA's threads count the tokens before it
+that hold e; T: ``tokens``), the cluster serves e for that token and the next T − 1
 routed to it; any other pair of e ends at once. So each routed expert's weights are read
-once a step per TOKENS of its tokens, with no gather and no sort, and a popular expert's
+once a step per T of its tokens, with no gather and no sort, and a popular expert's
 tokens spread over clusters. CTA r of a cluster takes 1/C of L (:func:`cluster_size`):
 gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 sums (about
 6 µs on one SM at L = 3584: the FP32 → FP64 conversions, benchmarks/NOTES.md) and the
@@ -34,7 +34,7 @@ packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflic
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
 (4 packets). The serve first issues the
 ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
-tokens in order, up to TOKENS) and copies their latent rows into shared memory once
+tokens in order, up to T) and copies their latent rows into shared memory once
 (cp.async): every gate/up chunk reads them there, not from L2.
 """
 
@@ -80,10 +80,12 @@ from .plan import (
 class RoutedExperts:
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
-    def __init__(self, latent: int, intermediate: int, cluster: int | None = None, per_sm: int = 1):
-        """``per_sm``: the CTAs an SM is to hold at once (:func:`~.plan.ctas_per_sm`): each
-        takes at most 1/per_sm of its shared memory, threads and registers."""
-        self.latent, self.intermediate, self.per_sm = latent, intermediate, per_sm
+    def __init__(self, latent: int, intermediate: int, cluster: int | None = None, per_sm: int = 1,
+                 tokens: int = TOKENS):
+        """``per_sm``: the CTAs an SM is to hold at once (:func:`~.plan.call_plan`): each
+        takes at most 1/per_sm of its shared memory, threads and registers; ``tokens``: T, the
+        most of an expert's tokens a CTA serves (:func:`~.plan.call_plan`)."""
+        self.latent, self.intermediate, self.per_sm, self.tokens = latent, intermediate, per_sm, tokens
         self.cluster = cluster or cluster_size(latent, intermediate)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
         self.packets = self.slice // 8  # P: a slice row's packets
@@ -110,10 +112,10 @@ class RoutedExperts:
     def smem_bytes(self, depth: int | None = None) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned) with a ring of ``depth``."""
         depth = depth or self.depth
-        pieces = (4 * depth * self.slot_words, 8 * depth, 16 * TOKENS * self.packets,
-                  8 * TOKENS * 2 * self.intermediate * self.group_warps,
-                  8 * TOKENS * 2 * self.intermediate * self.cluster,
-                  4 * TOKENS * 2 * self.intermediate, 4 * TOKENS * self.intermediate, 4 * MAX_BATCH,
+        pieces = (4 * depth * self.slot_words, 8 * depth, 16 * self.tokens * self.packets,
+                  8 * self.tokens * 2 * self.intermediate * self.group_warps,
+                  8 * self.tokens * 2 * self.intermediate * self.cluster,
+                  4 * self.tokens * 2 * self.intermediate, 4 * self.tokens * self.intermediate, 4 * MAX_BATCH,
                   4 * (1 + MAX_BATCH), 4 * 32)
         return sum(-(-piece // 16) * 16 for piece in pieces)
 
@@ -171,34 +173,36 @@ class RoutedExperts:
     @cute.jit
     def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:
         """1 if slot k of token b (``pair``) is ``expert``'s first in b and the tokens before b
-        that hold it are a multiple of TOKENS: the CTA's warps count them by ballots (the
+        that hold it are a multiple of T: the CTA's warps count them by ballots (the
         barrier before the warps' sum also publishes the ring's initialized barriers)."""
         token, slot = pair // TOP_K, pair % TOP_K
         warp, lane = tid // 32, tid % 32
-        before = Int32(0)  # lane 0's running count of the warp's tokens
-        for base in cutlass.range(0, token, self.threads, unroll=1):
-            b = base + tid
-            hit = Int32(0)
-            if b < token:
-                if slot_mask(ids, b, expert) != 0:
-                    hit = Int32(1)
-            before = before + cute.arch.popc(cute.arch.vote_ballot_sync(hit != 0))
-        if lane == 0:
-            counts[warp] = before
+        total = Int32(0)  # the tokens before ours that hold the expert (T = 1: every token leads)
+        if cutlass.const_expr(self.tokens > 1):
+            before = Int32(0)  # lane 0's running count of the warp's tokens
+            for base in cutlass.range(0, token, self.threads, unroll=1):
+                b = base + tid
+                hit = Int32(0)
+                if b < token:
+                    if slot_mask(ids, b, expert) != 0:
+                        hit = Int32(1)
+                before = before + cute.arch.popc(cute.arch.vote_ballot_sync(hit != 0))
+            if lane == 0:
+                counts[warp] = before
         # an earlier slot of the token holds the expert (a repeated id)
         earlier = slot_mask(ids, token, expert) & ((Int32(1) << slot) - Int32(1))
         cute.arch.sync_threads()
-        total = Int32(0)
-        for w in cutlass.range_constexpr(self.warps):
-            total = total + counts[w]
+        if cutlass.const_expr(self.tokens > 1):
+            for w in cutlass.range_constexpr(self.warps):
+                total = total + counts[w]
         leads = Int32(0)
-        if (earlier == 0) & (total % TOKENS == 0):
+        if (earlier == 0) & (total % self.tokens == 0):
             leads = Int32(1)
         return leads
 
     @cute.jit
     def serve(self, latent, ids, gate_up, down, out, batch, expert, token, part, tid, space):
-        """``token`` and the next TOKENS − 1 tokens routed to ``expert`` (their masks: which
+        """``token`` and the next T − 1 tokens routed to ``expert`` (their masks: which
         of a token's 16 slots hold it): our slice's stream, steps 1-3."""
         ring, full, xs, parts, received, hidden, acts, masks, matched, _ = space
         policy = l2_evict_first()
@@ -208,7 +212,7 @@ class RoutedExperts:
         for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
             masks[b] = slot_mask(ids, b, expert)
         cute.arch.sync_threads()  # the masks
-        if tid < 32:  # the matched tokens in order: matched[0] their count (up to TOKENS), matched[1 + n] the n-th
+        if tid < 32:  # the matched tokens in order: matched[0] their count (up to T), matched[1 + n] the n-th
             count = Int32(0)
             for start in cutlass.range(token, batch, 32, unroll=1):
                 b = start + tid
@@ -221,7 +225,7 @@ class RoutedExperts:
                     matched[1 + count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1)))] = b
                 count = count + cute.arch.popc(ballot)
             if tid == 0:
-                matched[0] = clamp(count, Int32(TOKENS))
+                matched[0] = clamp(count, Int32(self.tokens))
         cute.arch.sync_threads()
         self.stash_latent(latent, xs, matched, part, tid)  # every gate/up chunk reads them
         group, local = tid // self.group_threads, tid % self.group_threads
@@ -262,7 +266,7 @@ class RoutedExperts:
 
     @cute.jit
     def stash_latent(self, latent, xs, matched, part, tid):
-        """Slice ``part`` of the matched tokens' latent rows into ``xs`` [TOKENS, P] packets:
+        """Slice ``part`` of the matched tokens' latent rows into ``xs`` [T, P] packets:
         cp.async, all in flight at once, then the barrier."""
         for item in cutlass.range(tid, matched[0] * self.packets, self.threads, unroll=1):
             n, c = item // self.packets, item % self.packets
@@ -292,22 +296,22 @@ class RoutedExperts:
 
     @cute.jit
     def activate(self, parts, received, hidden, acts, part, tid):
-        """Steps 1-2's ends for the TOKENS token slots (unused slots: values never stored):
+        """Steps 1-2's ends for the T token slots (unused slots: values never stored):
         our slice's sums (the warps in order) to every CTA of the cluster, their sum in rank
         order."""
         double = 2 * self.intermediate
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
-        for item in cutlass.range(tid, TOKENS * double, self.threads, unroll=1):
+        for item in cutlass.range(tid, self.tokens * double, self.threads, unroll=1):
             total = Float64(0.0)
             for w in cutlass.range_constexpr(self.group_warps):
                 total += parts[item // double, item % double, w]
             send_to_cluster(received, item, total, part, self.cluster)
         cluster_barrier(self.cluster)
-        for item in cutlass.range(tid, TOKENS * double, self.threads, unroll=1):
+        for item in cutlass.range(tid, self.tokens * double, self.threads, unroll=1):
             hidden[item // double, item % double] = Float32(cluster_total(received, item, self.cluster))
         cute.arch.sync_threads()
-        for item in cutlass.range(tid, TOKENS * self.intermediate, self.threads, unroll=1):
+        for item in cutlass.range(tid, self.tokens * self.intermediate, self.threads, unroll=1):
             n, j = item // self.intermediate, item % self.intermediate
             gate = Float32(BFloat16(hidden[n, j]))
             up = Float32(BFloat16(hidden[n, j + self.intermediate]))
@@ -343,14 +347,14 @@ class RoutedExperts:
         double = 2 * self.intermediate
         ring = smem.allocate_tensor(Uint32, cute.make_layout(self.depth * self.slot_words), 16).iterator
         full = smem.allocate_tensor(Int64, cute.make_layout(self.depth), 16).iterator
-        xs = smem.allocate_tensor(Uint32, cute.make_layout(4 * TOKENS * self.packets), 16).iterator
+        xs = smem.allocate_tensor(Uint32, cute.make_layout(4 * self.tokens * self.packets), 16).iterator
         parts = smem.allocate_tensor(
-            Float64, cute.make_layout((TOKENS, double, self.group_warps),
+            Float64, cute.make_layout((self.tokens, double, self.group_warps),
                                       stride=(double * self.group_warps, self.group_warps, 1)), 16)
         received = smem.allocate_tensor(
-            Float64, cute.make_layout((TOKENS * double, self.cluster), stride=(self.cluster, 1)), 16)
-        hidden = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, double), stride=(double, 1)), 16)
-        acts = smem.allocate_tensor(Float32, cute.make_layout((TOKENS, self.intermediate), stride=(self.intermediate, 1)),
+            Float64, cute.make_layout((self.tokens * double, self.cluster), stride=(self.cluster, 1)), 16)
+        hidden = smem.allocate_tensor(Float32, cute.make_layout((self.tokens, double), stride=(double, 1)), 16)
+        acts = smem.allocate_tensor(Float32, cute.make_layout((self.tokens, self.intermediate), stride=(self.intermediate, 1)),
                                     16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
@@ -370,10 +374,10 @@ class ExpertsSpace(NamedTuple):
     ring: object  # the ring (words)
     full: object  # its full barriers
     xs: object  # the matched tokens' latent slices (words)
-    parts: object  # [TOKENS, 2I, a group's warps] FP64
-    received: object  # [TOKENS·2I, C] FP64: the cluster's slice sums
-    hidden: object  # [TOKENS, 2I] FP32
-    acts: object  # [TOKENS, I] FP32
+    parts: object  # [T, 2I, a group's warps] FP64
+    received: object  # [T·2I, C] FP64: the cluster's slice sums
+    hidden: object  # [T, 2I] FP32
+    acts: object  # [T, I] FP32
     masks: object  # [MAX_BATCH]
     matched: object  # the matched tokens: count, then the list
     counts: object  # the warps' token counts

@@ -2,18 +2,19 @@
 grid fits the SMs, the bounds of a variant."""
 
 import functools
+from typing import NamedTuple
 
 from ...config import TOP_K
 from ..launch import SMEM_BYTES, multiprocessors
 
 GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)
 MAX_CLUSTER = 8  # portable cluster size
-TOKENS = 4  # the tokens a CTA serves in its pass over the expert's weights (their partials in shared memory)
+TOKENS = 4  # the most tokens a CTA serves in its pass over the expert's weights past one wave (call_plan)
 MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
 MAX_THREADS = 512  # a CTA's chunk groups (kernels.RoutedExperts.groups): 128 registers a thread
-PAST_WAVE_PER_SM = 2  # CTAs an SM holds at once past one wave (ctas_per_sm)
+PAST_WAVE_PER_SM = 2  # CTAs an SM holds at once past one wave (call_plan)
 SM_SHARED = SMEM_BYTES + 1024  # an SM's shared memory; each resident CTA's share keeps 1 KB for the system
 
 
@@ -57,15 +58,34 @@ def releases_at_entry(batch: int, cluster: int, device: int, tp: int = 1) -> boo
     return one_wave(batch, cluster, device, tp)
 
 
-def ctas_per_sm(batch: int, cluster: int, device: int, tp: int = 1) -> int:
-    """A call's CTAs an SM holds at once: one while the pairs served are one wave (each CTA
-    its SM's whole share: the shortest latency), else PAST_WAVE_PER_SM. Past one wave most
-    pairs' CTAs end at once, and a serving CTA's latency (its stream, its barriers) leaves
-    its SM idle unless another CTA shares it: kimi_k3 (L = 3584, 220 KB a CTA alone) at
-    B = 64 took 99.3 µs so against 117.8 (3/SM: 157.2); a TP8 rank's (L = 512: 61 KB and 64
-    registers a thread, so two CTAs an SM already) 18.0 against 18.2 (bench_experts,
+class CallPlan(NamedTuple):
+    """A call's variant and its release (:func:`call_plan`)."""
+
+    cluster: int  # C, the CTAs of a pair (cluster_for)
+    per_sm: int  # the CTAs an SM holds at once
+    tokens: int  # T, the most of an expert's tokens a CTA serves
+    wave: bool  # the pairs served are one wave: dependents released at entry (releases_at_entry)
+
+    @property
+    def variant(self) -> tuple[int, int, int]:
+        """The compile key past (L, I)."""
+        return self.cluster, self.per_sm, self.tokens
+
+
+def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1) -> CallPlan:
+    """While the pairs served are one wave, each CTA takes its SM's whole share and serves
+    one token: a pair of a repeated expert re-reads its weights from L2, the grid ends with
+    its slowest pair (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8
+    rank at B = 8 took 8.45 µs against 3.85 at B = 1). Past one wave most pairs' CTAs end
+    at once, so each CTA serves TOKENS tokens (an expert's weights read once per TOKENS) and
+    PAST_WAVE_PER_SM share an SM: a serving CTA's latency (its stream, its barriers) leaves
+    its SM idle unless another CTA shares it (kimi_k3, L = 3584, 220 KB a CTA alone, at
+    B = 64: 99.3 µs against 117.8; 3 an SM 157.2; a TP8 rank's, L = 512, 61 KB and 64
+    registers a thread, two an SM already: 18.0 against 18.2; bench_experts,
     benchmarks/NOTES.md)."""
-    return 1 if one_wave(batch, cluster, device, tp) else PAST_WAVE_PER_SM
+    cluster = cluster_for(latent, intermediate, batch, device, tp)
+    wave = one_wave(batch, cluster, device, tp)
+    return CallPlan(cluster, 1, 1, True) if wave else CallPlan(cluster, PAST_WAVE_PER_SM, TOKENS, False)
 
 
 def smem_share(per_sm: int) -> int:
