@@ -46,7 +46,7 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,)) -> list[t
                 launch = experts.compile_routed_experts(width, intermediate, cluster, per_sm, tokens)
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, batch, 0, count, count,
-                    int(experts_plan.releases_at_entry(batch, cluster, 0))), routings), calls=CALLS))
+                    int(experts_plan.one_wave(batch, cluster, 0, 1))), routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
     columns = [f"{f'C={c}' if c else 'C'} {f'{p}/SM' if p else '-/SM'} {f'T={t}' if t else 'T'}"
                for c in clusters for p in per_sms for t in tokens_list]

@@ -27,6 +27,8 @@ class Kernel(Protocol):
 
     def __call__(self, *args): ...
 
+    # optional, for an op that fuses others': ``prefers(*key) -> bool`` (:func:`prefers`)
+
 
 KERNELS: dict[str, Kernel] = {}
 _warned: set[str] = set()
@@ -67,8 +69,8 @@ def prefers(name: str, *key) -> bool:
     """Whether op ``name``'s kernel is the faster form of its computation at shapes ``key``
     (its ``prefers``: an op that fuses others'); False without one or under the reference
     backend, where the ops it fuses serve alike."""
-    kernel = KERNELS.get(name)
-    return kernel is not None and selected() != "reference" and kernel.prefers(*key)
+    prefers = getattr(KERNELS.get(name), "prefers", None)
+    return prefers is not None and selected() != "reference" and prefers(*key)
 
 
 def cuda_impl(name: str, reference: Callable) -> Callable:

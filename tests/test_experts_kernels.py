@@ -2,7 +2,7 @@
 without a GPU, with no spills and no ptxas performance note; on a Hopper GPU
 ``kimi::routed_experts`` equals the reference backend on the same device (outputs
 poisoned first, fresh inputs) at every batch up to CAP, at TP1 and at a TP8 rank, with
-repeated experts across tokens (a cluster serves TOKENS of an expert's tokens), repeated ids in a token, ids
+repeated experts across tokens (past one wave a cluster serves TOKENS of an expert's tokens), repeated ids in a token, ids
 outside [0, E), −0 and NaN latent rows; it replays from a CUDA graph."""
 
 import pytest
@@ -14,7 +14,6 @@ from kimi_ops import backend  # noqa: E402
 from kimi_ops.kernels.experts import host as experts  # noqa: E402
 from kimi_ops.kernels.experts import kernels as experts_kernels  # noqa: E402
 from kimi_ops.kernels.experts import plan as experts_plan  # noqa: E402
-from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 
 from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
 
@@ -48,15 +47,32 @@ def test_cluster_size(monkeypatch):
     assert [experts_plan.cluster_for(3584, 16, batch, 0, 8) for batch in (1, 16, 17, 64)] == [4, 4, 1, 1]
     assert [experts_plan.cluster_for(512, 16, batch, 0) for batch in (1, 8)] == [1, 1]
     # dependents released at entry while the pairs served are one wave
-    assert [experts_plan.releases_at_entry(b, experts_plan.cluster_for(3584, 16, b, 0), 0) for b in (1, 2, 8, 9)] \
-        == [True, True, True, False]
-    assert [experts_plan.releases_at_entry(b, 1, 0, 8) for b in (64, 66, 67)] == [True, True, False]
+    assert [experts_plan.call_plan(3584, 16, b, 0).wave for b in (1, 2, 8, 9)] == [True, True, True, False]
+    assert [experts_plan.call_plan(512, 16, b, 0, 8).wave for b in (64, 66, 67)] == [True, True, False]
     # in one wave a CTA an SM serving one token; past it two an SM serving up to TOKENS
     one, past = (1, 1, True), (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False)
     plans = [experts_plan.call_plan(3584, 16, b, 0) for b in (1, 2, 3, 8, 9, 64)]
     assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1]
     assert [p[1:] for p in plans] == [one, one, one, one, past, past]
     assert [experts_plan.call_plan(512, 16, b, 0, 8)[1:] for b in (66, 67)] == [one, past]
+
+
+def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
+    """Without a device (a cache warmed on a CPU): the three keys, and every call's key among
+    them at any batch, TP and SM count (an H20's 78 SMs: a TP ≥ 2 call in clusters)."""
+    from kimi_ops.kernels import compile as kernel_compile
+
+    for latent in (512, 2240, 3584):
+        with kernel_compile.collecting() as needed:
+            experts.RoutedExpertsKernel().prepare(latent, 16)
+        keys = experts.prepared_variants(latent, 16)
+        assert sorted(key[1][2:] for key in needed) == sorted(keys)
+        assert len(keys) == 2 + (experts_plan.cluster_size(latent, 16) > 1)  # L = 512: C = 1 in one wave too
+        for sms in (78, 132):
+            monkeypatch.setattr(experts_plan, "multiprocessors", lambda device, sms=sms: sms)
+            for tp in (1, 2, 8):
+                for batch in range(1, experts_plan.MAX_BATCH + 1):
+                    assert experts_plan.call_plan(latent, 16, batch, 0, tp).variant in keys
     assert experts_plan.cluster_size(3584, 16) == 4 and experts_plan.cluster_size(3584, 8) == 2
     assert experts_plan.cluster_size(512, 16) == 1 and experts_plan.cluster_size(4096, 16) == 4
     for latent in range(64, 4097, 64):
@@ -86,9 +102,11 @@ def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
                 assert down_chunks * 4 * kernel.slice == kernel.slice * intermediate
                 assert kernel.down_rows * intermediate == 32  # a thread's 4 packets: whole down rows
                 assert kernel.packets * kernel.down_rows * down_chunks == kernel.slice  # every output row once
+                # per_sm of them in an SM's 228 KB, 1 KB each kept for the system
                 assert 1 <= kernel.depth <= kernel.chunks and kernel.smem_bytes() <= experts_plan.smem_share(per_sm)
-                assert per_sm * (kernel.smem_bytes() + 1024) <= SMEM_BYTES + 1024  # an SM's 228 KB
-            assert experts_kernels.RoutedExperts(latent, intermediate).depth == kernel.chunks  # the whole slice in flight
+                assert per_sm * (kernel.smem_bytes() + 1024) <= 228 * 1024
+            # the whole slice in flight in one wave
+            assert experts_kernels.RoutedExperts(latent, intermediate, None, 1, 1).depth == kernel.chunks
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
     assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference
     assert "multiple of 64" in experts.unsupported_shape(100, 16, 1)
@@ -103,7 +121,8 @@ def test_launcher_takes_the_adapters_arguments():
     from standins import cuda_standin as cuda
 
     (latent, intermediate, count), batch = K3, 4
-    launch = experts.compile_routed_experts.build(latent, intermediate)
+    launch = experts.compile_routed_experts.build(latent, intermediate, 1, experts_plan.PAST_WAVE_PER_SM,
+                                                  experts_plan.TOKENS)
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
                cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count, 0)
@@ -201,13 +220,13 @@ def test_routed_experts_kernel_with_a_partial_warp(batch):
 @on_hopper
 @pytest.mark.parametrize("cluster", [1, 2, 7, 8])
 def test_routed_experts_kernel_at_other_cluster_sizes(cluster):
-    """The sweeps' variants (compile_routed_experts' ``cluster``): a CTA the whole expert
+    """The sweeps' variants (compile_routed_experts' ``cluster``, one wave's T = 1): a CTA the whole expert
     (a ring shorter than the stream, one group), clusters of 2 (two groups of 224 threads),
     7 (full warps at L = 3584) and 8."""
     batch, (width, intermediate, count) = 8, K3
     latent, ids, gate_up, down = args_of(batch, K3, seed=cluster)
     out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")
-    experts.compile_routed_experts(width, intermediate, cluster)(
+    experts.compile_routed_experts(width, intermediate, cluster, 1, 1)(
         latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch, 0,
         count, count, 0)
     assert_matches(out, reference(kimi.routed_experts, latent, ids, gate_up, down, 0, 1))

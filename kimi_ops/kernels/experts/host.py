@@ -10,7 +10,7 @@ from ...config import TOP_K
 from ...ops import experts as experts_op
 from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
-from ..variant import Unsupported, Variant, prepare_all, reason, single
+from ..variant import Unsupported, Variant, prepare_all, single
 from .kernels import (
     RoutedExperts,
 )
@@ -18,16 +18,16 @@ from .plan import (
     MAX_BATCH,
     MAX_INTERMEDIATE,
     MAX_LATENT,
+    PAST_WAVE_PER_SM,
     TOKENS,
     call_plan,
+    cluster_size,
 )
 
 
 @compiled
-def compile_routed_experts(latent: int, intermediate: int, cluster: int | None = None, per_sm: int = 1,
-                           tokens: int = TOKENS):
-    """``cluster``: C (:func:`~.plan.cluster_for`; None: :func:`~.plan.cluster_size`'s); ``per_sm``,
-    ``tokens``: :func:`~.plan.call_plan`'s."""
+def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm: int, tokens: int):
+    """A :class:`~.plan.CallPlan`'s variant: C, the CTAs an SM, T."""
     batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
         RoutedExperts(latent, intermediate, cluster, per_sm, tokens), fake(BFloat16, (batch, latent)),
@@ -49,9 +49,8 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
     return None
 
 
-@functools.cache  # asked by unsupported and the call: built once a shape
-def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int = 1,
-                    tokens: int = TOKENS) -> Variant:
+@functools.cache  # asked by the call: built once a shape
+def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int, tokens: int) -> Variant:
     """A call's variant: L, I, and its :class:`~.plan.CallPlan`'s CTAs a pair, CTAs an SM
     and tokens a CTA (:func:`~.plan.call_plan` picks them per call); the kernel takes the
     adapter's arguments. Unsupported (why) where it does not take the shape."""
@@ -62,6 +61,12 @@ def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, pe
                   (cluster, per_sm, tokens))
 
 
+def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int]]:
+    """Every key :func:`~.plan.call_plan` returns at any batch, TP and SM count: in one wave
+    cluster_size's C or 1 a pair, past it 1 (no device asked: a cache warms without one)."""
+    return {(cluster_size(latent, intermediate), 1, 1), (1, 1, 1), (1, PAST_WAVE_PER_SM, TOKENS)}
+
+
 class RoutedExpertsKernel:
     """``kimi::routed_experts`` on CUDA."""
 
@@ -69,12 +74,11 @@ class RoutedExpertsKernel:
 
     def prepare(self, latent: int, intermediate: int) -> None:
         if unsupported_shape(latent, intermediate, 0) is None:  # cluster_size needs a shape the kernel takes
-            # every TP's calls take these keys (cluster_size's or 1 a pair; one wave or past it)
-            keys = {call_plan(latent, intermediate, batch, 0).variant for batch in range(1, MAX_BATCH + 1)}
-            prepare_all(lambda key=key: experts_variant(latent, intermediate, 0, *key) for key in sorted(keys))
+            prepare_all(lambda key=key: experts_variant(latent, intermediate, 0, *key)
+                        for key in sorted(prepared_variants(latent, intermediate)))
 
     def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
-        why = reason(lambda: experts_variant(latent.shape[1], down.shape[2], latent.shape[0], 1))
+        why = unsupported_shape(latent.shape[1], down.shape[2], latent.shape[0])
         if why is None and not aligned(latent, ids, gate_up, down):
             why = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
         return why or hopper(latent)

@@ -71,7 +71,6 @@ from .plan import (
     GATE_ROWS,
     MAX_BATCH,
     MAX_THREADS,
-    TOKENS,
     cluster_size,
     smem_share,
 )
@@ -80,11 +79,11 @@ from .plan import (
 class RoutedExperts:
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
-    def __init__(self, latent: int, intermediate: int, cluster: int | None = None, per_sm: int = 1,
-                 tokens: int = TOKENS):
-        """``per_sm``: the CTAs an SM is to hold at once (:func:`~.plan.call_plan`): each
-        takes at most 1/per_sm of its shared memory, threads and registers; ``tokens``: T, the
-        most of an expert's tokens a CTA serves (:func:`~.plan.call_plan`)."""
+    def __init__(self, latent: int, intermediate: int, cluster: int | None, per_sm: int, tokens: int):
+        """``cluster``: C (None: :func:`cluster_size`'s); ``per_sm``: the CTAs an SM is to
+        hold at once: each takes at most 1/per_sm of its shared memory and registers, and of
+        its threads past one chunk group; ``tokens``: T, the most of an expert's tokens a CTA
+        serves (:func:`~.plan.call_plan` picks both)."""
         self.latent, self.intermediate, self.per_sm, self.tokens = latent, intermediate, per_sm, tokens
         self.cluster = cluster or cluster_size(latent, intermediate)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
@@ -104,8 +103,9 @@ class RoutedExperts:
         # than the stream is one group's, its slots re-issued in chunk order
         self.groups = 1
         if self.depth == self.chunks:
-            self.groups = max(g for g in range(1, self.gate_chunks + 1)
-                              if self.gate_chunks % g == 0 and g * self.group_threads <= MAX_THREADS // per_sm)
+            self.groups = max((g for g in range(1, self.gate_chunks + 1)
+                               if self.gate_chunks % g == 0 and g * self.group_threads <= MAX_THREADS // per_sm),
+                              default=1)
         self.threads = self.groups * self.group_threads
         self.warps = self.threads // 32
 
@@ -124,7 +124,7 @@ class RoutedExperts:
                  out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, wave: Int32,
                  stream):
         """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]; ``wave``:
-        1 where the pairs served are one wave (:func:`~.plan.releases_at_entry`)."""
+        1 where the pairs served are one wave (:attr:`~.plan.CallPlan.wave`)."""
         self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, wave).launch(
             grid=[batch * TOP_K * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
             stream=stream, use_pdl=PDL, **shares_sm(self.per_sm))

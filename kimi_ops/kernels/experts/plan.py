@@ -49,22 +49,16 @@ def one_wave(batch: int, cluster: int, device: int, tp: int) -> bool:
     return -(-batch * TOP_K // tp) * cluster <= multiprocessors(device)
 
 
-def releases_at_entry(batch: int, cluster: int, device: int, tp: int = 1) -> bool:
-    """Whether a call releases its dependents at entry: where the pairs it is expected to
-    serve are one wave at a CTA an SM (clusters: :func:`cluster_for`'s bound; a CTA a pair:
-    B·16/TP CTAs): the dependent launches at once and shares SMs only with those CTAs
-    (bench_layer at the TP8 rank against a release at the end: 67.9 / 78.8 / 107.2 against
-    68.3 / 81.5 / 107.0 µs at B = 1 / 8 / 64, benchmarks/NOTES.md)."""
-    return one_wave(batch, cluster, device, tp)
-
-
 class CallPlan(NamedTuple):
     """A call's variant and its release (:func:`call_plan`)."""
 
     cluster: int  # C, the CTAs of a pair (cluster_for)
     per_sm: int  # the CTAs an SM holds at once
     tokens: int  # T, the most of an expert's tokens a CTA serves
-    wave: bool  # the pairs served are one wave: dependents released at entry (releases_at_entry)
+    # the pairs served are one wave: the dependents are released at entry, and share SMs only
+    # with those CTAs (bench_layer at the TP8 rank against a release at the end: 67.9 / 78.8 /
+    # 107.2 against 68.3 / 81.5 / 107.0 µs at B = 1 / 8 / 64, benchmarks/NOTES.md)
+    wave: bool
 
     @property
     def variant(self) -> tuple[int, int, int]:
