@@ -42,7 +42,7 @@ packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflic
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
 (4 packets). The serve first issues the
 ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
-tokens in order, up to T) and copies their latent rows into shared memory once
+tokens in order, up to T; at T = 1 its own token alone) and copies their latent rows into shared memory once
 (cp.async): every gate/up chunk reads them there, not from L2.
 """
 
@@ -254,23 +254,29 @@ class RoutedExperts:
         if tid == 0:  # the first ring of chunks at once
             for i in cutlass.range_constexpr(self.depth):
                 self.issue(gate_up, down, expert, part, i, ring + i * self.slot_words, full + i, policy)
-        for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
-            masks[b] = slot_mask(ids, b, expert)
-        cute.arch.sync_threads()  # the masks
-        if tid < 32:  # the matched tokens in order: matched[0] their count (up to T), matched[1 + n] the n-th
-            count = Int32(0)
-            for start in cutlass.range(token, batch, 32, unroll=1):
-                b = start + tid
-                hit = Int32(0)
-                if b < batch:
-                    if masks[b] != 0:
-                        hit = Int32(1)
-                ballot = cute.arch.vote_ballot_sync(hit != 0)
-                if hit != 0:
-                    matched[1 + count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1)))] = b
-                count = count + cute.arch.popc(ballot)
+        if cutlass.const_expr(self.tokens == 1):  # our token alone: no scan of the later ones
             if tid == 0:
-                matched[0] = clamp(count, Int32(self.tokens))
+                masks[token] = slot_mask(ids, token, expert)
+                matched[0] = Int32(1)
+                matched[1] = token
+        else:
+            for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
+                masks[b] = slot_mask(ids, b, expert)
+            cute.arch.sync_threads()  # the masks
+            if tid < 32:  # the matched tokens in order: matched[0] their count (up to T), matched[1 + n] the n-th
+                count = Int32(0)
+                for start in cutlass.range(token, batch, 32, unroll=1):
+                    b = start + tid
+                    hit = Int32(0)
+                    if b < batch:
+                        if masks[b] != 0:
+                            hit = Int32(1)
+                    ballot = cute.arch.vote_ballot_sync(hit != 0)
+                    if hit != 0:
+                        matched[1 + count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1)))] = b
+                    count = count + cute.arch.popc(ballot)
+                if tid == 0:
+                    matched[0] = clamp(count, Int32(self.tokens))
         cute.arch.sync_threads()
         self.stash_latent(latent, xs, matched, part, tid)  # every gate/up chunk reads them
         group, local = tid // self.group_threads, tid % self.group_threads
