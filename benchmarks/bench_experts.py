@@ -44,8 +44,8 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), persisten
             plan = experts_plan.call_plan(width, intermediate, batch, 0)
             for cluster, per_sm, tokens in ((c, p, t) for c in clusters for p in per_sms for t in tokens_list):
                 cluster, per_sm, tokens = cluster or plan.cluster, per_sm or plan.per_sm, tokens or plan.tokens
-                launch = experts.compile_routed_experts(width, intermediate, cluster, per_sm, tokens,
-                                                        *[True] * persistent)  # the call's key where not
+                key = (width, intermediate, cluster, per_sm, tokens) + ((True,) if persistent else ())
+                launch = experts.compile_routed_experts(*key)  # not persistent: the adapter's cache key
                 grid = (experts_plan.persistent_clusters(batch, cluster, per_sm, 0) if persistent
                         else batch * TOP_K)
                 times.append(graph_us(rotating(lambda ids: launch(

@@ -165,28 +165,14 @@ class RoutedExperts:
             served = Int32(0)  # the pairs this cluster served: the ring's phases run on
             for pair in cutlass.range(first, batch * TOP_K, grid // self.cluster, unroll=1):
                 cute.arch.sync_threads()  # the last pair's shared memory read (counts, masks, the ring)
-                expert = self.expert_of(ids, pair, rank, per_rank, experts)
-                if expert < 0:
-                    self.zero_row(out, pair, part, tid)
-                elif self.leads_its_tokens(ids, expert, pair, space.counts, tid) != 0:
-                    if cutlass.const_expr(self.cluster > 1):
-                        cute.arch.cluster_arrive()  # the last pair's sums read; serve's exchange waits
-                    self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space,
-                               served)
-                    served = served + Int32(1)
+                served = served + self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair,
+                                            part, tid, space, served)
         else:
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
             cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
-            expert = self.expert_of(ids, first, rank, per_rank, experts)
-            # every CTA of a cluster decides alike (the same pair): all serve, or none
-            served = Int32(0)
-            if expert < 0:
-                self.zero_row(out, first, part, tid)
-            elif self.leads_its_tokens(ids, expert, first, space.counts, tid) != 0:
-                self.serve(latent, ids, gate_up, down, out, batch, expert, first // TOP_K, part, tid, space,
-                           Int32(0))
-                served = Int32(1)
+            served = self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, first, part, tid,
+                               space, Int32(0))
             if cutlass.const_expr(self.cluster > 1):
                 if served == 0:
                     cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
@@ -194,6 +180,23 @@ class RoutedExperts:
             # At the end, not at entry (launch.py): kernels launched beside a grid of several
             # waves shared the SMs of its last wave (3-5 µs slower at B <= 8, benchmarks/timeline.py).
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def take(self, latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid, space,
+             served) -> Int32:
+        """Pair ``pair``: its zero row, nothing (another pair of its expert serves it), or its
+        expert's service (``served``: the pairs served before); 1 if it served. Every CTA of a
+        cluster decides alike (the same pair): all serve, or none."""
+        expert = self.expert_of(ids, pair, rank, per_rank, experts)
+        serves = Int32(0)
+        if expert < 0:
+            self.zero_row(out, pair, part, tid)
+        elif self.leads_its_tokens(ids, expert, pair, space.counts, tid) != 0:
+            if cutlass.const_expr(self.persistent and self.cluster > 1):
+                cute.arch.cluster_arrive()  # the last pair's sums read; serve's exchange waits
+            self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space, served)
+            serves = Int32(1)
+        return serves
 
     @cute.jit
     def expert_of(self, ids, pair, rank, per_rank, experts) -> Int32:
@@ -282,8 +285,11 @@ class RoutedExperts:
         group, local = tid // self.group_threads, tid % self.group_threads
         for chunk in cutlass.range(group, self.chunks, self.groups, unroll=1):
             slot = chunk % self.depth
-            flips = (self.chunks - 1 - slot) // self.depth + 1  # the slot's phases a pair (its chunks)
-            cute.arch.mbarrier_wait(full + slot, (served * flips + chunk // self.depth) % 2)
+            phase = (chunk // self.depth) % 2
+            if cutlass.const_expr(self.persistent):
+                flips = (self.chunks - 1 - slot) // self.depth + 1  # the slot's phases a pair (its chunks)
+                phase = (served * flips + chunk // self.depth) % 2
+            cute.arch.mbarrier_wait(full + slot, phase)
             words = ring + slot * self.slot_words
             if chunk < self.gate_chunks:
                 self.gate_chunk(xs, words, parts, matched, chunk, local)
