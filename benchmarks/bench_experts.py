@@ -5,7 +5,7 @@ against the floor of the distinct experts' bytes. The torch forms of the stand-i
 benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the floor.
 
     python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--per-sm 1 2]
-                                       [--tokens 1 4] [--persistent] [--shapes kimi_k3 tp8_rank]
+                                       [--tokens 1 4] [--shapes kimi_k3 tp8_rank]
 """
 
 import argparse
@@ -13,7 +13,6 @@ import argparse
 import torch
 
 import kimi_ops  # noqa: F401
-from kimi_ops.config import TOP_K
 
 from .common import floor_us, graph_us, print_table, rotating
 
@@ -21,9 +20,9 @@ SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): 
 CALLS = 20
 
 
-def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), persistent=False) -> list[tuple]:
+def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,)) -> list[tuple]:
     """Columns: every (C, CTAs an SM, T) of the lists (0: the call's own, call_plan's; a
-    bare letter in the header); ``persistent``: every column's kernel on the persistent grid."""
+    bare letter in the header)."""
     from kimi_ops.kernels.experts import host as experts
     from kimi_ops.kernels.experts import plan as experts_plan
 
@@ -44,13 +43,11 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), persisten
             plan = experts_plan.call_plan(width, intermediate, batch, 0)
             for cluster, per_sm, tokens in ((c, p, t) for c in clusters for p in per_sms for t in tokens_list):
                 cluster, per_sm, tokens = cluster or plan.cluster, per_sm or plan.per_sm, tokens or plan.tokens
-                key = (width, intermediate, cluster, per_sm, tokens) + ((True,) if persistent else ())
-                launch = experts.compile_routed_experts(*key)  # not persistent: the adapter's cache key
-                grid = (experts_plan.persistent_clusters(batch, cluster, per_sm, 0) if persistent
-                        else batch * TOP_K)
+                key = (width, intermediate, cluster, per_sm, tokens)
+                launch = experts.compile_routed_experts(*key)  # the adapter's cache key
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, batch, 0, count, count,
-                    int(experts_plan.one_wave(batch, cluster, 0, 1)), grid), routings), calls=CALLS))
+                    int(experts_plan.one_wave(batch, cluster, 0, 1))), routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
     columns = [f"{f'C={c}' if c else 'C'} {f'{p}/SM' if p else '-/SM'} {f'T={t}' if t else 'T'}"
                for c in clusters for p in per_sms for t in tokens_list]
@@ -67,12 +64,10 @@ def main() -> None:
                         help="CTAs an SM holds at once (0: the call's own, call_plan)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[0],
                         help="the most of an expert's tokens a CTA serves (0: the call's own)")
-    parser.add_argument("--persistent", action="store_true",
-                        help="the persistent grid (cluster q takes pairs q, q + Q, …; Q: persistent_clusters)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")
-    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens, args.persistent)
+    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens)
 
 
 if __name__ == "__main__":

@@ -38,15 +38,6 @@ def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, 
     clean_ptxas()
 
 
-@pytest.mark.parametrize("latent, intermediate, cluster, per_sm, tokens", [
-    (3584, 16, 1, 2, 4), (3584, 16, 1, 1, 1), (512, 16, 1, 2, 4), (3584, 16, 4, 2, 4), (64, 8, 1, 2, 4)])
-def test_persistent_grid_compiles(latent, intermediate, cluster, per_sm, tokens, clean_ptxas):
-    """The persistent grid (test_routed_experts_persistent_grid's variants): rings of 2 and
-    7 of 12 chunks, the whole slice in flight, clusters of 4."""
-    assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm, tokens, True) is not None
-    clean_ptxas()
-
-
 def test_cluster_size(monkeypatch):
     """kimi_k3 (L = 3584: 344 KB an expert) in clusters of 4 while 16·B·C CTAs fit the SMs
     (16·B/TP the pairs a rank expects to serve), a TP8 rank's (512: 48 KB) one CTA; the
@@ -134,7 +125,7 @@ def test_launcher_takes_the_adapters_arguments():
                                                   experts_plan.TOKENS)
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
-               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count, 0, batch * 16)
+               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count, 0)
 
 
 def args_of(batch, shape, seed, device="cuda"):
@@ -237,31 +228,8 @@ def test_routed_experts_kernel_at_other_cluster_sizes(cluster):
     out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")
     experts.compile_routed_experts(width, intermediate, cluster, 1, 1)(
         latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch, 0,
-        count, count, 0, batch * 16)
+        count, count, 0)
     assert_matches(out, reference(kimi.routed_experts, latent, ids, gate_up, down, 0, 1))
-
-
-@on_hopper
-@pytest.mark.parametrize("batch", [9, 64, experts_plan.MAX_BATCH])
-@pytest.mark.parametrize("shape, cluster, per_sm, tokens", [
-    (K3, 1, 2, 4),  # a ring of 2 of 12 chunks: each slot 6 phases a pair
-    (K3, 1, 1, 1),  # a ring of 7: slots 0-4 two phases a pair, 5-6 one
-    (K3, 4, 2, 4), (TP8_RANK, 1, 2, 4), ((64, 8, 48), 1, 2, 4),  # the whole slice in flight: one phase a pair
-], ids=["k3", "k3-ring7", "k3-c4", "tp8_rank", "l64"])
-def test_routed_experts_persistent_grid(batch, shape, cluster, per_sm, tokens):
-    """The persistent grid (bench_experts --persistent; no call takes it yet): each cluster
-    takes pairs q, q + Q, …, its ring's phases and its cluster's exchange running on across
-    the pairs it serves, at TP1 and a TP8 rank; the SMs' grid and one of 3 clusters (each
-    serving many pairs)."""
-    width, intermediate, count = shape
-    launch = experts.compile_routed_experts(width, intermediate, cluster, per_sm, tokens, True)
-    for (rank, tp), grid in (((0, 1), None), ((5, 8), None), ((0, 1), 3)):
-        latent, ids, gate_up, down = args_of(batch, shape, seed=10 * batch + tp)
-        out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")
-        grid = grid or experts_plan.persistent_clusters(batch, cluster, per_sm, 0)
-        launch(latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width),
-               batch, rank, count // tp, count, 0, grid)
-        assert_matches(out, reference(kimi.routed_experts, latent, ids, gate_up, down, rank, tp))
 
 
 @on_hopper

@@ -26,15 +26,13 @@ from .plan import (
 
 
 @compiled
-def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm: int, tokens: int,
-                           persistent: bool = False):
-    """A :class:`~.plan.CallPlan`'s variant: C, the CTAs an SM, T; ``persistent``: the
-    kernel's persistent grid (bench_experts --persistent; no call takes it until measured)."""
+def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm: int, tokens: int):
+    """A :class:`~.plan.CallPlan`'s variant: C, the CTAs an SM, T."""
     batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
-        RoutedExperts(latent, intermediate, cluster, per_sm, tokens, persistent), fake(BFloat16, (batch, latent)),
+        RoutedExperts(latent, intermediate, cluster, per_sm, tokens), fake(BFloat16, (batch, latent)),
         fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
-        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), fake_stream(),
+        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), fake_stream(),
         options=compile_options(),
     )
 
@@ -93,7 +91,7 @@ class RoutedExpertsKernel:
             plan = call_plan(width, intermediate, batch, latent.device.index, tp)
             experts_variant(width, intermediate, batch, *plan.variant).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
-                rank, experts // tp, experts, int(plan.wave), batch * TOP_K)
+                rank, experts // tp, experts, int(plan.wave))
         return out
 
 

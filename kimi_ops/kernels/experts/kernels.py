@@ -27,14 +27,6 @@ For each token of e, the reference's rounding points:
 2. act_j = situ(hidden_j, hidden_{I+j}): gate and up rounded to BF16, FP32 math, BF16.
 3. row_l = BF16(FP32(Σ_j act_j · down[e, l, j])), the sum in FP64.
 
-The persistent grid (``persistent``; bench_experts --persistent, not yet measured, no call
-takes it): Q clusters (:func:`~.plan.persistent_clusters`, at most the pairs), cluster q
-deciding pairs q, q + Q, … as above in turn, so the pairs whose CTAs would end at once cost
-a loop turn instead of a CTA's launch and wave. Its ring's phases run on across the pairs
-it serves (a pair flips each slot once for each of its chunks), and in a cluster each
-served pair starts with an arrive (release) that the exchange's wait takes: no CTA stores
-the next pair's sums into a peer still reading the last pair's.
-
 A group of P = L/(8C) threads takes a chunk, P a CTA's packets of a row (rounded up to
 whole warps: the butterflies need every lane); with the whole slice in flight G groups take
 chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
@@ -87,16 +79,12 @@ from .plan import (
 class RoutedExperts:
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
-    def __init__(self, latent: int, intermediate: int, cluster: int | None, per_sm: int, tokens: int,
-                 persistent: bool = False):
+    def __init__(self, latent: int, intermediate: int, cluster: int | None, per_sm: int, tokens: int):
         """``cluster``: C (None: :func:`cluster_size`'s); ``per_sm``: the CTAs an SM is to
         hold at once: each takes at most 1/per_sm of its shared memory and registers, and of
         its threads past one chunk group; ``tokens``: T, the most of an expert's tokens a CTA
-        serves (:func:`~.plan.call_plan` picks both); ``persistent``: a grid of fewer clusters
-        than pairs, each taking pairs q, q + Q, … (past one wave, where most pairs' CTAs would
-        end at once; not yet measured)."""
+        serves (:func:`~.plan.call_plan` picks both)."""
         self.latent, self.intermediate, self.per_sm, self.tokens = latent, intermediate, per_sm, tokens
-        self.persistent = persistent
         self.cluster = cluster or cluster_size(latent, intermediate)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
         self.packets = self.slice // 8  # P: a slice row's packets
@@ -134,12 +122,11 @@ class RoutedExperts:
     @cute.jit
     def __call__(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
                  out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, wave: Int32,
-                 clusters: Int32, stream):
+                 stream):
         """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]; ``wave``:
-        1 where the pairs served are one wave (:attr:`~.plan.CallPlan.wave`); ``clusters``: the
-        grid's, B·16 (a pair each) or, persistent, :func:`~.plan.persistent_clusters`'s."""
+        1 where the pairs served are one wave (:attr:`~.plan.CallPlan.wave`)."""
         self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, wave).launch(
-            grid=[clusters * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
+            grid=[batch * TOP_K * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
             stream=stream, use_pdl=PDL, **shares_sm(self.per_sm))
 
     @cute.kernel
@@ -147,7 +134,7 @@ class RoutedExperts:
                out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, wave: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        first, part = cta // self.cluster, cta % self.cluster
+        pair, part = cta // self.cluster, cta % self.cluster
         if wave != 0:
             # A dependent launches once every CTA of ours has released or ended: with the
             # pairs served in one wave (the others end at once) that is at once, and the
@@ -159,42 +146,29 @@ class RoutedExperts:
             for slot in cutlass.range_constexpr(self.depth):
                 cute.arch.mbarrier_init(full + slot, 1)
             cute.arch.mbarrier_init_fence()
-        if cutlass.const_expr(self.persistent):
-            grid, _, _ = cute.arch.grid_dim()
-            cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
-            served = Int32(0)  # the pairs this cluster served: the ring's phases run on
-            for pair in cutlass.range(first, batch * TOP_K, grid // self.cluster, unroll=1):
-                cute.arch.sync_threads()  # the last pair's shared memory read (counts, masks, the ring)
-                served = served + self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair,
-                                            part, tid, space, served)
-        else:
-            if cutlass.const_expr(self.cluster > 1):
-                cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
-            cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
-            served = self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, first, part, tid,
-                               space, Int32(0))
-            if cutlass.const_expr(self.cluster > 1):
-                if served == 0:
-                    cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
+        cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
+        served = self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid, space)
+        if cutlass.const_expr(self.cluster > 1):
+            if served == 0:
+                cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
         if wave == 0:
             # At the end, not at entry (launch.py): kernels launched beside a grid of several
             # waves shared the SMs of its last wave (3-5 µs slower at B <= 8, benchmarks/timeline.py).
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def take(self, latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid, space,
-             served) -> Int32:
+    def take(self, latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid, space) -> Int32:
         """Pair ``pair``: its zero row, nothing (another pair of its expert serves it), or its
-        expert's service (``served``: the pairs served before); 1 if it served. Every CTA of a
-        cluster decides alike (the same pair): all serve, or none."""
+        expert's service; 1 if it served. Every CTA of a cluster decides alike (the same
+        pair): all serve, or none."""
         expert = self.expert_of(ids, pair, rank, per_rank, experts)
         serves = Int32(0)
         if expert < 0:
             self.zero_row(out, pair, part, tid)
         elif self.leads_its_tokens(ids, expert, pair, space.counts, tid) != 0:
-            if cutlass.const_expr(self.persistent and self.cluster > 1):
-                cute.arch.cluster_arrive()  # the last pair's sums read; serve's exchange waits
-            self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space, served)
+            self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space)
             serves = Int32(1)
         return serves
 
@@ -247,11 +221,9 @@ class RoutedExperts:
         return leads
 
     @cute.jit
-    def serve(self, latent, ids, gate_up, down, out, batch, expert, token, part, tid, space, served):
+    def serve(self, latent, ids, gate_up, down, out, batch, expert, token, part, tid, space):
         """``token`` and the next T − 1 tokens routed to ``expert`` (their masks: which
-        of a token's 16 slots hold it): our slice's stream, steps 1-3; ``served``: the pairs
-        this CTA served before (persistent: each slot's phase has flipped once a pair for each
-        of its chunks)."""
+        of a token's 16 slots hold it): our slice's stream, steps 1-3."""
         ring, full, xs, parts, received, hidden, acts, masks, matched, _ = space
         policy = l2_evict_first()
         if tid == 0:  # the first ring of chunks at once
@@ -285,11 +257,7 @@ class RoutedExperts:
         group, local = tid // self.group_threads, tid % self.group_threads
         for chunk in cutlass.range(group, self.chunks, self.groups, unroll=1):
             slot = chunk % self.depth
-            phase = (chunk // self.depth) % 2
-            if cutlass.const_expr(self.persistent):
-                flips = (self.chunks - 1 - slot) // self.depth + 1  # the slot's phases a pair (its chunks)
-                phase = (served * flips + chunk // self.depth) % 2
-            cute.arch.mbarrier_wait(full + slot, phase)
+            cute.arch.mbarrier_wait(full + slot, (chunk // self.depth) % 2)
             words = ring + slot * self.slot_words
             if chunk < self.gate_chunks:
                 self.gate_chunk(xs, words, parts, matched, chunk, local)
@@ -359,9 +327,7 @@ class RoutedExperts:
         order."""
         double = 2 * self.intermediate
         if cutlass.const_expr(self.cluster > 1):
-            # every CTA of the cluster has started (the kernel's relaxed arrive) or, persistent,
-            # read the last pair's sums (the arrive before serve)
-            cute.arch.cluster_wait()
+            cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
         for item in cutlass.range(tid, self.tokens * double, self.threads, unroll=1):
             total = Float64(0.0)
             for w in cutlass.range_constexpr(self.group_warps):

@@ -82,13 +82,6 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     return CallPlan(cluster, 1, 1, True) if wave else CallPlan(cluster, PAST_WAVE_PER_SM, TOKENS, False)
 
 
-def persistent_clusters(batch: int, cluster: int, per_sm: int, device: int) -> int:
-    """A persistent grid's clusters (kernels.RoutedExperts ``persistent``): the pairs, or as
-    many as the SMs hold at ``per_sm`` CTAs each (clusters past 1: GPCs may hold fewer, and
-    the rest run as a second wave, slower, not wrong)."""
-    return max(1, min(batch * TOP_K, per_sm * multiprocessors(device) // cluster))
-
-
 def smem_share(per_sm: int) -> int:
     """The shared bytes a CTA may take so that ``per_sm`` of them are resident on an SM."""
     return SM_SHARED // per_sm - 1024
