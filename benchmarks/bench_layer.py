@@ -51,7 +51,7 @@ from kimi_ops.debug import KimiOpMode
 from kimi_ops.testing import guard
 from kimi_ops.testing.composite import CompositeDecoder
 
-from .common import L2_BYTES, capture, graph_us, print_table, rotating
+from .common import L2_BYTES, capture, graph_us, prefer_shared, print_table, rotating
 
 BATCHES = (1, 8, 64)
 LAYERS = 2
@@ -279,6 +279,30 @@ def replays_equal(decoder, hidden, slots, replays: int) -> int:
     return same
 
 
+def add_room_options(parser) -> None:
+    """The A/B of a successor's CTAs resident beside the fused shared expert (issue 37's
+    overlap): the shared memory its rings leave, and every kernel preferring the SM's whole
+    shared memory (benchmarks/NOTES.md, fifteenth session)."""
+    parser.add_argument("--shared-room", type=int, default=0, metavar="KB",
+                        help="shared memory the fused shared expert's rings leave an SM, KB (0: none)")
+    parser.add_argument("--prefer-shared", action="store_true",
+                        help="every kernel prefers the SM's whole shared memory (common.prefer_shared)")
+
+
+def apply_room_options(args) -> None:
+    """Before the decoder prepares its kernels (the room is in the shared expert's compile key)."""
+    if args.prefer_shared:
+        prefer_shared()
+    if args.shared_room:
+        from kimi_ops.kernels.gemm.host import SharedExpertKernel
+
+        SharedExpertKernel.room = args.shared_room * 1024
+
+
+def room_arguments(args) -> list[str]:
+    return ["--shared-room", str(args.shared_room)] * bool(args.shared_room) + ["--prefer-shared"] * args.prefer_shared
+
+
 def without_pdl(args) -> dict:
     """{B: ours µs per layer} from a child process whose kernels launch without PDL (the
     setting is compiled in: a process of its own, a cache key of its own)."""
@@ -290,7 +314,8 @@ def without_pdl(args) -> dict:
         command = [sys.executable, "-m", __spec__.name, "--ours-only", "--json", path,
                    "--expert-intermediate", str(args.expert_intermediate), "--batches", *map(str, args.batches)]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's parent: -m finds it
-        subprocess.run(command + ["--tp8-rank"] * args.tp8_rank + ["--two-op-shared"] * args.two_op_shared,
+        subprocess.run(command + ["--tp8-rank"] * args.tp8_rank + ["--two-op-shared"] * args.two_op_shared
+                       + room_arguments(args),
                        check=True, cwd=root,
                        env={**os.environ, "KIMI_OPS_PDL": "0"})
         with open(path) as f:
@@ -380,10 +405,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--replays", type=int, default=1000, help="graph replays checked against eager steps")
     parser.add_argument("--two-op-shared", action="store_true",
                         help="the shared expert as gate_up_situ + oproj_push (the A/B of its fused launch)")
+    add_room_options(parser)
     parser.add_argument("--skip-no-pdl", action="store_true", help="no 'ours no PDL' column (its child recompiles all)")
     parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # without_pdl's child
     args = parser.parse_args(argv)
     config = config_for(args)
+    apply_room_options(args)
     torch._dynamo.config.cache_size_limit = 64  # a compiled graph per batch: more than the default 8
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not args.smoke and device != "cuda":

@@ -6,6 +6,23 @@ HBM_READ_BYTES_PER_US = 4.26e6  # 4.26 TB/s, measured on the H200
 L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
 
 
+def prefer_shared() -> None:
+    """Every kernel of this process's CUDA context prefers the SM's whole shared memory
+    (the context's cache config; an A/B of the layer, ``--prefer-shared``). An SM runs CTAs
+    of one shared-memory configuration at a time, and the driver picks one per kernel, so
+    a kernel whose CTAs set an SM up smaller may keep a successor's CTAs off it although
+    both fit. ``preferred_smem_carveout`` at launch does not reach our kernels: the DSL
+    keeps it in its Python launcher's kernel_info, and the exported objects we load
+    through TVM-FFI are byte-identical with it unset, 37 or 100 (benchmarks/NOTES.md)."""
+    from cuda.bindings import driver
+
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # the primary context current on this thread
+    (err,) = driver.cuCtxSetCacheConfig(driver.CUfunc_cache.CU_FUNC_CACHE_PREFER_SHARED)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuCtxSetCacheConfig: {err}")
+
+
 def capture(fn, calls: int = 1, warmups: int = 3):
     """``fn`` warmed up on a side stream (first-call work stays out of the graph), then
     ``calls`` back-to-back calls captured: (the graph, the last call's result)."""

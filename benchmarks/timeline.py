@@ -25,7 +25,7 @@ import kimi_ops  # noqa: F401
 from kimi_ops import KimiDecoder
 from kimi_ops.debug import KimiOpMode, tensors, weight_labels
 
-from .bench_layer import LAYERS, config_for, inputs
+from .bench_layer import LAYERS, add_room_options, apply_room_options, config_for, inputs
 from .common import L2_BYTES, capture, print_table
 
 REPLAYS = 7
@@ -187,9 +187,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--tp8-rank", action="store_true", help="one TP8 rank's shard shapes (bench_layer's)")
     parser.add_argument("--expert-intermediate", type=int, default=16, help="the routed experts' width (a stand-in)")
     parser.add_argument("--out", default=".", help="where the JSON and PNGs go")
+    add_room_options(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the timeline profiles CUDA-graph replays: it needs a GPU")
+    apply_room_options(args)
     args.smoke = False
     config = config_for(args)
     name = "tp8_rank" if args.tp8_rank else "tp1"

@@ -81,6 +81,22 @@ def test_shared_expert_grid_is_one_size_and_resident():
             assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 <= SMEM_BYTES  # barriers, ring, target
 
 
+def test_shared_expert_rings_leave_the_room_asked():
+    """bench_layer --shared-room: the TP8 rank's rings shrink to leave ``room`` of the SM
+    (MoeTail's 76 KB CTA beside them), the grid and partition as without it."""
+    room = 80 * 1024
+    for tokens in gemm_plans.TOKEN_TILES:
+        full, roomy = (gemm.shared_plan(1536, 7168, 7168, tokens, r) for r in (0, room))
+        assert (roomy.grid, roomy.gate_up.ctas, roomy.down.ctas) == (full.grid, full.gate_up.ctas, full.down.ctas)
+        assert 1024 + roomy.ring_bytes + 8 + room <= SMEM_BYTES < 1024 + full.ring_bytes + 8 + room
+        assert roomy.gate_up.depth < full.gate_up.depth
+
+
+def test_shared_expert_with_room_compiles(clean_ptxas):
+    assert gemm.compile_shared.build(1536, 7168, 7168, 8, 1, (1.0, 0.0), 80 * 1024) is not None
+    clean_ptxas()
+
+
 def test_fused_shared_expert_preferred_where_the_push_takes_the_whole_k():
     """The decoder's choice (backend.prefers): the TP8 rank's down (K = 768) and tiny's,
     whose push runs one CTA over the whole K as the fused down does, not kimi_k3 TP1's

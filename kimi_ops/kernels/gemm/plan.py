@@ -133,8 +133,8 @@ class GemmPlan:
 
 
 @functools.cache
-def gemm_plan(n: int, k: int, tokens: int, owned: int = 8) -> GemmPlan:
-    """``owned``: :func:`partition`'s."""
-    return GemmPlan(n, k, tokens, partition(n, k, tokens, owned))
+def gemm_plan(n: int, k: int, tokens: int, owned: int = 8, reserve: int = 0) -> GemmPlan:
+    """``owned``: :func:`partition`'s; ``reserve``: GemmPlan's."""
+    return GemmPlan(n, k, tokens, partition(n, k, tokens, owned), reserve=reserve)
 
 
