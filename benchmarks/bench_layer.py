@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 import kimi_ops  # noqa: F401
-from kimi_ops import KimiConfig, KimiDecoder
+from kimi_ops import KimiConfig, KimiDecoder, backend
 from kimi_ops.debug import KimiOpMode
 from kimi_ops.testing import guard
 from kimi_ops.testing.composite import CompositeDecoder
@@ -290,13 +290,20 @@ def add_room_options(parser) -> None:
 
 
 def apply_room_options(args) -> None:
-    """Before the decoder prepares its kernels (the room is in the shared expert's compile key)."""
+    """Before the decoder prepares its kernels (the room is in the shared expert's compile
+    key); set each time, so a second ``main`` in one process does not inherit the last room."""
     if args.prefer_shared:
         prefer_shared()
-    if args.shared_room:
-        from kimi_ops.kernels.gemm.host import SharedExpertKernel
+    kernel = backend.KERNELS.get("shared_expert_push")
+    if kernel is not None:
+        kernel.room = args.shared_room * 1024
+    elif args.shared_room:
+        raise SystemExit("--shared-room shrinks the CuTe shared expert's rings: the CuTe kernels are not registered")
 
-        SharedExpertKernel.room = args.shared_room * 1024
+
+def room_label(args) -> str:
+    """The A/B arm, for titles and file names ('' for the default)."""
+    return "".join([f" room {args.shared_room} KB"] * bool(args.shared_room) + [" prefer-shared"] * args.prefer_shared)
 
 
 def room_arguments(args) -> list[str]:
@@ -409,12 +416,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-no-pdl", action="store_true", help="no 'ours no PDL' column (its child recompiles all)")
     parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # without_pdl's child
     args = parser.parse_args(argv)
+    if args.shared_room and args.two_op_shared:
+        parser.error("--shared-room shrinks the fused shared expert's rings: --two-op-shared runs no fused op")
     config = config_for(args)
-    apply_room_options(args)
     torch._dynamo.config.cache_size_limit = 64  # a compiled graph per batch: more than the default 8
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not args.smoke and device != "cuda":
         raise SystemExit("bench_layer times CUDA graphs: it needs a GPU (--smoke runs anywhere)")
+    if device == "cuda":
+        apply_room_options(args)
     name = "tiny" if args.smoke else "kimi_k3 TP8 rank" if args.tp8_rank else "kimi_k3"
     decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device=device)
     for layer in decoder.layers:
@@ -430,7 +440,7 @@ def main(argv=None) -> dict:
         for b, us in without_pdl(args).items():
             results[b]["row"]["ours_no_pdl_us"] = us
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"{where}, {name} TP1, {LAYERS}-layer KimiDecoder, median µs per layer"
+    print(f"{where}, {name} TP1{room_label(args)}, {LAYERS}-layer KimiDecoder, median µs per layer"
           + (" (smoke: no timing)" if args.smoke else ""))
     columns = ("B", "eager", "eager graph", "compiled", "ours no PDL", "ours PDL", "floor", "ours/floor",
                "comp./ours", "skips", "= eager", "err eager", "err comp.", "same route", "err same")
@@ -466,6 +476,7 @@ def main(argv=None) -> dict:
     for note in NOTES:
         print("note:", note)
     out = {"device": where, "config": name, "shapes": asdict(config), "layers": LAYERS, "smoke": args.smoke,
+           "shared_room_kb": args.shared_room, "prefer_shared": args.prefer_shared,
            "notes": NOTES, "rows": [r["row"] for r in results.values()],
            "breakdown": {str(b): r["breakdown"] for b, r in results.items()}}
     if args.json:

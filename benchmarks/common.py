@@ -7,20 +7,22 @@ L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
 
 
 def prefer_shared() -> None:
-    """Every kernel of this process's CUDA context prefers the SM's whole shared memory
-    (the context's cache config; an A/B of the layer, ``--prefer-shared``). An SM runs CTAs
-    of one shared-memory configuration at a time, and the driver picks one per kernel, so
-    a kernel whose CTAs set an SM up smaller may keep a successor's CTAs off it although
-    both fit. ``preferred_smem_carveout`` at launch does not reach our kernels: the DSL
-    keeps it in its Python launcher's kernel_info, and the exported objects we load
-    through TVM-FFI are byte-identical with it unset, 37 or 100 (benchmarks/NOTES.md)."""
+    """A hint to every kernel of this process's CUDA context: prefer the SM's whole shared
+    memory (the context's cache config; the layer's A/B, ``--prefer-shared``). The suspect
+    it tests: an SM holds CTAs of one shared-memory configuration at a time, which the
+    driver picks per kernel, so a kernel that set an SM up smaller would keep a
+    successor's CTAs off it although both fit. ``preferred_smem_carveout`` at launch is no
+    such test: the routed experts' exported object is byte-identical with it unset, 37 or
+    100 (benchmarks/NOTES.md). Whether the context's hint reaches a graph's kernel nodes
+    is not verified; the setting is read back here."""
     from cuda.bindings import driver
 
-    torch.cuda.init()
     torch.zeros(1, device="cuda")  # the primary context current on this thread
     (err,) = driver.cuCtxSetCacheConfig(driver.CUfunc_cache.CU_FUNC_CACHE_PREFER_SHARED)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuCtxSetCacheConfig: {err}")
+    err_read, config = driver.cuCtxGetCacheConfig()
+    if err != driver.CUresult.CUDA_SUCCESS or err_read != driver.CUresult.CUDA_SUCCESS \
+            or config != driver.CUfunc_cache.CU_FUNC_CACHE_PREFER_SHARED:
+        raise RuntimeError(f"cuCtxSetCacheConfig: {err}, read back {err_read} {config}")
 
 
 def capture(fn, calls: int = 1, warmups: int = 3):

@@ -25,7 +25,7 @@ import kimi_ops  # noqa: F401
 from kimi_ops import KimiDecoder
 from kimi_ops.debug import KimiOpMode, tensors, weight_labels
 
-from .bench_layer import LAYERS, add_room_options, apply_room_options, config_for, inputs
+from .bench_layer import LAYERS, add_room_options, apply_room_options, config_for, inputs, room_label
 from .common import L2_BYTES, capture, print_table
 
 REPLAYS = 7
@@ -195,6 +195,8 @@ def main(argv=None) -> dict:
     args.smoke = False
     config = config_for(args)
     name = "tp8_rank" if args.tp8_rank else "tp1"
+    arm = room_label(args)  # an A/B arm's files apart from the default's
+    suffix = arm.strip().replace(" ", "_")
     decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device="cuda")
     results = {}
     for batch in args.batches:
@@ -204,19 +206,20 @@ def main(argv=None) -> dict:
         result = timeline(eager_labels(decoder, hidden, slots), replayed(decoder, hidden, slots))
         decoder.check()
         results[batch] = result
-        title = f"kimi_k3 {name}, {LAYERS} layers, B = {batch}: step {result['step_us']:.1f} µs"
+        title = f"kimi_k3 {name}{arm}, {LAYERS} layers, B = {batch}: step {result['step_us']:.1f} µs"
         print(f"\n{title} (median of {REPLAYS} L2-cold replays; idle {result['idle_us']:.1f} µs; "
               f"weights {result['bytes'] / 1e6:.1f} MB)")
         print_table([(r["op"][:18], r["where"][-10:], short(r["kernel"]), r["start"], r["end"], r["busy"], r["beside"],
                       r["gap"], r["adds"], "-" if r["gbs"] is None or not r["bytes"] else r["gbs"])
                      for r in result["rows"]],
                     ("op", "where", "kernel", "start", "end", "busy", "beside", "gap", "adds", "GB/s"))
-        png = os.path.join(args.out, f"timeline_{name}_B{batch}.png")
+        png = os.path.join(args.out, f"timeline_{name}{'_' * bool(suffix)}{suffix}_B{batch}.png")
         if gantt(result, title, png):
             print("wrote", png)
-    path = os.path.join(args.out, f"timeline_{name}.json")
+    path = os.path.join(args.out, f"timeline_{name}{'_' * bool(suffix)}{suffix}.json")
     with open(path, "w") as f:
         json.dump({"config": name, "layers": LAYERS, "replays": REPLAYS, "device": torch.cuda.get_device_name(),
+                   "shared_room_kb": args.shared_room, "prefer_shared": args.prefer_shared,
                    "batches": {str(b): r for b, r in results.items()}}, f, indent=1)
     print("wrote", path)
     return results

@@ -27,6 +27,26 @@ from kimi_ops import KimiConfig, KimiDecoder
 MAX_REL_L2, MEAN_REL_L2, SAME_EXPERTS = 2e-2, 2e-3, 0.95
 
 
+def room_args(argv):
+    parser = bench.argparse.ArgumentParser()
+    bench.add_room_options(parser)
+    return parser.parse_args(argv)
+
+
+def test_room_options_reach_the_child_and_the_kernel(monkeypatch):
+    """without_pdl's child gets the same A/B arm; the arm sets the registered shared-expert
+    kernel's room each time (a later default run resets it)."""
+    for argv in ([], ["--shared-room", "80"], ["--prefer-shared"], ["--shared-room", "80", "--prefer-shared"]):
+        assert bench.room_arguments(room_args(argv)) == argv
+    gemm = pytest.importorskip("kimi_ops.kernels.gemm.host", reason="needs CuTe DSL")
+    kernel = gemm.SharedExpertKernel()  # as kimi_ops.kernels.register() registers it on a GPU machine
+    monkeypatch.setitem(bench.backend.KERNELS, "shared_expert_push", kernel)
+    bench.apply_room_options(room_args(["--shared-room", "80"]))
+    assert kernel.room == 80 * 1024
+    bench.apply_room_options(room_args([]))
+    assert kernel.room == 0
+
+
 def test_smoke_runs_every_path(tmp_path):
     path = tmp_path / "layer.json"
     out = bench.main(["--smoke", "--json", str(path)])

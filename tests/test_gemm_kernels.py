@@ -90,6 +90,7 @@ def test_shared_expert_rings_leave_the_room_asked():
         assert (roomy.grid, roomy.gate_up.ctas, roomy.down.ctas) == (full.grid, full.gate_up.ctas, full.down.ctas)
         assert 1024 + roomy.ring_bytes + 8 + room <= SMEM_BYTES < 1024 + full.ring_bytes + 8 + room
         assert roomy.gate_up.depth < full.gate_up.depth
+        assert gemm.shared_variant(1536, 7168, 7168, tokens, 1, (1.0, 0.0), room).plan is roomy  # the compile's plan
 
 
 def test_shared_expert_with_room_compiles(clean_ptxas):

@@ -307,8 +307,8 @@ class SharedExpertKernel(GemmKernel):
 
     check = staticmethod(oproj_op.check_shared_expert_push)
     writes = "stores 16-byte packets: x, the weights, act and the boxes must be"
-    # shared bytes the rings leave an SM for a successor's CTA (0: the rings take it all):
-    # bench_layer --shared-room's A/B, not yet a measured win (benchmarks/NOTES.md)
+    # bench-only: shared bytes the rings leave an SM for a successor's CTA (0: the rings take
+    # it all); bench_layer --shared-room sets it each run, an A/B not yet won (benchmarks/NOTES.md)
     room = 0
 
     def variant(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
@@ -330,7 +330,8 @@ class SharedExpertKernel(GemmKernel):
         107.5 (benchmarks/NOTES.md)."""
         pushes = [partition(n_down, n_gate_up // 2, tokens) for tokens in TOKEN_TILES]
         return all(parts is not None and parts[1] == 1 for parts in pushes) and all(
-            reason(lambda tokens=tokens: shared_plan(n_gate_up, k, n_down, tokens)) is None for tokens in TOKEN_TILES)
+            reason(lambda tokens=tokens: shared_plan(n_gate_up, k, n_down, tokens, self.room)) is None
+            for tokens in TOKEN_TILES)
 
     def prepare(self, n_gate_up: int, k: int, n_down: int, beta: float, linear_beta: float, tp: int, batches=None,
                 peer_lists=()) -> None:
