@@ -279,35 +279,45 @@ def replays_equal(decoder, hidden, slots, replays: int) -> int:
     return same
 
 
-def add_room_options(parser) -> None:
-    """The A/B of a successor's CTAs resident beside the fused shared expert (issue 37's
-    overlap): the shared memory its rings leave, and every kernel preferring the SM's whole
-    shared memory (benchmarks/NOTES.md, fifteenth session)."""
+def add_ab_options(parser) -> None:
+    """The A/B arms of issue 37's overlap (benchmarks/NOTES.md, fifteenth session): the
+    shared memory the fused shared expert's rings leave a successor's CTA, every kernel
+    preferring the SM's whole shared memory, and the token groups from which the polled
+    tail runs as the wave (PollNormFront + WaveMoeTail) instead of MoeTail."""
     parser.add_argument("--shared-room", type=int, default=0, metavar="KB",
                         help="shared memory the fused shared expert's rings leave an SM, KB (0: none)")
     parser.add_argument("--prefer-shared", action="store_true",
                         help="every kernel prefers the SM's whole shared memory (common.prefer_shared)")
+    parser.add_argument("--wave-from-groups", type=int, default=0, metavar="G",
+                        help="the polled tail as the wave from G 8-token groups on (0: the kernels' own rule)")
 
 
-def apply_room_options(args) -> None:
-    """Before the decoder prepares its kernels (the room is in the shared expert's compile
-    key); set each time, so a second ``main`` in one process does not inherit the last room."""
+def apply_ab_options(args) -> None:
+    """Before the decoder prepares its kernels (both settings choose compiles); set on every
+    run, so a second ``main`` in one process does not inherit the last arm."""
     if args.prefer_shared:
         prefer_shared()
-    kernel = backend.KERNELS.get("shared_expert_push")
-    if kernel is not None:
-        kernel.room = args.shared_room * 1024
-    elif args.shared_room:
-        raise SystemExit("--shared-room shrinks the CuTe shared expert's rings: the CuTe kernels are not registered")
+    shared, poll = backend.KERNELS.get("shared_expert_push"), backend.KERNELS.get("moe_tail_poll")
+    if shared is None or poll is None:
+        if args.shared_room or args.wave_from_groups:
+            raise SystemExit("--shared-room and --wave-from-groups choose CuTe kernels: none are registered")
+        return
+    from kimi_ops.kernels.tail.wave import MIN_WAVE_GROUPS
+
+    shared.room = args.shared_room * 1024
+    type(poll).min_wave_groups = args.wave_from_groups or MIN_WAVE_GROUPS  # moe_tail_serve's poll too
 
 
-def room_label(args) -> str:
+def ab_label(args) -> str:
     """The A/B arm, for titles and file names ('' for the default)."""
-    return "".join([f" room {args.shared_room} KB"] * bool(args.shared_room) + [" prefer-shared"] * args.prefer_shared)
+    return "".join([f" room {args.shared_room} KB"] * bool(args.shared_room) + [" prefer-shared"] * args.prefer_shared
+                   + [f" wave from {args.wave_from_groups}"] * bool(args.wave_from_groups))
 
 
-def room_arguments(args) -> list[str]:
-    return ["--shared-room", str(args.shared_room)] * bool(args.shared_room) + ["--prefer-shared"] * args.prefer_shared
+def ab_arguments(args) -> list[str]:
+    """The arm's options, for without_pdl's child."""
+    return (["--shared-room", str(args.shared_room)] * bool(args.shared_room) + ["--prefer-shared"] * args.prefer_shared
+            + ["--wave-from-groups", str(args.wave_from_groups)] * bool(args.wave_from_groups))
 
 
 def without_pdl(args) -> dict:
@@ -322,7 +332,7 @@ def without_pdl(args) -> dict:
                    "--expert-intermediate", str(args.expert_intermediate), "--batches", *map(str, args.batches)]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's parent: -m finds it
         subprocess.run(command + ["--tp8-rank"] * args.tp8_rank + ["--two-op-shared"] * args.two_op_shared
-                       + room_arguments(args),
+                       + ab_arguments(args),
                        check=True, cwd=root,
                        env={**os.environ, "KIMI_OPS_PDL": "0"})
         with open(path) as f:
@@ -412,7 +422,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--replays", type=int, default=1000, help="graph replays checked against eager steps")
     parser.add_argument("--two-op-shared", action="store_true",
                         help="the shared expert as gate_up_situ + oproj_push (the A/B of its fused launch)")
-    add_room_options(parser)
+    add_ab_options(parser)
     parser.add_argument("--skip-no-pdl", action="store_true", help="no 'ours no PDL' column (its child recompiles all)")
     parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # without_pdl's child
     args = parser.parse_args(argv)
@@ -424,7 +434,7 @@ def main(argv=None) -> dict:
     if not args.smoke and device != "cuda":
         raise SystemExit("bench_layer times CUDA graphs: it needs a GPU (--smoke runs anywhere)")
     if device == "cuda":
-        apply_room_options(args)
+        apply_ab_options(args)
     name = "tiny" if args.smoke else "kimi_k3 TP8 rank" if args.tp8_rank else "kimi_k3"
     decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device=device)
     for layer in decoder.layers:
@@ -440,7 +450,7 @@ def main(argv=None) -> dict:
         for b, us in without_pdl(args).items():
             results[b]["row"]["ours_no_pdl_us"] = us
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"{where}, {name} TP1{room_label(args)}, {LAYERS}-layer KimiDecoder, median µs per layer"
+    print(f"{where}, {name} TP1{ab_label(args)}, {LAYERS}-layer KimiDecoder, median µs per layer"
           + (" (smoke: no timing)" if args.smoke else ""))
     columns = ("B", "eager", "eager graph", "compiled", "ours no PDL", "ours PDL", "floor", "ours/floor",
                "comp./ours", "skips", "= eager", "err eager", "err comp.", "same route", "err same")
@@ -477,6 +487,7 @@ def main(argv=None) -> dict:
         print("note:", note)
     out = {"device": where, "config": name, "shapes": asdict(config), "layers": LAYERS, "smoke": args.smoke,
            "shared_room_kb": args.shared_room, "prefer_shared": args.prefer_shared,
+           "wave_from_groups": args.wave_from_groups,
            "notes": NOTES, "rows": [r["row"] for r in results.values()],
            "breakdown": {str(b): r["breakdown"] for b, r in results.items()}}
     if args.json:

@@ -25,7 +25,7 @@ import kimi_ops  # noqa: F401
 from kimi_ops import KimiDecoder
 from kimi_ops.debug import KimiOpMode, tensors, weight_labels
 
-from .bench_layer import LAYERS, add_room_options, apply_room_options, config_for, inputs, room_label
+from .bench_layer import LAYERS, add_ab_options, apply_ab_options, config_for, inputs, ab_label
 from .common import L2_BYTES, capture, print_table
 
 REPLAYS = 7
@@ -187,15 +187,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--tp8-rank", action="store_true", help="one TP8 rank's shard shapes (bench_layer's)")
     parser.add_argument("--expert-intermediate", type=int, default=16, help="the routed experts' width (a stand-in)")
     parser.add_argument("--out", default=".", help="where the JSON and PNGs go")
-    add_room_options(parser)
+    add_ab_options(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the timeline profiles CUDA-graph replays: it needs a GPU")
-    apply_room_options(args)
+    apply_ab_options(args)
     args.smoke = False
     config = config_for(args)
     name = "tp8_rank" if args.tp8_rank else "tp1"
-    arm = room_label(args)  # an A/B arm's files apart from the default's
+    arm = ab_label(args)  # an A/B arm's files apart from the default's
     suffix = arm.strip().replace(" ", "_")
     decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device="cuda")
     results = {}
@@ -220,6 +220,7 @@ def main(argv=None) -> dict:
     with open(path, "w") as f:
         json.dump({"config": name, "layers": LAYERS, "replays": REPLAYS, "device": torch.cuda.get_device_name(),
                    "shared_room_kb": args.shared_room, "prefer_shared": args.prefer_shared,
+                   "wave_from_groups": args.wave_from_groups,
                    "batches": {str(b): r for b, r in results.items()}}, f, indent=1)
     print("wrote", path)
     return results

@@ -27,24 +27,30 @@ from kimi_ops import KimiConfig, KimiDecoder
 MAX_REL_L2, MEAN_REL_L2, SAME_EXPERTS = 2e-2, 2e-3, 0.95
 
 
-def room_args(argv):
+def ab_args(argv):
     parser = bench.argparse.ArgumentParser()
-    bench.add_room_options(parser)
+    bench.add_ab_options(parser)
     return parser.parse_args(argv)
 
 
-def test_room_options_reach_the_child_and_the_kernel(monkeypatch):
-    """without_pdl's child gets the same A/B arm; the arm sets the registered shared-expert
-    kernel's room each time (a later default run resets it)."""
-    for argv in ([], ["--shared-room", "80"], ["--prefer-shared"], ["--shared-room", "80", "--prefer-shared"]):
-        assert bench.room_arguments(room_args(argv)) == argv
+def test_ab_options_reach_the_child_and_the_kernels(monkeypatch):
+    """without_pdl's child gets the same A/B arm; the arm sets the registered kernels'
+    settings on every run (a later default run resets them)."""
+    for argv in ([], ["--shared-room", "80"], ["--prefer-shared"], ["--wave-from-groups", "1"],
+                 ["--shared-room", "80", "--prefer-shared", "--wave-from-groups", "1"]):
+        assert bench.ab_arguments(ab_args(argv)) == argv
     gemm = pytest.importorskip("kimi_ops.kernels.gemm.host", reason="needs CuTe DSL")
-    kernel = gemm.SharedExpertKernel()  # as kimi_ops.kernels.register() registers it on a GPU machine
-    monkeypatch.setitem(bench.backend.KERNELS, "shared_expert_push", kernel)
-    bench.apply_room_options(room_args(["--shared-room", "80"]))
-    assert kernel.room == 80 * 1024
-    bench.apply_room_options(room_args([]))
-    assert kernel.room == 0
+    from kimi_ops.kernels.tail import host as tail
+    from kimi_ops.kernels.tail.wave import MIN_WAVE_GROUPS
+
+    shared, poll = gemm.SharedExpertKernel(), tail.TailPollKernel()  # as kernels.register() does on a GPU machine
+    monkeypatch.setitem(bench.backend.KERNELS, "shared_expert_push", shared)
+    monkeypatch.setitem(bench.backend.KERNELS, "moe_tail_poll", poll)
+    monkeypatch.setattr(tail.TailPollKernel, "min_wave_groups", MIN_WAVE_GROUPS)
+    bench.apply_ab_options(ab_args(["--shared-room", "80", "--wave-from-groups", "1"]))
+    assert shared.room == 80 * 1024 and poll.min_wave_groups == 1 and tail.TailServeKernel.poll.min_wave_groups == 1
+    bench.apply_ab_options(ab_args([]))
+    assert shared.room == 0 and poll.min_wave_groups == MIN_WAVE_GROUPS
 
 
 def test_smoke_runs_every_path(tmp_path):

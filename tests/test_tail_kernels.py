@@ -11,7 +11,7 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 from kimi_ops import backend  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK, swizzled  # noqa: E402
-from kimi_ops.kernels.tail import host, split, split_plan, wave  # noqa: E402
+from kimi_ops.kernels.tail import fronts, host, split, split_plan, wave  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, parities, raise_if_error  # noqa: E402
 from kimi_ops.testing.tail_boxes import TailBoxes  # noqa: E402
 
@@ -72,6 +72,35 @@ def test_poll_wave_compiles(tp, batch, clean_ptxas):
     assert host.compile_poll_front.build(LATENT, tp, HIDDEN // tp) is not None
     assert host.compile_wave_tail.build(HIDDEN // tp, LATENT, host.groups_of(batch), False, tp) is not None
     clean_ptxas(2)
+
+
+def test_poll_front_at_a_tp8_ranks_latent_compiles(clean_ptxas):
+    assert host.compile_poll_front.build(512, 1, HIDDEN) is not None  # 64 threads a CTA
+    clean_ptxas()
+
+
+def test_the_polled_tail_is_the_wave_from_min_groups():
+    """poll_variant's form: MoeTail below ``min_groups`` token groups (MIN_WAVE_GROUPS by
+    default), PollNormFront + WaveMoeTail from there (bench_layer --wave-from-groups), at
+    a TP8 rank's latent too."""
+    for latent in (LATENT, 512):
+        assert isinstance(host.poll_variant(1, HIDDEN, latent, 1, 1).plan, split_plan.Plan)
+        assert isinstance(host.poll_variant(1, HIDDEN, latent, 1, 1, False, 1).plan, wave.WavePlan)
+        assert isinstance(host.poll_variant(1, HIDDEN, latent, wave.MIN_WAVE_GROUPS, 1).plan, wave.WavePlan)
+
+
+def test_poll_front_spreads_the_rearm():
+    """PollNormFront's grid: a CTA a token, and enough CTAs that no thread re-arms more than
+    REARM_STORES packets (a TP8 rank's first layer re-arms the whole capacity)."""
+    front = fronts.PollNormFront(512, 1)
+    assert front.threads == 64
+    assert front.ctas(1, 64, HIDDEN) == 60 and front.ctas(64, 64, HIDDEN) == 64  # 61,440 packets
+    assert front.ctas(1, 1, HIDDEN) == 1 and front.ctas(8, 8, HIDDEN) == 8
+    for batch, rearm in ((1, 64), (5, 64), (17, 17), (40, 64)):
+        ctas = front.ctas(batch, rearm, HIDDEN)
+        assert ctas >= batch and ctas * front.threads * fronts.REARM_STORES >= rearm * (512 + HIDDEN) // 8
+    wide = fronts.PollNormFront(LATENT, 2)  # kimi_k3 at TP2: a CTA a token covers the re-arm
+    assert wide.ctas(17, 64, HIDDEN // 2) == 17
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
@@ -557,6 +586,34 @@ def test_two_shot_equals_one_shot(tp, batch, rearm_batch):
     errors = run(True, pushes=tp - 1)  # the last rank never pushes
     torch.cuda.synchronize()  # returns: the polls are bounded
     assert [int(e) for e in errors] == [32] * tp
+
+
+@on_hopper
+def test_tail_poll_rearms_the_whole_capacity_past_its_tokens_ctas():
+    """A TP8 rank's latent (L = 512, 64 threads a front CTA) in the wave's publish mode,
+    the first layer's re-arm of the whole capacity (rearm_batch = CAP): PollNormFront's
+    grid is more CTAs than tokens, the ones past the batch only re-arming. Every row of
+    the previous parity re-armed, out against the reference, no error."""
+    latent, batch, parity, rearm = 512, 17, 0, 2
+    gen = torch.Generator().manual_seed(812)
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
+    gamma, w_up = rand(latent, scale=0.1) + 1, rand(HIDDEN, latent, scale=latent**-0.5)
+    assert host.poll_wave_plan(1, HIDDEN, latent, host.groups_of(batch)) is not None  # the wave's path
+    assert fronts.PollNormFront(latent, 1).ctas(batch, CAPACITY, HIDDEN) > batch
+    fresh = [rand(1, batch, latent, scale=0.3), rand(1, batch, HIDDEN)]
+    junk = [rand(1, CAPACITY, latent), rand(1, CAPACITY, HIDDEN)]
+
+    def run():
+        latent_box, rs_box = armed_box(3, 1, CAPACITY, latent), armed_box(3, 1, CAPACITY, HIDDEN)
+        latent_box[parity, :, :batch], rs_box[parity, :, :batch] = fresh
+        latent_box[rearm], rs_box[rearm] = junk
+        out, error = armed_box(1, 1, CAPACITY, HIDDEN), torch.zeros(1, dtype=torch.int32, device="cuda")
+        kimi.moe_tail_poll(latent_box, rs_box, gamma, w_up, 1e-6, [out], error, parity, rearm, CAPACITY, 0, batch)
+        return latent_box, rs_box, out, error
+
+    (latent_box, rs_box, out, error), want = run(), reference(run)[2]
+    assert_tail_close(out[0, 0, :batch], want[0, 0, :batch], fresh[1][0])
+    assert armed(latent_box[rearm]) and armed(rs_box[rearm]) and armed(out[0, 0, batch:]) and int(error) == 0
 
 
 @on_hopper

@@ -17,7 +17,8 @@ for two per SM (72 registers, about half the loads in flight), so that the next 
 tail CTAs never wait for a front CTA's SM.
 
 ``PollNormFront`` (publish mode, before the wave): NormFront's rows from the polled latent
-boxes, with the re-arm of the previous MoE layer's boxes.
+boxes, with the re-arm of the previous MoE layer's boxes over a grid of at least one CTA
+a token (:meth:`PollNormFront.ctas`).
 
 ``TailFront`` (publish mode; grid B × L/2048 CTAs of 256 threads): the partial latent
 BF16(Σ_r row_r · w_r) of one packet per thread, stored (−0 → +0, NaN canonical) as
@@ -82,6 +83,9 @@ class TailFront:
         cute.arch.griddepcontrol_wait()
         if packet < self.packets:
             publish_partial(expanded, weights, peers, self.tp, self.latent, row0, token, packet, self.chunk)
+
+
+REARM_STORES = 16  # the most re-arm stores a PollNormFront thread makes (PollNormFront.ctas)
 
 
 class NormFront:
@@ -164,34 +168,47 @@ class NormFront:
 class PollNormFront(NormFront):
     """Publish mode's front for WaveMoeTail: NormFront's xn rows from the latent boxes,
     latent = BF16(Σ of the TP sources in rank order) polled per packet (bounded, into the
-    error word), and the previous MoE layer's parity re-armed over the grid. Its loads
+    error word), and the previous MoE layer's parity re-armed over the grid: a CTA per
+    token, and more where the re-arm asks (:meth:`ctas`; those only re-arm). Its loads
     are TP packets per thread, in flight at any register target: two CTAs per SM."""
 
     def __init__(self, latent: int, tp: int):
         super().__init__(latent, per_sm=2)
         self.tp = tp
 
+    def ctas(self, batch: int, rearm_batch: int, shard: int) -> int:
+        """The grid: the batch's CTAs, or enough that no thread re-arms more than
+        REARM_STORES packets. A CTA a token alone left a TP8 rank's first layer (L = 512:
+        64 threads a CTA) re-arming the whole capacity, 61,440 packets, in one CTA at B = 1:
+        the wave's layer took 106 µs against MoeTail's 67 (benchmarks/NOTES.md)."""
+        packets = self.tp * rearm_batch * (self.latent + shard) // 8
+        return max(batch, -(-packets // (self.threads * REARM_STORES)))
+
     @cute.jit
     def __call__(self, latent_box: cute.Tensor, shared_box: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
-                 error: cute.Tensor, eps: Float32, parity: Int32, rearm_parity: Int32, rearm_batch: Int32, stream):
-        self.launch_rows(self.kernel(latent_box, shared_box, gamma, rows, error, eps, parity, rearm_parity,
-                                     rearm_batch), rows, stream)
+                 error: cute.Tensor, eps: Float32, parity: Int32, rearm_parity: Int32, rearm_batch: Int32,
+                 ctas: Int32, stream):
+        self.kernel(latent_box, shared_box, gamma, rows, error, eps, parity, rearm_parity, rearm_batch).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=PDL,
+            min_blocks_per_mp=self.per_sm, preferred_smem_carveout=-1,  # as launch_rows
+        )
 
     @cute.kernel
     def kernel(self, latent_box: cute.Tensor, shared_box: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
                error: cute.Tensor, eps: Float32, parity: Int32, rearm_parity: Int32, rearm_batch: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        token, _, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
         columns, scale = self.gamma_packets(gamma)
         # Trigger the dependents at once: the wave only streams weights before it waits for us.
         cute.arch.griddepcontrol_launch_dependents()
         for box in (latent_box, shared_box):
-            rearm_previous(box, self.tp, rearm_parity, rearm_batch, token * self.threads + tid,
-                           rows.shape[0] * self.threads)
-        capacity = latent_box.shape[2]
-        polled = poll_all([latent_box.iterator + box_row(parity, source, token, self.tp, capacity) * self.latent + column
-                           for column in columns for source in range(self.tp)], error, LATENT_POLL)
-        self.store_normed(rank_sums(polled, self.tp), scale, rows, token, eps)
+            rearm_previous(box, self.tp, rearm_parity, rearm_batch, cta * self.threads + tid, grid * self.threads)
+        if cta < rows.shape[0]:  # a token's CTA (the rest only re-arm)
+            capacity = latent_box.shape[2]
+            polled = poll_all([latent_box.iterator + box_row(parity, source, cta, self.tp, capacity) * self.latent
+                               + column for column in columns for source in range(self.tp)], error, LATENT_POLL)
+            self.store_normed(rank_sums(polled, self.tp), scale, rows, cta, eps)
 
 
 class LatentReduce:

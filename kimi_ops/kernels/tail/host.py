@@ -96,19 +96,24 @@ def compile_tail(tp: int, shard: int, latent: int, groups: int, publish: bool, s
 
 
 @functools.cache
-def wave_plan_for(shard: int, latent: int, groups: int) -> WavePlan | None:
-    """WaveMoeTail's plan of a shape, or None where MoeTail runs (fewer than MIN_WAVE_GROUPS
-    token groups, or a shape the wave does not take)."""
+def wave_plan(shard: int, latent: int, groups: int) -> WavePlan | None:
+    """WaveMoeTail's plan of a shape, or None where the wave does not take it."""
     try:
-        return WavePlan(shard, latent, groups) if groups >= MIN_WAVE_GROUPS else None
+        return WavePlan(shard, latent, groups)
     except ValueError:
         return None
 
 
-def poll_wave_plan(tp: int, shard: int, latent: int, groups: int) -> WavePlan | None:
+def wave_plan_for(shard: int, latent: int, groups: int, min_groups: int = MIN_WAVE_GROUPS) -> WavePlan | None:
+    """WaveMoeTail's plan of a call, or None where MoeTail runs (fewer than ``min_groups``
+    token groups, or a shape the wave does not take)."""
+    return wave_plan(shard, latent, groups) if groups >= min_groups else None
+
+
+def poll_wave_plan(tp: int, shard: int, latent: int, groups: int, min_groups: int = MIN_WAVE_GROUPS) -> WavePlan | None:
     """WaveMoeTail's plan for publish mode, or None where MoeTail polls instead: a CTA per
     64 rows leaves TP4's shard 28 CTAs, too few SMs to stream it at the HBM's rate."""
-    return wave_plan_for(shard, latent, groups) if tp <= MAX_WAVE_TP else None
+    return wave_plan_for(shard, latent, groups, min_groups) if tp <= MAX_WAVE_TP else None
 
 
 @compiled
@@ -119,7 +124,7 @@ def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False
     else:
         shared_in, out_in = fake(BFloat16, (batch, shard)), fake(BFloat16, (batch, shard))
     return cute.compile(
-        WaveMoeTail(wave_plan_for(shard, latent, groups), stamps, tp), fake(BFloat16, (cute.sym_int(), latent)),
+        WaveMoeTail(wave_plan(shard, latent, groups), stamps, tp), fake(BFloat16, (cute.sym_int(), latent)),
         shared_in, fake(BFloat16, (shard, latent)), out_in, fake(Int64, (max(tp, 1),), align=8),
         fake(Int32, (1,), align=4), Int32(0), Int32(0), fake(Int32, (1,), align=4), Int32(1), fake_stream(),
         options=compile_options(),
@@ -132,7 +137,7 @@ def compile_poll_front(latent: int, tp: int, shard: int):
     return cute.compile(
         PollNormFront(latent, tp), fake(BFloat16, (3, tp, capacity, latent)), fake(BFloat16, (3, tp, capacity, shard)),
         fake(BFloat16, (latent,)), fake(BFloat16, (cute.sym_int(), latent)), fake(Int32, (1,), align=4),
-        Float32(1e-6), Int32(0), Int32(1), Int32(1), fake_stream(), options=compile_options(),
+        Float32(1e-6), Int32(0), Int32(1), Int32(1), Int32(1), fake_stream(), options=compile_options(),
     )
 
 
@@ -174,19 +179,21 @@ def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = Fal
 
 
 @functools.cache
-def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, stamps: bool = False) -> Variant:
-    """``kimi::moe_tail_poll``: PollNormFront and WaveMoeTail from MIN_WAVE_GROUPS token
+def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, stamps: bool = False,
+                 min_groups: int = MIN_WAVE_GROUPS) -> Variant:
+    """``kimi::moe_tail_poll``: PollNormFront and WaveMoeTail from ``min_groups`` token
     groups on at TP <= MAX_WAVE_TP, else MoeTail (which alone takes two-shot's one-source
     gathered box, ``sources`` 1); ``arguments`` takes the op's. Unsupported (why) where
     neither takes the shape. ``stamps`` (MoeTail, benchmarks/profile_tail.py): the error
     word's buffer holds the Stamps after its first 16 bytes."""
-    wave = poll_wave_plan(tp, shard, latent, groups) if sources == tp and not stamps else None
+    wave = poll_wave_plan(tp, shard, latent, groups, min_groups) if sources == tp and not stamps else None
     if wave:
         def arguments(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
                       rank, batch):
             normed = latent_box.new_empty((wave.xn_rows(batch), latent))
             out = rs_box[parity, rank]  # placeholder: publish mode writes through the peers
-            return ((latent_box, rs_box, gamma, normed[:batch], error, eps, parity, rearm_parity, rearm_batch),
+            ctas = PollNormFront(latent, tp).ctas(batch, rearm_batch, shard)
+            return ((latent_box, rs_box, gamma, normed[:batch], error, eps, parity, rearm_parity, rearm_batch, ctas),
                     (normed, rs_box, w_up, out, addresses(out_boxes), error, parity, rank,
                      placeholder(error, torch.int32), batch))
 
@@ -330,10 +337,14 @@ class TailPollKernel:
     """``kimi::moe_tail_poll`` on CUDA: :func:`poll_variant`'s kernels."""
 
     check = staticmethod(tail_op.check_moe_tail_poll)
+    # bench-only: the token groups from which the wave serves (bench_layer --wave-from-groups
+    # sets it each run; the TP8 rank's A/B, benchmarks/NOTES.md)
+    min_wave_groups = MIN_WAVE_GROUPS
 
     def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=(), gathered_batches=()) -> None:
         """``gathered_batches``: those of ``batches`` that poll two-shot's gathered box (one source)."""
-        prepare_all(lambda groups=groups, sources=sources: poll_variant(tp, shard, latent, groups, sources)
+        prepare_all(lambda groups=groups, sources=sources: poll_variant(tp, shard, latent, groups, sources, False,
+                                                                        self.min_wave_groups)
                     for groups, sources in sorted({(groups_of(b), 1 if b in gathered_batches else tp) for b in batches}))
         register_addresses(peer_lists)
 
@@ -342,12 +353,12 @@ class TailPollKernel:
         if not aligned(latent_box, rs_box, gamma, w_up, *out_boxes):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
         return reason(lambda: poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
-                                           latent_box.shape[1])) or hopper(latent_box)
+                                           latent_box.shape[1], False, self.min_wave_groups)) or hopper(latent_box)
 
     def __call__(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
                  rank, batch):
         variant = poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
-                               latent_box.shape[1])
+                               latent_box.shape[1], False, self.min_wave_groups)
         variant.run(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank,
                     batch)
 
