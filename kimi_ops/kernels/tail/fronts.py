@@ -104,15 +104,15 @@ class NormFront:
     @cute.jit
     def __call__(self, expanded: cute.Tensor, weights: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
                  eps: Float32, stream):
-        self.launch_rows(self.kernel(expanded, weights, gamma, rows, eps), rows, stream)
+        self.launch_ctas(self.kernel(expanded, weights, gamma, rows, eps), rows.shape[0], stream)
 
-    def launch_rows(self, kernel, rows, stream):
-        """One CTA per row of ``rows``."""
+    def launch_ctas(self, kernel, ctas, stream):
+        """Over ``ctas`` CTAs: a token each (PollNormFront: more where its re-arm asks)."""
         # min_blocks_per_mp sets ptxas's register target: 1 keeps a thread's 16 row loads in
         # flight (107 registers; unset, 40 kept ~2), 2 about 9 (72). The carveout attribute
         # lets a multi-CTA target compile without a device.
         kernel.launch(
-            grid=[rows.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=PDL,
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=PDL,
             min_blocks_per_mp=self.per_sm, preferred_smem_carveout=-1,
         )
 
@@ -188,10 +188,8 @@ class PollNormFront(NormFront):
     def __call__(self, latent_box: cute.Tensor, shared_box: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,
                  error: cute.Tensor, eps: Float32, parity: Int32, rearm_parity: Int32, rearm_batch: Int32,
                  ctas: Int32, stream):
-        self.kernel(latent_box, shared_box, gamma, rows, error, eps, parity, rearm_parity, rearm_batch).launch(
-            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=PDL,
-            min_blocks_per_mp=self.per_sm, preferred_smem_carveout=-1,  # as launch_rows
-        )
+        self.launch_ctas(self.kernel(latent_box, shared_box, gamma, rows, error, eps, parity, rearm_parity,
+                                     rearm_batch), ctas, stream)
 
     @cute.kernel
     def kernel(self, latent_box: cute.Tensor, shared_box: cute.Tensor, gamma: cute.Tensor, rows: cute.Tensor,

@@ -188,11 +188,13 @@ def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, st
     word's buffer holds the Stamps after its first 16 bytes."""
     wave = poll_wave_plan(tp, shard, latent, groups, min_groups) if sources == tp and not stamps else None
     if wave:
+        front = PollNormFront(latent, tp)  # its grid (ctas) per call
+
         def arguments(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
                       rank, batch):
             normed = latent_box.new_empty((wave.xn_rows(batch), latent))
             out = rs_box[parity, rank]  # placeholder: publish mode writes through the peers
-            ctas = PollNormFront(latent, tp).ctas(batch, rearm_batch, shard)
+            ctas = front.ctas(batch, rearm_batch, shard)
             return ((latent_box, rs_box, gamma, normed[:batch], error, eps, parity, rearm_parity, rearm_batch, ctas),
                     (normed, rs_box, w_up, out, addresses(out_boxes), error, parity, rank,
                      placeholder(error, torch.int32), batch))
