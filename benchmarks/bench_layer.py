@@ -145,7 +145,7 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
 
     def take_attn(w, partial=partial):
         kimi.oproj_publish(attn, w, attn_boxes, 0)
-        return decoder.residual_take(attn_res, boxes.own("attn", 0), empty, partial, batch, error)
+        return decoder.residual_take(attn_res, boxes.own("attn", 0), empty, partial, batch, error, boxes.moe_input(0))
 
     partial, _, x = unit("oproj_publish + attn_res_take", take_attn, oproj.w_o, extra_bytes=res_bytes)
     front_boxes = boxes.peers("front", 0)
@@ -155,7 +155,7 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     def route(w):
         kimi.moe_front_publish(x, w, c.experts, front_boxes, front.parity, 0)
         return kimi.moe_route_poll(boxes.own("front", 0), front.bias, c.routed_scale, c.renorm, front.parity,
-                                   batch, error)
+                                   batch, error, not front.leads_with_shared())
 
     ids, weights, latent = unit("moe_front_publish + moe_route_poll", route, front.front,
                                 extra_bytes=front.bias.nbytes)
@@ -282,14 +282,18 @@ def replays_equal(decoder, hidden, slots, replays: int) -> int:
 def add_ab_options(parser) -> None:
     """The A/B arms of issue 37's overlap (benchmarks/NOTES.md, fifteenth session): the
     shared memory the fused shared expert's rings leave a successor's CTA, every kernel
-    preferring the SM's whole shared memory, and the token groups from which the polled
-    tail runs as the wave (PollNormFront + WaveMoeTail) instead of MoeTail."""
+    preferring the SM's whole shared memory, the token groups from which the polled
+    tail runs as the wave (PollNormFront + WaveMoeTail) instead of MoeTail, and the fused
+    shared expert's place in the chain."""
     parser.add_argument("--shared-room", type=int, default=0, metavar="KB",
                         help="shared memory the fused shared expert's rings leave an SM, KB (0: none)")
     parser.add_argument("--prefer-shared", action="store_true",
                         help="every kernel prefers the SM's whole shared memory (common.prefer_shared)")
     parser.add_argument("--wave-from-groups", type=int, default=0, metavar="G",
                         help="the polled tail as the wave from G 8-token groups on (0: the kernels' own rule)")
+    parser.add_argument("--shared-last", action="store_true",
+                        help="the fused shared expert after the routed experts, routing waiting for its "
+                             "predecessor (the chain before it led)")
 
 
 def apply_ab_options(args) -> None:
@@ -308,16 +312,25 @@ def apply_ab_options(args) -> None:
     type(poll).min_wave_groups = args.wave_from_groups or MIN_WAVE_GROUPS  # moe_tail_serve's poll too
 
 
+def apply_chain_options(decoder, args) -> None:
+    """The arm's chain, on a decoder built: the routing kernel it then calls compiles on
+    its first (eager) call, before any capture."""
+    for layer in decoder.layers:
+        layer[0].front.shared_first = not args.shared_last
+
+
 def ab_label(args) -> str:
     """The A/B arm, for titles and file names ('' for the default)."""
     return "".join([f" room {args.shared_room} KB"] * bool(args.shared_room) + [" prefer-shared"] * args.prefer_shared
-                   + [f" wave from {args.wave_from_groups}"] * bool(args.wave_from_groups))
+                   + [f" wave from {args.wave_from_groups}"] * bool(args.wave_from_groups)
+                   + [" shared last"] * args.shared_last)
 
 
 def ab_arguments(args) -> list[str]:
     """The arm's options, for without_pdl's child."""
     return (["--shared-room", str(args.shared_room)] * bool(args.shared_room) + ["--prefer-shared"] * args.prefer_shared
-            + ["--wave-from-groups", str(args.wave_from_groups)] * bool(args.wave_from_groups))
+            + ["--wave-from-groups", str(args.wave_from_groups)] * bool(args.wave_from_groups)
+            + ["--shared-last"] * args.shared_last)
 
 
 def without_pdl(args) -> dict:
@@ -439,6 +452,7 @@ def main(argv=None) -> dict:
     decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device=device)
     for layer in decoder.layers:
         layer[0].front.fused_shared &= not args.two_op_shared
+    apply_chain_options(decoder, args)
     if args.ours_only:
         times = {b: ours_us(decoder, *inputs(config, b, device)) for b in args.batches}
         with open(args.json, "w") as f:

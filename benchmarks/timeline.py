@@ -25,7 +25,7 @@ import kimi_ops  # noqa: F401
 from kimi_ops import KimiDecoder
 from kimi_ops.debug import KimiOpMode, tensors, weight_labels
 
-from .bench_layer import LAYERS, add_ab_options, apply_ab_options, config_for, inputs, ab_label
+from .bench_layer import LAYERS, ab_label, add_ab_options, apply_ab_options, apply_chain_options, config_for, inputs
 from .common import L2_BYTES, capture, print_table
 
 REPLAYS = 7
@@ -198,6 +198,7 @@ def main(argv=None) -> dict:
     arm = ab_label(args)  # an A/B arm's files apart from the default's
     suffix = arm.strip().replace(" ", "_")
     decoder = KimiDecoder(config, LAYERS, tp=1, seed=0, device="cuda")
+    apply_chain_options(decoder, args)
     results = {}
     for batch in args.batches:
         hidden, slots = inputs(config, batch, "cuda")
@@ -220,7 +221,7 @@ def main(argv=None) -> dict:
     with open(path, "w") as f:
         json.dump({"config": name, "layers": LAYERS, "replays": REPLAYS, "device": torch.cuda.get_device_name(),
                    "shared_room_kb": args.shared_room, "prefer_shared": args.prefer_shared,
-                   "wave_from_groups": args.wave_from_groups,
+                   "wave_from_groups": args.wave_from_groups, "shared_last": args.shared_last,
                    "batches": {str(b): r for b, r in results.items()}}, f, indent=1)
     print("wrote", path)
     return results

@@ -53,6 +53,11 @@ SCHEMAS: dict[str, str] = {
         " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps)"
         " -> (Tensor new_partial, Tensor h, Tensor h_normed)"
     ),
+    "attn_res_take_into": (
+        "attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks,"
+        " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed)"
+        " -> (Tensor new_partial, Tensor h)"
+    ),
     "oproj_publish": "oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()",
     "oproj_push": "oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",
     "shared_expert_push": (
@@ -65,7 +70,7 @@ SCHEMAS: dict[str, str] = {
     ),
     "moe_route_poll": (
         "moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity,"
-        " int batch, Tensor(b!) error) -> (Tensor ids, Tensor weights, Tensor latent)"
+        " int batch, Tensor(b!) error, bool wait=True) -> (Tensor ids, Tensor weights, Tensor latent)"
     ),
     "moe_tail_push": "moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",
     "moe_tail_publish": (

@@ -240,29 +240,39 @@ def armed(rows):
     return bool((rows.contiguous().view(torch.int32) == torch.tensor(SENTINEL, dtype=torch.int32)).all())
 
 
-def take(box, parity, error, blocks, partial, weights):
-    return kimi.attn_res_take(box, parity, partial.shape[0], error, blocks, partial, *weights, 1e-6)
+def take(box, parity, error, blocks, partial, weights, into=None):
+    """attn_res_take, or attn_res_take_into ``into`` (then its rows [:B] stand for h_normed)."""
+    batch = partial.shape[0]
+    if into is None:
+        return kimi.attn_res_take(box, parity, batch, error, blocks, partial, *weights, 1e-6)
+    return (*kimi.attn_res_take_into(box, parity, batch, error, blocks, partial, *weights, 1e-6, into), into[:batch])
 
 
 @on_hopper
 @pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("count", [0, 1, 3])
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
-def test_attn_res_take_kernel(batch, count, tp):
+@pytest.mark.parametrize("into", [False, True])
+def test_attn_res_take_kernel(batch, count, tp, into):
     """Parity 1 of a 3-parity box: rows [:B] published; ours against the reference on a
-    copy of the box: the outputs, the taken rows re-armed, every other row as it was."""
+    copy of the box: the outputs, the taken rows re-armed, every other row as it was
+    (``into``: h_normed into a poisoned buffer's rows [:B], the rows past them kept)."""
     blocks, partial, rows, *weights = args_of(batch, count, tp, seed=2000 * tp + 10 * count + batch)
     ours = armed_box(3, tp, CAPACITY, HIDDEN)
     ours[0].normal_()  # another parity's rows: never touched
     published(ours, 1, rows)
     theirs = ours.clone()
     errors = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2)]
+    buffers = [torch.full((CAPACITY, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda") if into else None
+               for _ in range(2)]
     poison(batch, HIDDEN)
-    got = take(ours, 1, errors[0], blocks, partial, weights)
-    want = reference(take, theirs, 1, errors[1], blocks, partial, weights)
+    got = take(ours, 1, errors[0], blocks, partial, weights, buffers[0])
+    want = reference(take, theirs, 1, errors[1], blocks, partial, weights, buffers[1])
     assert_matches(got, want, blocks, weights[2])
     assert armed(ours[1]) and torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
     assert int(errors[0]) == 0
+    if into:
+        assert buffers[0][batch:].isnan().all()
     # the functional op on the same rows agrees bit for bit
     functional = kimi.attn_res(blocks, partial, canonical(rows), *weights, 1e-6)
     for g, f in zip(got, functional):

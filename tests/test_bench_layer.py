@@ -36,8 +36,8 @@ def ab_args(argv):
 def test_ab_options_reach_the_child_and_the_kernels(monkeypatch):
     """without_pdl's child gets the same A/B arm; the arm sets the registered kernels'
     settings on every run (a later default run resets them)."""
-    for argv in ([], ["--shared-room", "80"], ["--prefer-shared"], ["--wave-from-groups", "1"],
-                 ["--shared-room", "80", "--prefer-shared", "--wave-from-groups", "1"]):
+    for argv in ([], ["--shared-room", "80"], ["--prefer-shared"], ["--wave-from-groups", "1"], ["--shared-last"],
+                 ["--shared-room", "80", "--prefer-shared", "--wave-from-groups", "1", "--shared-last"]):
         assert bench.ab_arguments(ab_args(argv)) == argv
     gemm = pytest.importorskip("kimi_ops.kernels.gemm.host", reason="needs CuTe DSL")
     from kimi_ops.kernels.tail import host as tail

@@ -79,11 +79,13 @@ def test_decoder_fused_shared_expert_equals_the_two_ops():
     assert int(ticket[0]) == 0
 
 
-def test_decoder_reduce_overhead_graphs_without_skips():
+@pytest.mark.parametrize("tp", [1, 2])  # TP1: the fused shared expert ahead of routing, the MoE input the model's
+def test_decoder_reduce_overhead_graphs_without_skips(tp):
     torch._dynamo.reset()
     counters.clear()
-    eager = KimiDecoder(CONFIG, 3, tp=2, seed=12, device="cuda")
-    compiled = torch.compile(KimiDecoder(CONFIG, 3, tp=2, seed=12, device="cuda"), mode="reduce-overhead", fullgraph=True)
+    eager = KimiDecoder(CONFIG, 3, tp=tp, seed=12, device="cuda")
+    compiled = torch.compile(KimiDecoder(CONFIG, 3, tp=tp, seed=12, device="cuda"), mode="reduce-overhead",
+                             fullgraph=True)
     for x in inputs(20, 5, seed=1):
         assert torch.equal(compiled(x).clone(), eager(x))
     assert not counters["inductor"].get("cudagraph_skips", 0)

@@ -67,7 +67,7 @@ def test_recorder_replays_every_op_bit_for_bit(decoder):
     with torch.no_grad(), OpRecorder(decoder) as recorder:
         decoder(guard.random_steps(decoder, 8)[0])
     ops = {call.op for call in recorder.calls}
-    assert {"oproj", "dsa_index_front_keys", "oproj_publish", "attn_res_take", "moe_front_publish",
+    assert {"oproj", "dsa_index_front_keys", "oproj_publish", "attn_res_take_into", "attn_res_take", "moe_front_publish",
             "moe_route_poll", "gate_up_situ", "oproj_push", "routed_experts", "attn_res"} <= ops
     layers = {call.where.split(" rank")[0] for call in recorder.calls}
     assert layers == {"embed"} | {f"layer {i}" for i in range(len(decoder.layers))}

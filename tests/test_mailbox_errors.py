@@ -110,6 +110,14 @@ CASES = [
     ("shared_expert_push", lambda a: put(a, 1, torch.randn(24, 64).bfloat16()), ["'w_gate_up'", "multiple of 16"]),
     ("shared_expert_push", lambda a: put(a, 8, 3), ["'parity'"]),
     ("shared_expert_push", lambda a: put(a, 10, torch.zeros(2, dtype=torch.int32)), ["'error'"]),
+    # attn_res_take_into's buffer: rows enough for the batch, H wide, BF16, its own memory
+    ("attn_res_take_into", lambda a: put(a, 10, a[10][:2]), ["'h_normed'", "at least batch = 3 rows"]),
+    ("attn_res_take_into", lambda a: put(a, 10, torch.randn(8, 48).bfloat16()), ["'h_normed'", "[*, 64]"]),
+    ("attn_res_take_into", lambda a: put(a, 10, a[10].float()), ["'h_normed'", "torch.bfloat16"]),
+    ("attn_res_take_into", lambda a: put(a, 10, torch.randn(16, 64).bfloat16()[::2]), ["'h_normed'", "contiguous"]),
+    ("attn_res_take_into", lambda a: put(a, 10, meta(a[10])), ["'h_normed'", "meta"]),
+    ("attn_res_take_into", lambda a: put(a, 10, a[5]), ["'partial'", "a buffer of its own"]),
+    ("attn_res_take_into", lambda a: put(a, 10, a[0][0, 0]), ["'h_normed'", "own"]),
     ("moe_tail_publish", lambda a: put_member(a, 2, 1, a[2][0]), ["'latent_boxes[1]'", "own"]),
     ("mailbox_take", lambda a: put(a, 3, a[0].view(-1)[:2].view(torch.int32)), ["'error'", "own"]),
     # 4. the two-shot boxes: moe_latent_reduce's against each other, the publish's widths, serve refusing them

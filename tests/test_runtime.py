@@ -7,6 +7,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from kimi_ops.config import KimiConfig
+from kimi_ops.debug import KimiOpMode
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, canonical, parities, raise_if_error
 from kimi_ops.runtime import boxes as boxes_module
 from kimi_ops.runtime.decoder import KimiDecoder
@@ -165,7 +166,7 @@ def test_compiled_decoder_equals_eager_and_reinplaces_boxes(tp, batch):
         assert torch.equal(compiled(hidden_states(batch, seed)), eager(hidden_states(batch, seed)))
     compiled_module.check()
     calls = re.findall(r"torch\.ops\.kimi\.(\w+)\.default\((.*)\)", code)
-    mutating = {"attn_res_take", "moe_route_poll", "moe_tail_poll", "oproj_publish",
+    mutating = {"attn_res_take", "attn_res_take_into", "moe_route_poll", "moe_tail_poll", "oproj_publish",
                 "moe_front_publish", "oproj_push", "moe_tail_publish", "dsa_index_front_keys"}
     if compiled_module.boxes.two_shot(batch):
         mutating.add("moe_latent_reduce")
@@ -174,9 +175,47 @@ def test_compiled_decoder_equals_eager_and_reinplaces_boxes(tp, batch):
     for name, args in calls:
         for box_list in re.findall(r"\[([^\]]*)\]", args):
             assert all(re.fullmatch(r"arg\d+_1", a.strip()) for a in box_list.split(",")), (name, args)
-        if name in ("attn_res_take", "moe_route_poll", "moe_tail_poll", "moe_latent_reduce"):
+        if name in ("attn_res_take", "attn_res_take_into", "moe_route_poll", "moe_tail_poll", "moe_latent_reduce"):
             assert re.match(r"arg\d+_1,", args), (name, args)
     assert ".copy_(" not in code and "clone" not in code
+
+
+def kimi_calls(decoder, hidden) -> list[tuple[str, list]]:
+    """(op name, arguments) of every kimi op call of one step, in launch order."""
+    calls = []
+
+    class Calls(KimiOpMode):
+        def kimi_op(self, func, args, kwargs):
+            calls.append((func._schema.name.split("::")[1], args))
+            return func(*args, **kwargs)
+
+    with torch.no_grad(), Calls():
+        decoder(hidden)
+    return calls
+
+
+@pytest.mark.parametrize("shared_first", [True, False])
+def test_the_fused_shared_expert_leads_routing_which_then_does_not_wait(shared_first):
+    """The fused shared expert launches before routing, whose poll then does not wait for its
+    end (PreparedFront.run); its input is the model's MoE input buffer, where the attention
+    residual's take wrote it. ``shared_first`` False: the chain before (bench_layer
+    --shared-last). Either way the step equals the two-op decoder's."""
+    fused, two = (KimiDecoder(CONFIG, 2, tp=1, seed=4) for _ in range(2))
+    for layer in fused.layers:  # the CPU's reference backend prefers no fused op: forced
+        layer[0].front.fused_shared, layer[0].front.shared_first = True, shared_first
+    hidden = hidden_states(3, seed=5)
+    calls = kimi_calls(fused, hidden)
+    names = [name for name, _ in calls]
+    start = names.index("moe_front_publish")
+    order = ["shared_expert_push", "moe_route_poll", "routed_experts"] if shared_first else \
+        ["moe_route_poll", "routed_experts", "shared_expert_push"]
+    assert names[start:start + 4] == ["moe_front_publish", *order]
+    (_, route), (_, shared), (_, take) = (next(c for c in calls if c[0] == name)
+                                          for name in ("moe_route_poll", "shared_expert_push", "attn_res_take_into"))
+    assert (route[7] if len(route) > 7 else True) is (not shared_first)  # wait (its default dropped)
+    moe_input = fused.boxes.moe_input(0)
+    assert take[-1] is moe_input and shared[0].data_ptr() == moe_input.data_ptr()
+    assert torch.equal(fused(hidden_states(3, seed=6)), two(hidden_states(3, seed=6)))
 
 
 def test_recompiles_are_bounded_by_batch_buckets():

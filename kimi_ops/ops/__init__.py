@@ -22,6 +22,7 @@ OPS = {
     "mailbox_rearm": (boxes.mailbox_rearm, boxes.fake_of(boxes.check_mailbox_rearm)),
     "mailbox_take": (boxes.mailbox_take, boxes.mailbox_take_fake),
     "attn_res_take": (attn_res.attn_res_take, attn_res.attn_res_take_fake),
+    "attn_res_take_into": (attn_res.attn_res_take_into, attn_res.attn_res_take_into_fake),
     "oproj_publish": (oproj.oproj_publish, boxes.fake_of(oproj.check_oproj_publish)),
     "oproj_push": (oproj.oproj_push, boxes.fake_of(oproj.check_oproj_push)),
     "shared_expert_push": (oproj.shared_expert_push, boxes.fake_of(oproj.check_shared_expert_push)),

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..checks import check_eps, check_placement, check_same_device, check_tensor
+from ..checks import check_eps, check_placement, check_same_device, check_tensor, fail
 from ..mailbox import (
     TAKE_POLL,
     arm_,
@@ -57,16 +57,22 @@ def attn_res_fake(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, 
 # The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).
 
 
-def check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps) -> int:
-    """Returns H."""
-    op = "attn_res_take"
+def check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
+                        h_normed=None, op="attn_res_take") -> int:
+    """Returns H. ``h_normed`` (attn_res_take_into): the buffer whose rows [:batch] it writes."""
     check_box(op, "box", box, parity, batch)
     check_error(op, error)
     hidden = box.shape[3]
     check_tensor(op, "partial", partial, torch.bfloat16, (batch, hidden))
     check_attn_res(blocks, partial, None, query, key_norm_w, out_norm_w, eps, op)
-    check_placement(op, dict(box=box, error=error), dict(blocks=blocks, partial=partial, query=query,
-                                                         key_norm_w=key_norm_w, out_norm_w=out_norm_w))
+    written = dict(box=box, error=error)
+    if h_normed is not None:
+        check_tensor(op, "h_normed", h_normed, torch.bfloat16, (None, hidden))
+        if h_normed.shape[0] < batch:
+            fail(op, "h_normed", f"a buffer of at least batch = {batch} rows", list(h_normed.shape))
+        written["h_normed"] = h_normed
+    check_placement(op, written, dict(blocks=blocks, partial=partial, query=query,
+                                      key_norm_w=key_norm_w, out_norm_w=out_norm_w))
     return hidden
 
 
@@ -85,3 +91,27 @@ def attn_res_take(box, parity: int, batch: int, error, blocks, partial, query, k
 def attn_res_take_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
     hidden = check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
     return tuple(partial.new_empty((batch, hidden)) for _ in range(3))
+
+
+def check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
+                             h_normed) -> int:
+    return check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
+                               h_normed, "attn_res_take_into")
+
+
+def attn_res_take_into(box, parity: int, batch: int, error, blocks, partial, query, key_norm_w, out_norm_w,
+                       eps: float, h_normed):
+    """:func:`attn_res_take` with h_normed written into rows [:batch] of a buffer the
+    caller owns (the decoder's MoE input: the fused shared expert may still read it while
+    kernels launched after it allocate). Returns (new_partial, h)."""
+    check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed)
+    new_partial, h, normed = attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w,
+                                           eps)
+    h_normed[:batch].copy_(normed)
+    return new_partial, h
+
+
+def attn_res_take_into_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
+    hidden = check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
+                                      h_normed)
+    return tuple(partial.new_empty((batch, hidden)) for _ in range(2))

@@ -85,7 +85,7 @@ def situ_fake(gate_up, beta, linear_beta):
 # The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).
 
 
-def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error) -> int:
+def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error, wait=True) -> int:
     """Returns L."""
     op = "moe_route_poll"
     check_box(op, "box", box, parity, batch)
@@ -102,10 +102,15 @@ def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error) -> int:
     return latent
 
 
-def moe_route_poll(box, bias, scale: float, renorm: bool, parity: int, batch: int, error):
+def moe_route_poll(box, bias, scale: float, renorm: bool, parity: int, batch: int, error, wait: bool = True):
     """The routing kernel's polled roles: poll the front row [L latent | E FP32 logits],
     route (:func:`~kimi_ops.ops.route.moe_route`), copy the latent and re-arm the row.
-    Returns (ids [B, 16] int32, weights [B, 16] bf16, latent [B, L] bf16)."""
+    Returns (ids [B, 16] int32, weights [B, 16] bf16, latent [B, L] bf16).
+
+    ``wait`` False: the kernel writes its outputs without waiting for the end of the
+    kernel launched before it (PDL): for a caller that keeps every buffer that kernel
+    reads alive past it (the decoder after the fused shared expert, whose input it owns).
+    The values are the same either way."""
     latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
     rows = box[parity, 0, :batch]
     flag_missing(error, rows, ROUTE_POLL)
@@ -116,7 +121,7 @@ def moe_route_poll(box, bias, scale: float, renorm: bool, parity: int, batch: in
     return ids, weights, latent
 
 
-def moe_route_poll_fake(box, bias, scale, renorm, parity, batch, error):
+def moe_route_poll_fake(box, bias, scale, renorm, parity, batch, error, wait=True):
     latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
     return (
         box.new_empty((batch, TOP_K), dtype=torch.int32),

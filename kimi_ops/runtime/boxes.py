@@ -47,7 +47,10 @@ class DecodeBoxes(nn.Module):
     - ``ticket`` [1] int64 per rank: the group barrier's monotonic counter;
     - ``shared_act`` [CAP, S/TP] BF16 and ``shared_ticket`` [1] int64 per rank: the fused
       shared expert's activations (its down reads them) and its grid barrier's counter
-      (``kimi::shared_expert_push``).
+      (``kimi::shared_expert_push``);
+    - ``moe_input`` [CAP, H] BF16 per rank: the MoE sublayer's input h_normed
+      (``kimi::attn_res_take_into``), owned here because the fused shared expert may
+      still read it while later kernels run and allocate (PreparedFront.run).
 
     The boxes this process owns are buffers (``{kind}_{rank}``); ``peers(kind, rank)`` is
     the ``boxes`` argument of a publishing op on that rank.
@@ -85,6 +88,7 @@ class DecodeBoxes(nn.Module):
             self.register_buffer(f"shared_act_{rank}", static(torch.zeros(cap, config.shared_intermediate // tp,
                                                                             dtype=torch.bfloat16, device=device)))
             self.register_buffer(f"shared_ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
+            self.register_buffer(f"moe_input_{rank}", static(torch.zeros(cap, h, dtype=torch.bfloat16, device=device)))
 
     def two_shot(self, batch: int) -> bool:
         return two_shot(self.tp, self.latent, batch)
@@ -104,6 +108,9 @@ class DecodeBoxes(nn.Module):
     def shared(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused shared expert's activations and grid-barrier counter."""
         return getattr(self, f"shared_act_{rank}"), getattr(self, f"shared_ticket_{rank}")
+
+    def moe_input(self, rank: int) -> torch.Tensor:
+        return getattr(self, f"moe_input_{rank}")
 
     def reset(self) -> None:
         """Re-arm every box this process owns, clear its error words and restart its

@@ -232,10 +232,14 @@ class KimiDecoder(nn.Module):
     def residual(self, res, blocks, partial, rows):
         return kimi.attn_res(blocks, partial, rows, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
 
-    def residual_take(self, res, box, blocks, partial, batch, error):
-        """AttnRes over the sublayer's rows taken from ``box`` (parity 0): polled, re-armed."""
-        return kimi.attn_res_take(box, 0, batch, error, blocks, partial, res.query, res.key_norm_w, res.out_norm_w,
-                                  self.config.eps)
+    def residual_take(self, res, box, blocks, partial, batch, error, into=None):
+        """AttnRes over the sublayer's rows taken from ``box`` (parity 0): polled, re-armed;
+        h_normed into the rows of the buffer ``into`` where given (a view of them returned)."""
+        args = (box, 0, batch, error, blocks, partial, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
+        if into is None:
+            return kimi.attn_res_take(*args)
+        new_partial, h = kimi.attn_res_take_into(*args, into)
+        return new_partial, h, into[:batch]
 
     def check_inputs(self, hidden, slots) -> None:
         """forward's arguments (metadata only: no sync, so compiled and captured calls
@@ -279,7 +283,7 @@ class KimiDecoder(nn.Module):
             self.barrier()
             for r, part in zip(ranks, layer):
                 partial[r], h[r], x[r] = self.residual_take(attn_res, boxes.own("attn", r), blocks[r], partial[r],
-                                                            batch, boxes.error(r))
+                                                            batch, boxes.error(r), boxes.moe_input(r))
                 part.front_publish(x[r], boxes)
             self.barrier()
             rows = {r: part.experts(x[r], boxes, self.serving) for r, part in zip(ranks, layer)}

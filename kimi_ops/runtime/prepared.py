@@ -107,12 +107,14 @@ class PreparedFront(Prepared):
         # kimi_k3's: SharedExpertKernel.prefers)
         self.fused_shared = tp == 1 and backend.prefers("shared_expert_push", *self.shared_gate_up.shape,
                                                         self.shared_down.shape[0])
+        # the fused launch before routing, which runs beside it (run); bench_layer --shared-last: the A/B
+        self.shared_first = True
 
     def prepare(self, batches, boxes):
         config, tp, rank = self.config, self.tp, self.rank
         backend.prepare("moe_front_publish", *self.front.shape, config.experts // tp, tp, batches,
                         [boxes.peers("front", rank)])
-        backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm)
+        backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm, (not self.leads_with_shared(),))
         backend.prepare("gate_up_situ", *self.shared_gate_up.shape, 1.0, 0.0, batches)
         backend.prepare("oproj_push", *self.shared_down.shape, tp, batches, [boxes.peers("rs", rank)])
         if self.fused_shared:
@@ -125,24 +127,44 @@ class PreparedFront(Prepared):
         kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
 
     def run(self, x, boxes: DecodeBoxes):
-        """Route (polled), this rank's routed experts, then the shared expert with its
-        reduce-scatter shards pushed by its down projection's epilogue (after the experts:
-        its gate/up streams its weights beside their latency-bound grid; in one launch where
-        ``fused_shared``); returns this rank's expert rows [B, 16, L] and the
-        routing weights."""
+        """Route (polled), this rank's routed experts and the shared expert with its
+        reduce-scatter shards pushed by its down projection's epilogue; returns this rank's
+        expert rows [B, 16, L] and the routing weights.
+
+        Where the shared expert is fused and ``shared_first`` (the default), its one launch comes
+        first and releases its dependents once its predecessor has ended; the route poll
+        after it does not wait for its end, so routing and the experts run beside it (the
+        tail polls its shards). That is safe because nothing after it frees what it reads:
+        its input ``x`` is ``DecodeBoxes.moe_input``, its workspaces the model's. Otherwise
+        the chain is route, experts, then the shared expert (its gate/up streams its
+        weights beside their latency-bound grids)."""
+        first = self.leads_with_shared()
+        if first:
+            self.shared(x, boxes)
+        expanded, weights = self.route_experts(x.shape[0], boxes, wait=not first)
+        if not first:
+            self.shared(x, boxes)
+        return expanded, weights
+
+    def leads_with_shared(self) -> bool:
+        return self.fused_shared and self.shared_first
+
+    def route_experts(self, batch, boxes: DecodeBoxes, wait: bool):
         config, rank = self.config, self.rank
         ids, weights, latent = kimi.moe_route_poll(
             boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
-            self.parity, x.shape[0], boxes.error(rank),
+            self.parity, batch, boxes.error(rank), wait,
         )
-        expanded = self.experts(latent, ids)
+        return self.experts(latent, ids), weights
+
+    def shared(self, x, boxes: DecodeBoxes):
+        rank = self.rank
         if self.fused_shared:
             kimi.shared_expert_push(x, self.shared_gate_up, self.shared_down, 1.0, 0.0, *boxes.shared(rank),
                                     boxes.peers("rs", rank), self.parity, rank, boxes.error(rank))
         else:
             act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0)
             kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)
-        return expanded, weights
 
     def shared_gate_up_rows(self) -> torch.Tensor:
         """The shared expert's gate/up shard as [gate; up] rows (a copy)."""

@@ -111,12 +111,31 @@ class AttnResTakeKernel(AttnResKernel):
                                      (box, blocks, partial, query, key_norm_w, out_norm_w))
 
     def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
+        return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
+
+    def take(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed=None):
+        """(new_partial, h, h_normed): h_normed into the given rows, if any."""
         hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
-        outputs = [partial.new_empty((batch, hidden)) for _ in range(3)]
+        outputs = [partial.new_empty((batch, hidden)) for _ in range(2)]
+        outputs.append(partial.new_empty((batch, hidden)) if h_normed is None else h_normed)
         attn_res_variant(hidden, tp, blocks.shape[0], True, batch).run(
             block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
             *outputs, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
         return tuple(outputs)
+
+
+class AttnResTakeIntoKernel(AttnResTakeKernel):
+    """``kimi::attn_res_take_into`` on CUDA: the same kernel, h_normed's rows in the caller's buffer."""
+
+    check = staticmethod(attn_res_op.check_attn_res_take_into)
+
+    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
+        return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0], batch,
+                                     (box, blocks, partial, query, key_norm_w, out_norm_w, h_normed))
+
+    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
+        return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
+                         h_normed[:batch])[:2]
 
 
 def block_rows(blocks, partial):
@@ -128,3 +147,4 @@ def block_rows(blocks, partial):
 def register() -> None:
     backend.KERNELS["attn_res"] = AttnResKernel()
     backend.KERNELS["attn_res_take"] = AttnResTakeKernel()
+    backend.KERNELS["attn_res_take_into"] = AttnResTakeIntoKernel()

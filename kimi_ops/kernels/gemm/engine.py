@@ -148,11 +148,13 @@ class DecodeGemm:
     runs this plan after another one (kernels/gemm/shared.py) gives ``cluster``, its launch's
     CTAs per cluster (a K group is then ``split`` consecutive CTAs of it), and ``waiter``,
     whose ``wait(*inputs)`` stands for the PDL wait (x is then in) and releases the
-    dependents itself."""
+    dependents itself; the plan before it gives ``release_waited``: its consumers release
+    the dependents once the PDL wait is over."""
 
-    def __init__(self, plan: GemmPlan, outputs: Outputs, cluster: int | None = None, waiter=None):
+    def __init__(self, plan: GemmPlan, outputs: Outputs, cluster: int | None = None, waiter=None,
+                 release_waited: bool = False):
         self.plan, self.outputs = plan, outputs
-        self.cluster, self.waiter = cluster or plan.split, waiter
+        self.cluster, self.waiter, self.release_waited = cluster or plan.split, waiter, release_waited
         assert self.cluster % plan.split == 0, "a K group is split consecutive CTAs of a cluster"
 
     @cute.jit
@@ -236,6 +238,8 @@ class DecodeGemm:
             if cutlass.const_expr(norm is not None):
                 cute.arch.cluster_wait()
             cute.arch.griddepcontrol_wait()  # before our stores (x arrives after the producers')
+            if cutlass.const_expr(self.release_waited):
+                cute.arch.griddepcontrol_launch_dependents()
             acc = self.consume(ring, full, empty, warp, lane)
             prefetched = self.prefetched(outs, block, part)
             cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer

@@ -21,10 +21,15 @@ them), one thread adds 1 to the counter (release, GPU scope), and the down's x c
 waits until the counter reaches the end of this call's multiple (acquire, bounded by
 POLL_TIMEOUT_NS from our predecessor's end: past it the error word gets SHARED_BARRIER, the
 down reads whatever ``act`` holds, and a straggler's late arrival may let the next call's
-barrier pass early — the step is lost either way until reset()). The dependents are
-released there, not at entry: before the barrier, a dependent's CTAs could take the SMs
-that ours still need. (The down's split-1 CTAs keep the engine's two cluster barriers, over
-all 8 CTAs of the gate/up's clusters: each waits for the slowest of its cluster.)
+barrier pass early — the step is lost either way until reset()). (The down's split-1 CTAs
+keep the engine's two cluster barriers, over all 8 CTAs of the gate/up's clusters: each
+waits for the slowest of its cluster.)
+
+PDL: every CTA releases the dependents once its PDL wait is over (the gate/up's consumers,
+the barrier's waiters), not at entry: a dependent that does not wait for our end (the
+decoder's route poll, runtime/prepared.py) then starts after our predecessor ended, as if
+it followed it. A dependent launches only once every CTA of ours has released it, so the
+whole grid is resident by then and the barrier cannot starve.
 """
 
 import cutlass
@@ -72,11 +77,12 @@ class GridBarrier:
 
     @cute.jit
     def wait(self, ticket: cute.Tensor, target: cute.Tensor, error: cute.Tensor):
-        """Until every CTA arrived (bounded), then the dependents' release. A warp's lane 0
+        """The dependents' release, then until every CTA arrived (bounded). A warp's lane 0
         polls; the warp then fences for its TMA reads of the activations. The bound's clock
         starts after our predecessor ended (the PDL wait first: the clusters that skip the
         gate/up arrive before it ends)."""
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # see the module doc
         goal = target[0]
         if cute.arch.lane_idx() == 0:
             start = cute.arch.globaltimer()
@@ -89,7 +95,6 @@ class GridBarrier:
                     waiting = cutlass.Boolean(False)
         cute.arch.sync_warp()
         cute.arch.fence_proxy("async.global")
-        cute.arch.griddepcontrol_launch_dependents()
 
 
 class SharedExpert:
@@ -99,7 +104,7 @@ class SharedExpert:
     def __init__(self, plan: SharedPlan, situ: tuple, tp: int):
         self.plan = plan
         cluster = plan.gate_up.split
-        self.gate_up = DecodeGemm(plan.gate_up, Outputs(plan.gate_up.n, situ=situ))
+        self.gate_up = DecodeGemm(plan.gate_up, Outputs(plan.gate_up.n, situ=situ), release_waited=True)
         self.down = DecodeGemm(plan.down, Outputs(plan.down.n, tp=tp, scatter=True), cluster, GridBarrier(plan.grid))
 
     @cute.jit

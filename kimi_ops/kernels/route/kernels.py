@@ -190,11 +190,12 @@ class RoutePoll(Route):
     """``kimi::moe_route_poll``: CTAs [0, B) route from the logit words of the front row,
     CTAs [B, 2B) copy its latent; both poll their 16-byte packets (Lamport, bounded),
     re-arm them, release the dependents (mailbox.release_consumed) and wait for the
-    previous grid only before writing outputs."""
+    previous grid only before writing outputs (``wait``; without it, a caller keeps alive
+    every buffer that grid reads: ours may be allocated where a freed one was)."""
 
-    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool):
+    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool, wait: bool = True):
         super().__init__(experts, renorm, lean, polled=True)
-        self.latent = latent
+        self.latent, self.wait = latent, wait
         self.packets = latent // 8  # 16-byte packets of the latent
 
     @cute.jit
@@ -222,7 +223,8 @@ class RoutePoll(Route):
                 for i in cutlass.range_constexpr(4):
                     raw[i] = bits_float(words[i])
             release_consumed()
-            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.wait):
+                cute.arch.griddepcontrol_wait()
             self.route(raw, offsets, ids, weights, scale, token, tid)
         else:
             rounds = (self.packets + THREADS - 1) // THREADS
@@ -236,7 +238,8 @@ class RoutePoll(Route):
                     for i in cutlass.range_constexpr(4):
                         taken[p, i] = words[i]
             release_consumed()
-            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.wait):
+                cute.arch.griddepcontrol_wait()
             for p in cutlass.range_constexpr(rounds):
                 packet_index = tid + THREADS * p
                 if packet_index < self.packets:
