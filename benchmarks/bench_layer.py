@@ -316,7 +316,7 @@ def apply_chain_options(decoder, args) -> None:
     """The arm's chain, on a decoder built: the routing kernel it then calls compiles on
     its first (eager) call, before any capture."""
     for layer in decoder.layers:
-        layer[0].front.shared_first = not args.shared_last
+        layer[0].front.shared_first &= not args.shared_last
 
 
 def ab_label(args) -> str:

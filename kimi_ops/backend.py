@@ -27,7 +27,8 @@ class Kernel(Protocol):
 
     def __call__(self, *args): ...
 
-    # optional, for an op that fuses others': ``prefers(*key) -> bool`` (:func:`prefers`)
+    # optional, for an op that fuses others': ``prefers(*key) -> bool`` (:func:`prefers`);
+    # for a caller that relies on the kernel's own behaviour: ``serves(*key) -> bool`` (:func:`serves`)
 
 
 KERNELS: dict[str, Kernel] = {}
@@ -71,6 +72,14 @@ def prefers(name: str, *key) -> bool:
     backend, where the ops it fuses serve alike."""
     prefers = getattr(KERNELS.get(name), "prefers", None)
     return prefers is not None and selected() != "reference" and prefers(*key)
+
+
+def serves(name: str, *key) -> bool:
+    """Whether op ``name``'s CuTe kernel serves every call of shapes ``key`` (its
+    ``serves``), for a caller whose launch order relies on how that kernel reads (a poll,
+    not a plain load); False without one or under the reference backend."""
+    serves = getattr(KERNELS.get(name), "serves", None)
+    return serves is not None and selected() != "reference" and serves(*key)
 
 
 def cuda_impl(name: str, reference: Callable) -> Callable:

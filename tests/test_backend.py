@@ -86,3 +86,15 @@ def test_reference_backend_never_asks_the_kernel(kernels, monkeypatch):
     monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
     assert backend.cuda_impl("op", reference)(torch.tensor(3)) == 6
     assert kernels["op"].asked == 0
+
+
+def test_serves_asks_the_kernel_unless_the_reference_is_forced(kernels, monkeypatch):
+    """backend.serves: False without a kernel, without its ``serves`` or under the reference
+    backend; else the kernel's answer for the shapes."""
+    assert not backend.serves("op", 8)
+    kernels["op"] = FakeKernel()
+    assert not backend.serves("op", 8)  # no serves: nothing to rely on
+    kernels["op"].serves = lambda width: width % 8 == 0
+    assert backend.serves("op", 8) and not backend.serves("op", 12)
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
+    assert not backend.serves("op", 8)

@@ -74,6 +74,12 @@ class AttentionWeights:
         )
 
 
+def buckets(capacity: int) -> list[int]:
+    """The batches that stand for every kernel variant: one compile per 8-token MMA group
+    count, the capacity the last."""
+    return sorted({min(bucket, capacity) for bucket in range(8, capacity + 8, 8)})
+
+
 class RankLayer(nn.Module):
     """One layer on one rank: its prepared parts, in the order the decoder drives them."""
 
@@ -85,6 +91,10 @@ class RankLayer(nn.Module):
         self.oproj = PreparedOproj(config, tp, rank, attention)
         self.front = PreparedFront(config, tp, rank, moe, parity)
         self.tail = PreparedTail(config, tp, rank, moe, parity, rearm, wrap=ordinal == 0)
+        # The fused shared expert leads routing only where the tail's kernel polls its shards:
+        # the reference's plain loads would not wait for a shared expert still running.
+        self.front.shared_first = backend.serves("moe_tail_poll", tp, self.tail.w_up.shape[0], config.latent,
+                                                 buckets(config.capacity))
 
     def attention(self, x, slots, boxes: DecodeBoxes):
         """The index front (keys into the cache), the stand-in core and the o-proj publish."""
@@ -312,10 +322,7 @@ class KimiDecoder(nn.Module):
         return h[ranks[0]]
 
     def buckets(self) -> list[int]:
-        """The batches that stand for every kernel variant: one compile per 8-token MMA
-        group count, the capacity the last."""
-        capacity = self.config.capacity
-        return sorted({min(bucket, capacity) for bucket in range(8, capacity + 8, 8)})
+        return buckets(self.config.capacity)
 
     def warm_up(self) -> None:
         """A multi-process group's first step of each batch bucket, before any real one: a

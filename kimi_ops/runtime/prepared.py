@@ -107,8 +107,9 @@ class PreparedFront(Prepared):
         # kimi_k3's: SharedExpertKernel.prefers)
         self.fused_shared = tp == 1 and backend.prefers("shared_expert_push", *self.shared_gate_up.shape,
                                                         self.shared_down.shape[0])
-        # the fused launch before routing, which runs beside it (run); bench_layer --shared-last: the A/B
-        self.shared_first = True
+        # the fused launch before routing, which runs beside it (run): RankLayer decides,
+        # bench_layer --shared-last is the A/B
+        self.shared_first = False
 
     def prepare(self, batches, boxes):
         config, tp, rank = self.config, self.tp, self.rank

@@ -137,8 +137,8 @@ class RoutedExperts:
         pair, part = cta // self.cluster, cta % self.cluster
         if wave != 0:
             # A dependent launches once every CTA of ours has released or ended: with the
-            # pairs served in one wave (the others end at once) that is at once, and the
-            # shared gate/up streams its weights beside our latency-bound CTAs.
+            # pairs served in one wave (the others end at once) that is at once, and it
+            # streams its weights beside our latency-bound CTAs.
             cute.arch.griddepcontrol_launch_dependents()
         space = self.allocate()
         full = space.full

@@ -350,6 +350,12 @@ class TailPollKernel:
                     for groups, sources in sorted({(groups_of(b), 1 if b in gathered_batches else tp) for b in batches}))
         register_addresses(peer_lists)
 
+    def serves(self, tp: int, shard: int, latent: int, batches) -> bool:
+        """Whether its kernels (bounded polls of the shard box, not plain loads) take every
+        one of ``batches`` at these shapes (one-shot: TP latent sources)."""
+        return all(reason(lambda groups=groups_of(b): poll_variant(tp, shard, latent, groups, tp, False,
+                                                                   self.min_wave_groups)) is None for b in batches)
+
     def unsupported(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                     rearm_batch, rank, batch):
         if not aligned(latent_box, rs_box, gamma, w_up, *out_boxes):

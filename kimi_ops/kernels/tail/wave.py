@@ -315,8 +315,8 @@ class WaveMoeTail:
     def shared_rows(self, shared, outbox, batch, cta, tid):
         """The shared expert's packets of the thread's output packets as BF16x2 words, once
         our predecessor is done (off the epilogue's path): loaded (functional), or BF16(Σ
-        of the TP sources) polled from the reduce-scatter box (publish mode; each rank
-        pushes them before it publishes the latent our front polled)."""
+        of the TP sources) polled from the reduce-scatter box (publish mode; a shared
+        expert may still be pushing them: the fused one runs beside routing)."""
         plan = self.plan
         items = [plan.packet(q, tid) for q in range(plan.packets)]
         items = [(clamp(token, batch - 1), cta * WAVE_ROWS + row) for token, row in items]  # past the batch: unused
