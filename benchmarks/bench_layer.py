@@ -306,10 +306,10 @@ def apply_ab_options(args) -> None:
         if args.shared_room or args.wave_from_groups:
             raise SystemExit("--shared-room and --wave-from-groups choose CuTe kernels: none are registered")
         return
-    from kimi_ops.kernels.tail.wave import MIN_WAVE_GROUPS
+    from kimi_ops.kernels.tail.wave import MIN_POLL_WAVE_GROUPS
 
     shared.room = args.shared_room * 1024
-    type(poll).min_wave_groups = args.wave_from_groups or MIN_WAVE_GROUPS  # moe_tail_serve's poll too
+    type(poll).min_wave_groups = args.wave_from_groups or MIN_POLL_WAVE_GROUPS  # moe_tail_serve's poll too
 
 
 def apply_chain_options(decoder, args) -> None:

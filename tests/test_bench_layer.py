@@ -41,16 +41,16 @@ def test_ab_options_reach_the_child_and_the_kernels(monkeypatch):
         assert bench.ab_arguments(ab_args(argv)) == argv
     gemm = pytest.importorskip("kimi_ops.kernels.gemm.host", reason="needs CuTe DSL")
     from kimi_ops.kernels.tail import host as tail
-    from kimi_ops.kernels.tail.wave import MIN_WAVE_GROUPS
+    from kimi_ops.kernels.tail.wave import MIN_POLL_WAVE_GROUPS
 
     shared, poll = gemm.SharedExpertKernel(), tail.TailPollKernel()  # as kernels.register() does on a GPU machine
     monkeypatch.setitem(bench.backend.KERNELS, "shared_expert_push", shared)
     monkeypatch.setitem(bench.backend.KERNELS, "moe_tail_poll", poll)
-    monkeypatch.setattr(tail.TailPollKernel, "min_wave_groups", MIN_WAVE_GROUPS)
-    bench.apply_ab_options(ab_args(["--shared-room", "80", "--wave-from-groups", "1"]))
-    assert shared.room == 80 * 1024 and poll.min_wave_groups == 1 and tail.TailServeKernel.poll.min_wave_groups == 1
+    monkeypatch.setattr(tail.TailPollKernel, "min_wave_groups", MIN_POLL_WAVE_GROUPS)
+    bench.apply_ab_options(ab_args(["--shared-room", "80", "--wave-from-groups", "3"]))
+    assert shared.room == 80 * 1024 and poll.min_wave_groups == 3 and tail.TailServeKernel.poll.min_wave_groups == 3
     bench.apply_ab_options(ab_args([]))
-    assert shared.room == 0 and poll.min_wave_groups == MIN_WAVE_GROUPS
+    assert shared.room == 0 and poll.min_wave_groups == MIN_POLL_WAVE_GROUPS
 
 
 def test_smoke_runs_every_path(tmp_path):

@@ -80,13 +80,17 @@ def test_poll_front_at_a_tp8_ranks_latent_compiles(clean_ptxas):
 
 
 def test_the_polled_tail_is_the_wave_from_min_groups():
-    """poll_variant's form: MoeTail below ``min_groups`` token groups (MIN_WAVE_GROUPS by
-    default), PollNormFront + WaveMoeTail from there (bench_layer --wave-from-groups), at
-    a TP8 rank's latent too."""
+    """poll_variant's form: MoeTail below ``min_groups`` token groups, PollNormFront +
+    WaveMoeTail from there (bench_layer --wave-from-groups); by default the wave at every
+    batch (MIN_POLL_WAVE_GROUPS), at a TP8 rank's latent too; MoeTail for two-shot's
+    gathered box (one source) at TP2."""
+    assert wave.MIN_POLL_WAVE_GROUPS == 1
     for latent in (LATENT, 512):
-        assert isinstance(host.poll_variant(1, HIDDEN, latent, 1, 1).plan, split_plan.Plan)
-        assert isinstance(host.poll_variant(1, HIDDEN, latent, 1, 1, False, 1).plan, wave.WavePlan)
-        assert isinstance(host.poll_variant(1, HIDDEN, latent, wave.MIN_WAVE_GROUPS, 1).plan, wave.WavePlan)
+        for groups in (1, 2, wave.MAX_WAVE_GROUPS):
+            assert isinstance(host.poll_variant(1, HIDDEN, latent, groups, 1).plan, wave.WavePlan)
+        assert isinstance(host.poll_variant(1, HIDDEN, latent, 2, 1, False, 3).plan, split_plan.Plan)
+        assert isinstance(host.poll_variant(1, HIDDEN, latent, 3, 1, False, 3).plan, wave.WavePlan)
+        assert isinstance(host.poll_variant(2, HIDDEN // 2, latent, 1, 1).plan, split_plan.Plan)
 
 
 def test_poll_front_spreads_the_rearm():

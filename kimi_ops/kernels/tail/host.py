@@ -19,7 +19,7 @@ from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .fronts import LatentReduce, NormFront, PollNormFront, ShardPush, TailFront
 from .split import MoeTail
 from .split_plan import CLUSTER, TILE_ROWS, Plan
-from .wave import MIN_WAVE_GROUPS, WaveMoeTail, WavePlan
+from .wave import MIN_POLL_WAVE_GROUPS, MIN_WAVE_GROUPS, WaveMoeTail, WavePlan
 
 MAX_WAVE_TP = 2  # publish mode's wave (poll_wave_plan)
 
@@ -110,7 +110,7 @@ def wave_plan_for(shard: int, latent: int, groups: int, min_groups: int = MIN_WA
     return wave_plan(shard, latent, groups) if groups >= min_groups else None
 
 
-def poll_wave_plan(tp: int, shard: int, latent: int, groups: int, min_groups: int = MIN_WAVE_GROUPS) -> WavePlan | None:
+def poll_wave_plan(tp: int, shard: int, latent: int, groups: int, min_groups: int = MIN_POLL_WAVE_GROUPS) -> WavePlan | None:
     """WaveMoeTail's plan for publish mode, or None where MoeTail polls instead: a CTA per
     64 rows leaves TP4's shard 28 CTAs, too few SMs to stream it at the HBM's rate."""
     return wave_plan_for(shard, latent, groups, min_groups) if tp <= MAX_WAVE_TP else None
@@ -180,9 +180,9 @@ def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = Fal
 
 @functools.cache
 def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, stamps: bool = False,
-                 min_groups: int = MIN_WAVE_GROUPS) -> Variant:
+                 min_groups: int = MIN_POLL_WAVE_GROUPS) -> Variant:
     """``kimi::moe_tail_poll``: PollNormFront and WaveMoeTail from ``min_groups`` token
-    groups on at TP <= MAX_WAVE_TP, else MoeTail (which alone takes two-shot's one-source
+    groups on (every batch by default) at TP <= MAX_WAVE_TP, else MoeTail (which alone takes two-shot's one-source
     gathered box, ``sources`` 1); ``arguments`` takes the op's. Unsupported (why) where
     neither takes the shape. ``stamps`` (MoeTail, benchmarks/profile_tail.py): the error
     word's buffer holds the Stamps after its first 16 bytes."""
@@ -341,7 +341,7 @@ class TailPollKernel:
     check = staticmethod(tail_op.check_moe_tail_poll)
     # bench-only: the token groups from which the wave serves (bench_layer --wave-from-groups
     # sets it each run; the TP8 rank's A/B, benchmarks/NOTES.md)
-    min_wave_groups = MIN_WAVE_GROUPS
+    min_wave_groups = MIN_POLL_WAVE_GROUPS
 
     def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=(), gathered_batches=()) -> None:
         """``gathered_batches``: those of ``batches`` that poll two-shot's gathered box (one source)."""

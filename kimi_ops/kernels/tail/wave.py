@@ -48,6 +48,9 @@ ACCUMULATOR_SETS, SETS_TOKENS = 2, 64
 WAVE_PACE = 8
 MAX_WAVE_DEPTH = 32
 MIN_WAVE_GROUPS, MAX_WAVE_GROUPS = 3, 8  # WaveMoeTail's batches (MoeTail is faster up to 16 tokens)
+# publish mode's: the wave from one token group on, since PollNormFront spreads its re-arm over
+# its grid (1.5-8 µs faster than MoeTail at B = 1-16 at a TP8 rank, benchmarks/NOTES.md)
+MIN_POLL_WAVE_GROUPS = 1
 WAVE_REGISTERS = 184  # of CONSUMER_REGISTERS for the stash, accumulators and shared packets (ptxas: no spills)
 
 
