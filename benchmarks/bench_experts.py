@@ -38,16 +38,17 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,)) -> list[t
             routings = [torch.stack([torch.randperm(count, device="cuda", generator=gen)[:16] for _ in range(batch)])
                         .int().view(-1) for _ in range(CALLS)]
             out = latent.new_empty((batch * 16, width))
+            unused, error = (torch.zeros(1, dtype=dtype, device="cuda") for dtype in (torch.int64, torch.int32))
             floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
             times = []
             plan = experts_plan.call_plan(width, intermediate, batch, 0)
             for cluster, per_sm, tokens in ((c, p, t) for c in clusters for p in per_sms for t in tokens_list):
                 cluster, per_sm, tokens = cluster or plan.cluster, per_sm or plan.per_sm, tokens or plan.tokens
-                key = (width, intermediate, cluster, per_sm, tokens)
+                key = (width, intermediate, cluster, per_sm, tokens, False)
                 launch = experts.compile_routed_experts(*key)  # the adapter's cache key
                 times.append(graph_us(rotating(lambda ids: launch(
-                    latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, batch, 0, count, count,
-                    int(experts_plan.one_wave(batch, cluster, 0, 1))), routings), calls=CALLS))
+                    latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, unused, error, batch, 0,
+                    count, count, int(experts_plan.one_wave(batch, cluster, 0, 1))), routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
     columns = [f"{f'C={c}' if c else 'C'} {f'{p}/SM' if p else '-/SM'} {f'T={t}' if t else 'T'}"
                for c in clusters for p in per_sms for t in tokens_list]

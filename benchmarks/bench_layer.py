@@ -155,7 +155,7 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     def route(w):
         kimi.moe_front_publish(x, w, c.experts, front_boxes, front.parity, 0)
         return kimi.moe_route_poll(boxes.own("front", 0), front.bias, c.routed_scale, c.renorm, front.parity,
-                                   batch, error, not front.leads_with_shared())
+                                   batch, error)  # uncounted: the experts below run alone
 
     ids, weights, latent = unit("moe_front_publish + moe_route_poll", route, front.front,
                                 extra_bytes=front.bias.nbytes)

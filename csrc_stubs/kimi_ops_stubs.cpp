@@ -23,7 +23,8 @@ TORCH_LIBRARY(kimi, m) {
   m.def("oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()");
   m.def("shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act, Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()");
   m.def("moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity, int rank) -> ()");
-  m.def("moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error, bool wait=True) -> (Tensor ids, Tensor weights, Tensor latent)");
+  m.def("moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error, Tensor(c!)? ready=None) -> (Tensor ids, Tensor weights, Tensor latent)");
+  m.def("routed_experts_counted(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int rank, int tp, Tensor(a!) ready, Tensor(b!) error) -> Tensor");
   m.def("moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()");
   m.def("moe_tail_publish(Tensor expanded, Tensor weights, Tensor(a!)[] latent_boxes, int parity, int rank) -> ()");
   m.def("moe_latent_reduce(Tensor(a!) recv_box, Tensor(b!)[] gathered_boxes, Tensor(c!) error, int parity, int rearm_parity, int rearm_batch, int rank, int batch) -> ()");

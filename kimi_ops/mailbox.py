@@ -24,6 +24,7 @@ PULSE_STRIDE = 64  # bytes a rank in a group's heartbeat page (runtime/heartbeat
 # Error word bits: which poll found its row unwritten.
 ROUTE_POLL, TAIL_LATENT_POLL, TAIL_SHARED_POLL, TAKE_POLL, BARRIER_POLL, TWO_SHOT_POLL = 1, 2, 4, 8, 16, 32
 SHARED_BARRIER = 64  # not a box: the fused shared expert's grid barrier (kernels/gemm/shared.py)
+EXPERTS_READY = 128  # not a box: the routed experts' wait for the route poll's count (kernels/experts)
 POLL_NAMES = {
     ROUTE_POLL: "the routing kernel's front row",
     TAIL_LATENT_POLL: "the tail's latent sources",
@@ -33,6 +34,7 @@ POLL_NAMES = {
     TWO_SHOT_POLL: "the two-shot latent chunks pushed to their owner (moe_latent_reduce's receive box)",
     SHARED_BARRIER: "the fused shared expert's grid barrier (a CTA of its grid was not resident: another grid held "
                     "its SM)",
+    EXPERTS_READY: "the routed experts' wait for the route poll's outputs (its ready count never reached 2B)",
 }
 
 

@@ -70,7 +70,11 @@ SCHEMAS: dict[str, str] = {
     ),
     "moe_route_poll": (
         "moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity,"
-        " int batch, Tensor(b!) error, bool wait=True) -> (Tensor ids, Tensor weights, Tensor latent)"
+        " int batch, Tensor(b!) error, Tensor(c!)? ready=None) -> (Tensor ids, Tensor weights, Tensor latent)"
+    ),
+    "routed_experts_counted": (
+        "routed_experts_counted(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int rank, int tp,"
+        " Tensor(a!) ready, Tensor(b!) error) -> Tensor"
     ),
     "moe_tail_push": "moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",
     "moe_tail_publish": (

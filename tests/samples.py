@@ -41,6 +41,9 @@ def sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
     if name == "routed_experts":  # E = 32 over TP2, rank 1: half the pairs zero
         ids = torch.stack([torch.randperm(32, generator=gen)[:16] for _ in range(batch)]).to(torch.int32)
         return rand(gen, batch, 64), ids, rand(gen, 32, 2 * 16, 64, scale=0.1), rand(gen, 32, 64, 16, scale=0.2), 1, 2
+    if name == "routed_experts_counted":  # the route poll's 2B CTAs counted in
+        ready, error = torch.tensor([2 * batch, 0]), torch.zeros(1, dtype=torch.int32)
+        return (*sample_args("routed_experts", batch, gen), ready, error)
     return mailbox_sample_args(name, batch, gen)
 
 
@@ -77,7 +80,8 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
     if name == "moe_route_poll":
         box = rand(gen, 3, 1, CAP, 48 + 64)
         box[..., 48:] = rand(gen, 3, 1, CAP, 32, dtype=torch.float32).view(torch.bfloat16)
-        return box, rand(gen, 32, dtype=torch.float32, scale=0.1), 2.5, True, 1, batch, error
+        ready = torch.tensor([5, 0])  # counted: the outputs' CTAs add to it
+        return box, rand(gen, 32, dtype=torch.float32, scale=0.1), 2.5, True, 1, batch, error, ready
     if name == "moe_tail_push":
         return rand(gen, batch, 64), boxes(3, TP, CAP, 32), 0, 1
     if name == "moe_tail_publish":

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
 from kimi_ops import backend  # noqa: E402
+from kimi_ops.mailbox import EXPERTS_READY, KimiMailboxError, raise_if_error  # noqa: E402
 from kimi_ops.kernels.experts import host as experts  # noqa: E402
 from kimi_ops.kernels.experts import kernels as experts_kernels  # noqa: E402
 from kimi_ops.kernels.experts import plan as experts_plan  # noqa: E402
@@ -34,7 +35,17 @@ TP8_RANK = (512, 16, 112)  # bench_layer --tp8-rank's: a CTA the expert, 8 chunk
 @pytest.mark.parametrize("tokens", [1, experts_plan.TOKENS])
 def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, clean_ptxas):
     """T = 1 (a CTA a pair in one wave: no count of the tokens before) and TOKENS."""
-    assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm, tokens) is not None
+    assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm, tokens, False) is not None
+    clean_ptxas()
+
+
+@pytest.mark.parametrize("latent, cluster, per_sm, tokens", [
+    (3584, None, 1, 1), (512, None, 1, 1), (512, 1, experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS),
+])
+def test_routed_experts_counted_compiles(latent, cluster, per_sm, tokens, clean_ptxas):
+    """The wait for the route poll's ready count instead of the PDL wait: in clusters, a CTA
+    the pair, and past one wave."""
+    assert experts.compile_routed_experts.build(latent, 16, cluster, per_sm, tokens, True) is not None
     clean_ptxas()
 
 
@@ -66,7 +77,10 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
         with kernel_compile.collecting() as needed:
             experts.RoutedExpertsKernel().prepare(latent, 16)
         keys = experts.prepared_variants(latent, 16)
-        assert sorted(key[1][2:] for key in needed) == sorted(keys)
+        assert sorted(key[1][2:] for key in needed) == sorted((*key, False) for key in keys)
+        with kernel_compile.collecting() as needed:  # kimi::routed_experts_counted's
+            experts.RoutedExpertsKernel(counted=True).prepare(latent, 16)
+        assert sorted(key[1][2:] for key in needed) == sorted((*key, True) for key in keys)
         assert len(keys) == 2 + (experts_plan.cluster_size(latent, 16) > 1)  # L = 512: C = 1 in one wave too
         for sms in (78, 132):
             monkeypatch.setattr(experts_plan, "multiprocessors", lambda device, sms=sms: sms)
@@ -122,10 +136,11 @@ def test_launcher_takes_the_adapters_arguments():
 
     (latent, intermediate, count), batch = K3, 4
     launch = experts.compile_routed_experts.build(latent, intermediate, 1, experts_plan.PAST_WAVE_PER_SM,
-                                                  experts_plan.TOKENS)
+                                                  experts_plan.TOKENS, True)
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
-               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), batch, 0, count, count, 0)
+               cuda((count * latent, intermediate)), cuda((batch * 16, latent)), cuda((2,), "i64"), cuda((1,), "i32"),
+               batch, 0, count, count, 0)
 
 
 def args_of(batch, shape, seed, device="cuda"):
@@ -226,10 +241,42 @@ def test_routed_experts_kernel_at_other_cluster_sizes(cluster):
     batch, (width, intermediate, count) = 8, K3
     latent, ids, gate_up, down = args_of(batch, K3, seed=cluster)
     out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")
-    experts.compile_routed_experts(width, intermediate, cluster, 1, 1)(
-        latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch, 0,
-        count, count, 0)
+    unused = torch.zeros(2, dtype=torch.int64, device="cuda")  # the uncounted variant's ready and error
+    experts.compile_routed_experts(width, intermediate, cluster, 1, 1, False)(
+        latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), unused,
+        unused[:1].view(torch.int32)[:1], batch, 0, count, count, 0)
     assert_matches(out, reference(kimi.routed_experts, latent, ids, gate_up, down, 0, 1))
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", [1, 8, 67])
+@pytest.mark.parametrize("shape", [K3, TP8_RANK], ids=["k3", "tp8_rank"])
+def test_routed_experts_kernel_waits_for_the_ready_count(batch, shape):
+    """With the route poll's ready counter (its 2B CTAs counted in): the rows of the
+    uncounted call, no error, the counter zeroed for the next step, in one wave (in
+    clusters at kimi_k3's L) and past it."""
+    args = args_of(batch, shape, seed=300 + batch)
+    ready = torch.tensor([2 * batch, 0], device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    assert backend.KERNELS["routed_experts_counted"].unsupported(*args, 0, 1, ready, error) is None
+    poison(batch, shape[0])
+    got = kimi.routed_experts_counted(*args, 0, 1, ready, error)
+    assert torch.equal(got, kimi.routed_experts(*args, 0, 1))
+    assert ready.tolist() == [0, 0] and int(error) == 0
+
+
+@on_hopper
+def test_routed_experts_kernel_reports_a_count_that_never_comes():
+    """A route poll that counted too few CTAs: the wait is bounded, the error word names
+    it, the counter is zeroed."""
+    args = args_of(4, TP8_RANK, seed=7)
+    ready = torch.tensor([7, 0], device="cuda")  # 2B = 8
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    kimi.routed_experts_counted(*args, 0, 1, ready, error)
+    torch.cuda.synchronize()  # returns: the wait is bounded
+    assert int(error) == EXPERTS_READY and ready.tolist() == [0, 0]
+    with pytest.raises(KimiMailboxError, match="ready count"):
+        raise_if_error(error)
 
 
 @on_hopper

@@ -25,9 +25,9 @@ def test_route_compiles(experts, renorm, lean, clean_ptxas):
 
 @pytest.mark.parametrize("experts, latent", [(64, 128), (896, 3584), (1024, 3584)])
 @pytest.mark.parametrize("lean", [True, False])
-@pytest.mark.parametrize("wait", [True, False])
-def test_route_poll_compiles(experts, latent, lean, wait, clean_ptxas):
-    assert route.compile_route_poll.build(experts, latent, True, lean, wait) is not None
+@pytest.mark.parametrize("counted", [False, True])
+def test_route_poll_compiles(experts, latent, lean, counted, clean_ptxas):
+    assert route.compile_route_poll.build(experts, latent, True, lean, counted) is not None
     clean_ptxas()
 
 
@@ -116,20 +116,24 @@ def published_front_box(batch, experts, latent, parity, capacity=64, seed=0):
 
 @on_hopper
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
-@pytest.mark.parametrize("wait", [True, False])
-def test_route_poll_kernel(batch, wait):
-    """``wait`` False: the same values (only where the kernel waits for its predecessor differs)."""
+@pytest.mark.parametrize("counted", [False, True])
+def test_route_poll_kernel(batch, counted):
+    """``counted`` (a ready counter): the same values, and its 2B CTAs counted on top of
+    what the counter held (only where the kernel waits for its predecessor differs)."""
     experts, latent, parity = 896, 3584, 1
     box = published_front_box(batch, experts, latent, parity, seed=batch)
     bias = (torch.randn(experts, generator=torch.Generator().manual_seed(1)) * 0.1).cuda()
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ready = torch.tensor([3, 0], device="cuda") if counted else None
     want_box, want_error = box.clone(), error.clone()
     want = reference(torch.ops.kimi.moe_route_poll, want_box, bias, 2.827, True, parity, batch, want_error)
-    got = torch.ops.kimi.moe_route_poll(box, bias, 2.827, True, parity, batch, error, wait)
+    got = torch.ops.kimi.moe_route_poll(box, bias, 2.827, True, parity, batch, error, ready)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     assert int(bf16_ulps(got[1].cpu(), want[1].cpu()).max()) <= 1
     assert torch.equal(box.view(torch.int32), want_box.view(torch.int32))  # re-armed alike
     assert int(error) == 0
+    if counted:
+        assert ready.tolist() == [3 + 2 * batch, 0]
 
 
 @on_hopper

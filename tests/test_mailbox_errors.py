@@ -142,7 +142,17 @@ CASES = [
       for e in (8, 15, 1025)],
     ("moe_route_poll", lambda a: put(put(a, 0, torch.randn(3, 1, 8, 112).bfloat16()), 1, torch.randn(31)),
      ["'box'", "E = 31", "multiple of 8"]),
-    # 6. eps finite and > 0
+    # 6. the route poll's ready counter (int64 [2]) and the routed experts' wait for it, with its error word
+    ("moe_route_poll", lambda a: put(a, 7, torch.zeros(2, dtype=torch.int32)), ["'ready'", "torch.int64"]),
+    ("moe_route_poll", lambda a: put(a, 7, torch.zeros(3, dtype=torch.int64)), ["'ready'", "[2]"]),
+    ("moe_route_poll", lambda a: put(a, 7, meta(a[7])), ["'ready'", "meta"]),
+    ("routed_experts_counted", lambda a: put(a, 6, a[6].int()), ["'ready'", "torch.int64"]),
+    ("routed_experts_counted", lambda a: put(a, 6, a[6][:1]), ["'ready'", "[2]"]),
+    ("routed_experts_counted", lambda a: put(a, 7, a[7].long()), ["'error'", "torch.int32"]),
+    ("routed_experts_counted", lambda a: put(a, 6, meta(a[6])), ["'ready'", "meta"]),
+    ("routed_experts_counted", lambda a: put(a, 7, a[6][:1].view(torch.int32)[:1]), ["'error'", "the same memory"]),
+    ("routed_experts_counted", lambda a: put(a, 5, 3), ["kimi::routed_experts_counted", "'tp'"]),
+    # 7. eps finite and > 0
     *[(name, lambda a, i=i, eps=eps: put(a, i, eps), ["'eps'", "finite and > 0"])
       for name, i in (("moe_tail", 5), ("attn_res", 6), ("dsa_index_front", 4), ("dsa_index_key_insert", 3),
                       ("moe_tail_poll", 4))

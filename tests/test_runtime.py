@@ -197,9 +197,11 @@ def kimi_calls(decoder, hidden) -> list[tuple[str, list]]:
 @pytest.mark.parametrize("shared_first", [True, False])
 def test_the_fused_shared_expert_leads_routing_which_then_does_not_wait(shared_first):
     """The fused shared expert launches before routing, whose poll then does not wait for its
-    end (PreparedFront.run); its input is the model's MoE input buffer, where the attention
+    end (PreparedFront.run) and counts its outputs into the model's ready counter, for
+    which the experts wait; its input is the model's MoE input buffer, where the attention
     residual's take wrote it. ``shared_first`` False: the chain before (bench_layer
-    --shared-last). Either way the step equals the two-op decoder's."""
+    --shared-last). Either way the step equals the two-op decoder's, and the counter is
+    left zeroed."""
     fused, two = (KimiDecoder(CONFIG, 2, tp=1, seed=4) for _ in range(2))
     for layer in fused.layers:  # the CPU's reference backend prefers no fused op: forced
         layer[0].front.fused_shared, layer[0].front.shared_first = True, shared_first
@@ -207,12 +209,19 @@ def test_the_fused_shared_expert_leads_routing_which_then_does_not_wait(shared_f
     calls = kimi_calls(fused, hidden)
     names = [name for name, _ in calls]
     start = names.index("moe_front_publish")
-    order = ["shared_expert_push", "moe_route_poll", "routed_experts"] if shared_first else \
+    order = ["shared_expert_push", "moe_route_poll", "routed_experts_counted"] if shared_first else \
         ["moe_route_poll", "routed_experts", "shared_expert_push"]
     assert names[start:start + 4] == ["moe_front_publish", *order]
-    (_, route), (_, shared), (_, take) = (next(c for c in calls if c[0] == name)
-                                          for name in ("moe_route_poll", "shared_expert_push", "attn_res_take_into"))
-    assert (route[7] if len(route) > 7 else True) is (not shared_first)  # wait (its default dropped)
+    (_, route), (_, experts), (_, shared), (_, take) = (
+        next(c for c in calls if c[0] == name)
+        for name in ("moe_route_poll", order[2] if shared_first else order[1], "shared_expert_push",
+                     "attn_res_take_into"))
+    ready = fused.boxes.routed_ready(0)
+    if shared_first:
+        assert route[7] is ready and experts[6] is ready and experts[7] is fused.boxes.error(0)
+    else:
+        assert len(route) == 7  # the default dropped: uncounted
+    assert ready.tolist() == [0, 0]
     moe_input = fused.boxes.moe_input(0)
     assert take[-1] is moe_input and shared[0].data_ptr() == moe_input.data_ptr()
     assert torch.equal(fused(hidden_states(3, seed=6)), two(hidden_states(3, seed=6)))

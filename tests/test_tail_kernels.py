@@ -175,10 +175,11 @@ def test_poll_prepare_compiles_the_wave_up_to_max_wave_tp(monkeypatch):
     for tp in (1, 2, 8):
         host.TailPollKernel().prepare(tp, HIDDEN // tp, LATENT, [1, 64])
     host.TailPollKernel().prepare(8, HIDDEN // 8, LATENT, [1, 64], (), [64])  # B = 64 polls two-shot's gathered box
-    assert compiled == [
-        ("tail", 1, HIDDEN, LATENT, 1, True), ("front", LATENT, 1, HIDDEN), ("wave", HIDDEN, LATENT, 8, False, 1),
-        ("tail", 2, HIDDEN // 2, LATENT, 1, True), ("front", LATENT, 2, HIDDEN // 2),
-        ("wave", HIDDEN // 2, LATENT, 8, False, 2),
+    assert compiled == [  # the wave at every batch up to TP2 (MIN_POLL_WAVE_GROUPS)
+        ("front", LATENT, 1, HIDDEN), ("wave", HIDDEN, LATENT, 1, False, 1),
+        ("front", LATENT, 1, HIDDEN), ("wave", HIDDEN, LATENT, 8, False, 1),
+        ("front", LATENT, 2, HIDDEN // 2), ("wave", HIDDEN // 2, LATENT, 1, False, 2),
+        ("front", LATENT, 2, HIDDEN // 2), ("wave", HIDDEN // 2, LATENT, 8, False, 2),
         ("tail", 8, HIDDEN // 8, LATENT, 1, True), ("tail", 8, HIDDEN // 8, LATENT, 8, True),
         ("tail", 8, HIDDEN // 8, LATENT, 1, True), ("tail", 8, HIDDEN // 8, LATENT, 8, True, False, 1),
     ]

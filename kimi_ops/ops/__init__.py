@@ -28,6 +28,7 @@ OPS = {
     "shared_expert_push": (oproj.shared_expert_push, boxes.fake_of(oproj.check_shared_expert_push)),
     "moe_front_publish": (front.moe_front_publish, boxes.fake_of(front.check_moe_front_publish)),
     "moe_route_poll": (route.moe_route_poll, route.moe_route_poll_fake),
+    "routed_experts_counted": (experts.routed_experts_counted, experts.routed_experts_counted_fake),
     "moe_tail_push": (tail.moe_tail_push, boxes.fake_of(tail.check_moe_tail_push)),
     "moe_tail_publish": (tail.moe_tail_publish, boxes.fake_of(tail.check_moe_tail_publish)),
     "moe_latent_reduce": (tail.moe_latent_reduce, boxes.fake_of(tail.check_moe_latent_reduce)),

@@ -68,6 +68,12 @@ def check_error(op, error) -> None:
     check_tensor(op, "error", error, torch.int32, (1,))
 
 
+def check_ready(op, ready) -> None:
+    """The route poll's ready counter for routed experts that wait for it: [producer CTAs
+    arrived, consumer CTAs past the wait], int64, zeroed by the consumer."""
+    check_tensor(op, "ready", ready, torch.int64, (2,))
+
+
 def check_mailbox_arm(box) -> None:
     check_box("mailbox_arm", "box", box)
 

@@ -1,16 +1,18 @@
 """The routed experts' stand-in (DESIGN §2: rows [B, 16, L] of this rank's experts; not a
-seed kernel): ``kimi::routed_experts``."""
+seed kernel): ``kimi::routed_experts``, and ``kimi::routed_experts_counted`` after a route
+poll that counts its outputs."""
 
 import torch
 
-from ..checks import check_same_device, check_tensor, fail, is_int
+from ..checks import check_placement, check_same_device, check_tensor, fail, is_int
 from ..config import TOP_K
+from ..mailbox import EXPERTS_READY
+from .boxes import check_error, check_ready
 from .route import situ
 
 
-def check_routed_experts(latent, ids, gate_up, down, rank, tp) -> tuple[int, int, int, int]:
+def check_routed_experts(latent, ids, gate_up, down, rank, tp, op="routed_experts") -> tuple[int, int, int, int]:
     """Returns (B, L, E, I)."""
-    op = "routed_experts"
     check_tensor(op, "latent", latent, torch.bfloat16, (None, None))
     batch, width = latent.shape
     check_tensor(op, "ids", ids, torch.int32, (batch, TOP_K))
@@ -52,4 +54,29 @@ def routed_experts(latent, ids, gate_up, down, rank: int, tp: int):
 
 def routed_experts_fake(latent, ids, gate_up, down, rank, tp):
     batch, width, _, _ = check_routed_experts(latent, ids, gate_up, down, rank, tp)
+    return latent.new_empty((batch, TOP_K, width))
+
+
+def check_routed_experts_counted(latent, ids, gate_up, down, rank, tp, ready, error) -> tuple[int, int, int, int]:
+    op = "routed_experts_counted"
+    shape = check_routed_experts(latent, ids, gate_up, down, rank, tp, op)
+    check_ready(op, ready)
+    check_error(op, error)
+    check_placement(op, dict(ready=ready, error=error), dict(latent=latent, ids=ids, gate_up=gate_up, down=down))
+    return shape
+
+
+def routed_experts_counted(latent, ids, gate_up, down, rank: int, tp: int, ready, error):
+    """:func:`routed_experts` of ``kimi::moe_route_poll``'s ``ids`` and ``latent`` when that
+    poll counted its outputs into ``ready``: the kernel waits until ``ready[0]`` counts the
+    poll's 2B CTAs (bounded: past it the error word gets EXPERTS_READY) instead of the end
+    of every kernel launched before it, and zeroes the counter for the next step."""
+    batch = check_routed_experts_counted(latent, ids, gate_up, down, rank, tp, ready, error)[0]
+    error.bitwise_or_((ready[0] < 2 * batch).to(torch.int32) * EXPERTS_READY)
+    ready.zero_()
+    return routed_experts(latent, ids, gate_up, down, rank, tp)
+
+
+def routed_experts_counted_fake(latent, ids, gate_up, down, rank, tp, ready, error):
+    batch, width, _, _ = check_routed_experts_counted(latent, ids, gate_up, down, rank, tp, ready, error)
     return latent.new_empty((batch, TOP_K, width))

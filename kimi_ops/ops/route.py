@@ -12,7 +12,7 @@ from ..mailbox import (
     flag_missing,
 )
 from ..numerics import bf16, f32, ordered_key, pairwise_sum
-from .boxes import check_box, check_error
+from .boxes import check_box, check_error, check_ready
 
 
 def check_moe_route(logits, bias, scale, renorm) -> int:
@@ -85,7 +85,7 @@ def situ_fake(gate_up, beta, linear_beta):
 # The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).
 
 
-def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error, wait=True) -> int:
+def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error, ready=None) -> int:
     """Returns L."""
     op = "moe_route_poll"
     check_box(op, "box", box, parity, batch)
@@ -95,34 +95,39 @@ def check_moe_route_poll(box, bias, scale, renorm, parity, batch, error, wait=Tr
     experts = bias.shape[0]
     check_range(op, "bias.shape[0] (experts)", experts, TOP_K, MAX_EXPERTS)
     check_error(op, error)
-    check_placement(op, dict(box=box, error=error), dict(bias=bias))
+    if ready is not None:
+        check_ready(op, ready)
+    check_placement(op, dict(box=box, error=error, ready=ready), dict(bias=bias))
     latent = box.shape[3] - 2 * experts
     if latent <= 0 or latent % PACKET:
         fail(op, "box", f"rows of width L + 2E (E = {experts}) with L > 0 a multiple of {PACKET}", box.shape[3])
     return latent
 
 
-def moe_route_poll(box, bias, scale: float, renorm: bool, parity: int, batch: int, error, wait: bool = True):
+def moe_route_poll(box, bias, scale: float, renorm: bool, parity: int, batch: int, error, ready=None):
     """The routing kernel's polled roles: poll the front row [L latent | E FP32 logits],
     route (:func:`~kimi_ops.ops.route.moe_route`), copy the latent and re-arm the row.
     Returns (ids [B, 16] int32, weights [B, 16] bf16, latent [B, L] bf16).
 
-    ``wait`` False: the kernel writes its outputs without waiting for the end of the
-    kernel launched before it (PDL): for a caller that keeps every buffer that kernel
-    reads alive past it (the decoder after the fused shared expert, whose input it owns).
-    The values are the same either way."""
-    latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
+    ``ready`` ([2] int64, :func:`~kimi_ops.ops.boxes.check_ready`): the kernel writes its
+    outputs without waiting for the end of the kernel launched before it (PDL), then adds
+    its 2B CTAs to ``ready[0]``, the count that ``kimi::routed_experts`` waits for: for a
+    caller that keeps every buffer that kernel reads alive past it (the decoder after the
+    fused shared expert, whose input it owns). The values are the same either way."""
+    latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error, ready)
     rows = box[parity, 0, :batch]
     flag_missing(error, rows, ROUTE_POLL)
     latent = rows[:, :latent_width].clone()
     logits = rows[:, latent_width:].contiguous().view(torch.float32)
     ids, weights = moe_route(logits, bias, scale, renorm)
     arm_(box[parity, :, :batch])
+    if ready is not None:
+        ready[0] += 2 * batch
     return ids, weights, latent
 
 
-def moe_route_poll_fake(box, bias, scale, renorm, parity, batch, error, wait=True):
-    latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error)
+def moe_route_poll_fake(box, bias, scale, renorm, parity, batch, error, ready=None):
+    latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error, ready)
     return (
         box.new_empty((batch, TOP_K), dtype=torch.int32),
         box.new_empty((batch, TOP_K)),

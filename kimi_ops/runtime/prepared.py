@@ -115,13 +115,15 @@ class PreparedFront(Prepared):
         config, tp, rank = self.config, self.tp, self.rank
         backend.prepare("moe_front_publish", *self.front.shape, config.experts // tp, tp, batches,
                         [boxes.peers("front", rank)])
-        backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm, (not self.leads_with_shared(),))
+        counted = self.leads_with_shared()  # the route poll's ready count, the experts' wait for it
+        backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm, (counted,))
         backend.prepare("gate_up_situ", *self.shared_gate_up.shape, 1.0, 0.0, batches)
         backend.prepare("oproj_push", *self.shared_down.shape, tp, batches, [boxes.peers("rs", rank)])
         if self.fused_shared:
             backend.prepare("shared_expert_push", *self.shared_gate_up.shape, self.shared_down.shape[0], 1.0, 0.0, tp,
                             batches, [boxes.peers("rs", rank)])
-        backend.prepare("routed_experts", config.latent, self.expert_down.shape[2])
+        backend.prepare("routed_experts_counted" if counted else "routed_experts", config.latent,
+                        self.expert_down.shape[2])
 
     def publish(self, x, boxes: DecodeBoxes):
         n_logits = self.config.experts // self.tp
@@ -133,16 +135,18 @@ class PreparedFront(Prepared):
         expert rows [B, 16, L] and the routing weights.
 
         Where the shared expert is fused and ``shared_first`` (the default), its one launch comes
-        first and releases its dependents once its predecessor has ended; the route poll
-        after it does not wait for its end, so routing and the experts run beside it (the
-        tail polls its shards). That is safe because nothing after it frees what it reads:
-        its input ``x`` is ``DecodeBoxes.moe_input``, its workspaces the model's. Otherwise
-        the chain is route, experts, then the shared expert (its gate/up streams its
-        weights beside their latency-bound grids)."""
+        first and releases its dependents once its predecessor has ended; neither the route
+        poll after it nor the experts wait for its end (a PDL wait would: a grid ends only
+        after the grids launched before it), the experts wait for the route poll's ready
+        count instead, so routing and the experts run beside it (the tail waits for both).
+        That is safe because nothing after it frees what it reads: its input ``x`` is
+        ``DecodeBoxes.moe_input``, its workspaces the model's. Otherwise the chain is
+        route, experts, then the shared expert (its gate/up streams its weights beside their
+        latency-bound grids)."""
         first = self.leads_with_shared()
         if first:
             self.shared(x, boxes)
-        expanded, weights = self.route_experts(x.shape[0], boxes, wait=not first)
+        expanded, weights = self.route_experts(x.shape[0], boxes, counted=first)
         if not first:
             self.shared(x, boxes)
         return expanded, weights
@@ -150,12 +154,17 @@ class PreparedFront(Prepared):
     def leads_with_shared(self) -> bool:
         return self.fused_shared and self.shared_first
 
-    def route_experts(self, batch, boxes: DecodeBoxes, wait: bool):
+    def route_experts(self, batch, boxes: DecodeBoxes, counted: bool):
+        """``counted``: the experts wait for the route poll's ready count, not its end."""
         config, rank = self.config, self.rank
+        ready = boxes.routed_ready(rank) if counted else None
         ids, weights, latent = kimi.moe_route_poll(
             boxes.own("front", rank), self.bias, config.routed_scale, config.renorm,
-            self.parity, batch, boxes.error(rank), wait,
+            self.parity, batch, boxes.error(rank), ready,
         )
+        if counted:
+            return kimi.routed_experts_counted(latent, ids, self.expert_gate_up, self.expert_down, rank, self.tp,
+                                               ready, boxes.error(rank)), weights
         return self.experts(latent, ids), weights
 
     def shared(self, x, boxes: DecodeBoxes):

@@ -1,14 +1,16 @@
-"""The routed experts' host side: compiles and the adapter of ``kimi::routed_experts``."""
+"""The routed experts' host side: compiles and the adapters of ``kimi::routed_experts`` and
+``kimi::routed_experts_counted``."""
 
 import functools
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Int32
+import torch
+from cutlass import BFloat16, Int32, Int64
 
 from ... import backend
 from ...config import TOP_K
 from ...ops import experts as experts_op
-from ..arguments import aligned
+from ..arguments import aligned, placeholder
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..variant import Unsupported, Variant, prepare_all, single
 from .kernels import (
@@ -26,14 +28,15 @@ from .plan import (
 
 
 @compiled
-def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm: int, tokens: int):
-    """A :class:`~.plan.CallPlan`'s variant: C, the CTAs an SM, T."""
+def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm: int, tokens: int, counted: bool):
+    """A :class:`~.plan.CallPlan`'s variant: C, the CTAs an SM, T; ``counted``: the ids'
+    wait is the route poll's ready count (kernels.RoutedExperts)."""
     batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
-        RoutedExperts(latent, intermediate, cluster, per_sm, tokens), fake(BFloat16, (batch, latent)),
+        RoutedExperts(latent, intermediate, cluster, per_sm, tokens, counted), fake(BFloat16, (batch, latent)),
         fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
-        fake(BFloat16, (rows, latent)), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), fake_stream(),
-        options=compile_options(),
+        fake(BFloat16, (rows, latent)), fake(Int64, (2,), align=8), fake(Int32, (1,), align=4), Int32(1), Int32(0),
+        Int32(1), Int32(1), Int32(0), fake_stream(), options=compile_options(),
     )
 
 
@@ -50,15 +53,17 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
 
 
 @functools.cache  # asked by the call: built once a shape
-def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int, tokens: int) -> Variant:
+def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int, tokens: int,
+                    counted: bool = False) -> Variant:
     """A call's variant: L, I, and its :class:`~.plan.CallPlan`'s CTAs a pair, CTAs an SM
-    and tokens a CTA (:func:`~.plan.call_plan` picks them per call); the kernel takes the
-    adapter's arguments. Unsupported (why) where it does not take the shape."""
+    and tokens a CTA (:func:`~.plan.call_plan` picks them per call), with or without the
+    ready count; the kernel takes the adapter's arguments. Unsupported (why) where it does
+    not take the shape."""
     why = unsupported_shape(latent, intermediate, batch)
     if why:
         raise Unsupported(why)
-    return single(lambda: compile_routed_experts(latent, intermediate, cluster, per_sm, tokens),
-                  (cluster, per_sm, tokens))
+    return single(lambda: compile_routed_experts(latent, intermediate, cluster, per_sm, tokens, counted),
+                  (cluster, per_sm, tokens, counted))
 
 
 def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int]]:
@@ -68,32 +73,37 @@ def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int
 
 
 class RoutedExpertsKernel:
-    """``kimi::routed_experts`` on CUDA."""
+    """``kimi::routed_experts`` on CUDA; ``counted``: ``kimi::routed_experts_counted``."""
 
-    check = staticmethod(experts_op.check_routed_experts)
+    def __init__(self, counted: bool = False):
+        self.counted = counted
+        self.check = experts_op.check_routed_experts_counted if counted else experts_op.check_routed_experts
 
     def prepare(self, latent: int, intermediate: int) -> None:
         if unsupported_shape(latent, intermediate, 0) is None:  # cluster_size needs a shape the kernel takes
-            prepare_all(lambda key=key: experts_variant(latent, intermediate, 0, *key)
+            prepare_all(lambda key=key: experts_variant(latent, intermediate, 0, *key, self.counted)
                         for key in sorted(prepared_variants(latent, intermediate)))
 
-    def unsupported(self, latent, ids, gate_up, down, rank, tp) -> str | None:
+    def unsupported(self, latent, ids, gate_up, down, rank, tp, ready=None, error=None) -> str | None:
         why = unsupported_shape(latent.shape[1], down.shape[2], latent.shape[0])
         if why is None and not aligned(latent, ids, gate_up, down):
             why = "the kernel reads 16-byte packets: every tensor must be 16-byte aligned"
         return why or hopper(latent)
 
-    def __call__(self, latent, ids, gate_up, down, rank, tp):
+    def __call__(self, latent, ids, gate_up, down, rank, tp, ready=None, error=None):
         batch, width = latent.shape
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
             plan = call_plan(width, intermediate, batch, latent.device.index, tp)
-            experts_variant(width, intermediate, batch, *plan.variant).run(
-                latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), batch,
-                rank, experts // tp, experts, int(plan.wave))
+            if not self.counted:  # arguments the kernel's mode never touches
+                ready, error = placeholder(ids, torch.int64), placeholder(ids, torch.int32)
+            experts_variant(width, intermediate, batch, *plan.variant, self.counted).run(
+                latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width),
+                ready, error, batch, rank, experts // tp, experts, int(plan.wave))
         return out
 
 
 def register() -> None:
     backend.KERNELS["routed_experts"] = RoutedExpertsKernel()
+    backend.KERNELS["routed_experts_counted"] = RoutedExpertsKernel(counted=True)

@@ -36,6 +36,11 @@ reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I row
 ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
 tokens in order, up to T; at T = 1 its own token alone) and copies their latent rows into shared memory once
 (cp.async): every gate/up chunk reads them there, not from L2.
+
+``counted`` (the decoder's routing beside the fused shared expert, runtime/prepared.py):
+the ids and latent are the route poll's, which counts its 2B CTAs into ``ready`` once
+stored; each CTA waits for that count (mailbox.await_arrivals, bounded) instead of the PDL
+wait, which would also wait for every grid launched before the route poll.
 """
 
 from typing import NamedTuple
@@ -46,7 +51,9 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
 from ...config import TOP_K
+from ...mailbox import EXPERTS_READY
 from ..launch import PDL
+from ..mailbox import await_arrivals
 from ..packets import (
     butterfly,
     clamp,
@@ -79,12 +86,14 @@ from .plan import (
 class RoutedExperts:
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
-    def __init__(self, latent: int, intermediate: int, cluster: int | None, per_sm: int, tokens: int):
+    def __init__(self, latent: int, intermediate: int, cluster: int | None, per_sm: int, tokens: int,
+                 counted: bool = False):
         """``cluster``: C (None: :func:`cluster_size`'s); ``per_sm``: the CTAs an SM is to
         hold at once: each takes at most 1/per_sm of its shared memory and registers, and of
         its threads past one chunk group; ``tokens``: T, the most of an expert's tokens a CTA
-        serves (:func:`~.plan.call_plan` picks both)."""
+        serves (:func:`~.plan.call_plan` picks both); ``counted``: see the module doc."""
         self.latent, self.intermediate, self.per_sm, self.tokens = latent, intermediate, per_sm, tokens
+        self.counted = counted
         self.cluster = cluster or cluster_size(latent, intermediate)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
         self.packets = self.slice // 8  # P: a slice row's packets
@@ -121,17 +130,19 @@ class RoutedExperts:
 
     @cute.jit
     def __call__(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
-                 out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, wave: Int32,
-                 stream):
-        """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]; ``wave``:
-        1 where the pairs served are one wave (:attr:`~.plan.CallPlan.wave`)."""
-        self.kernel(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, wave).launch(
+                 out: cute.Tensor, ready: cute.Tensor, error: cute.Tensor, batch: Int32, rank: Int32,
+                 per_rank: Int32, experts: Int32, wave: Int32, stream):
+        """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]; ``ready``
+        [2] and ``error`` [1] (``counted`` only); ``wave``: 1 where the pairs served are one
+        wave (:attr:`~.plan.CallPlan.wave`)."""
+        self.kernel(latent, ids, gate_up, down, out, ready, error, batch, rank, per_rank, experts, wave).launch(
             grid=[batch * TOP_K * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
             stream=stream, use_pdl=PDL, **shares_sm(self.per_sm))
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
-               out: cute.Tensor, batch: Int32, rank: Int32, per_rank: Int32, experts: Int32, wave: Int32):
+               out: cute.Tensor, ready: cute.Tensor, error: cute.Tensor, batch: Int32, rank: Int32,
+               per_rank: Int32, experts: Int32, wave: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         pair, part = cta // self.cluster, cta % self.cluster
@@ -148,7 +159,10 @@ class RoutedExperts:
             cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
-        cute.arch.griddepcontrol_wait()  # ids and latent: the routing's
+        if cutlass.const_expr(self.counted):  # ids and latent: the routing's
+            await_arrivals(ready, Int64(2 * batch), batch * TOP_K * self.cluster, error, EXPERTS_READY)
+        else:
+            cute.arch.griddepcontrol_wait()
         served = self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid, space)
         if cutlass.const_expr(self.cluster > 1):
             if served == 0:

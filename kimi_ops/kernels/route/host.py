@@ -5,12 +5,13 @@ import functools
 
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from ... import backend
 from ...config import TOP_K
 from ...mailbox import box_row
 from ...ops import route as route_op
+from ..arguments import placeholder
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .kernels import LEAN_ABOVE, Route, RoutePoll, Situ
@@ -28,13 +29,14 @@ def compile_route(experts: int, renorm: bool, lean: bool):
 
 
 @compiled
-def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool, wait: bool):
+def compile_route_poll(experts: int, latent: int, renorm: bool, lean: bool, counted: bool):
     rows, batch = cute.sym_int(), cute.sym_int()
     return cute.compile(
-        RoutePoll(experts, latent, renorm, lean, wait),
+        RoutePoll(experts, latent, renorm, lean, counted),
         fake(BFloat16, (rows, latent + 2 * experts)), fake(Float32, (experts,), align=4),
         fake(Int32, (batch, TOP_K)), fake(BFloat16, (batch, TOP_K)), fake(BFloat16, (batch, latent)),
-        fake(Int32, (1,), align=4), Float32(1.0), Int32(0), fake_stream(), options=compile_options(),
+        fake(Int32, (1,), align=4), fake(Int64, (2,), align=8), Float32(1.0), Int32(0), fake_stream(),
+        options=compile_options(),
     )
 
 
@@ -55,11 +57,12 @@ def route_variant(experts: int, renorm: bool, batch: int) -> Variant:
 
 
 @functools.cache
-def route_poll_variant(experts: int, latent: int, renorm: bool, batch: int, wait: bool = True) -> Variant:
-    """``kimi::moe_route_poll``'s kernel for a batch; Unsupported (why) where none takes it."""
+def route_poll_variant(experts: int, latent: int, renorm: bool, batch: int, counted: bool = False) -> Variant:
+    """``kimi::moe_route_poll``'s kernel for a batch (``counted``: with a ready counter);
+    Unsupported (why) where none takes it."""
     if experts % 4 or latent % 8:
         raise Unsupported(f"the polled kernel needs E % 4 == 0 and L % 8 == 0 (E={experts}, L={latent})")
-    return single(lambda: compile_route_poll(experts, latent, renorm, batch > LEAN_ABOVE, wait))
+    return single(lambda: compile_route_poll(experts, latent, renorm, batch > LEAN_ABOVE, counted))
 
 
 @functools.cache
@@ -117,23 +120,25 @@ class RoutePollKernel:
 
     check = staticmethod(route_op.check_moe_route_poll)
 
-    def prepare(self, experts: int, latent: int, renorm: bool, waits=(True,)) -> None:
-        prepare_all(lambda batch=batch, wait=wait: route_poll_variant(experts, latent, renorm, batch, wait)
-                    for batch in (1, LEAN_ABOVE + 1) for wait in waits)
+    def prepare(self, experts: int, latent: int, renorm: bool, counts=(False,)) -> None:
+        prepare_all(lambda batch=batch, counted=counted: route_poll_variant(experts, latent, renorm, batch, counted)
+                    for batch in (1, LEAN_ABOVE + 1) for counted in counts)
 
-    def unsupported(self, box, bias, scale, renorm, parity, batch, error, wait=True):
+    def unsupported(self, box, bias, scale, renorm, parity, batch, error, ready=None):
         experts = bias.shape[0]
-        return (reason(lambda: route_poll_variant(experts, box.shape[3] - 2 * experts, bool(renorm), batch, wait))
-                or hopper(box))
+        return (reason(lambda: route_poll_variant(experts, box.shape[3] - 2 * experts, bool(renorm), batch,
+                                                  ready is not None)) or hopper(box))
 
-    def __call__(self, box, bias, scale, renorm, parity, batch, error, wait=True):
+    def __call__(self, box, bias, scale, renorm, parity, batch, error, ready=None):
         experts = bias.shape[0]
         latent_width = box.shape[3] - 2 * experts
         ids = box.new_empty((batch, TOP_K), dtype=torch.int32)
         weights = box.new_empty((batch, TOP_K))
         latent = box.new_empty((batch, latent_width))
-        route_poll_variant(experts, latent_width, bool(renorm), batch, bool(wait)).run(
-            box.view(-1, box.shape[3]), bias, ids, weights, latent, error, scale, box_row(parity, 0, 0, 1, box.shape[2]))
+        counter = placeholder(ids, torch.int64) if ready is None else ready
+        route_poll_variant(experts, latent_width, bool(renorm), batch, ready is not None).run(
+            box.view(-1, box.shape[3]), bias, ids, weights, latent, error, counter, scale,
+            box_row(parity, 0, 0, 1, box.shape[2]))
         return ids, weights, latent
 
 

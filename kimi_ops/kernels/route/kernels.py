@@ -25,7 +25,7 @@ from cutlass.memory import SmemAllocator
 from ...config import TOP_K
 from ...mailbox import ROUTE_POLL
 from ..launch import THREADS, launch
-from ..mailbox import poll, rearm, release_consumed
+from ..mailbox import count_arrival, poll, rearm, release_consumed
 from ..packets import butterfly_sum, ordered, sigmoid, situ_value, unpack_words
 from ..ptx import bits_float, load_words, pack_values, store_words
 
@@ -190,22 +190,26 @@ class RoutePoll(Route):
     """``kimi::moe_route_poll``: CTAs [0, B) route from the logit words of the front row,
     CTAs [B, 2B) copy its latent; both poll their 16-byte packets (Lamport, bounded),
     re-arm them, release the dependents (mailbox.release_consumed) and wait for the
-    previous grid only before writing outputs (``wait``; without it, a caller keeps alive
-    every buffer that grid reads: ours may be allocated where a freed one was)."""
+    previous grid only before writing outputs. ``counted``: no wait (a caller keeps alive
+    every buffer that grid reads: ours may be allocated where a freed one was), and each
+    CTA counts its outputs into ``ready`` once stored (mailbox.count_arrival) for routed
+    experts that wait for the count, not for our end."""
 
-    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool, wait: bool = True):
+    def __init__(self, experts: int, latent: int, renorm: bool, lean: bool, counted: bool = False):
         super().__init__(experts, renorm, lean, polled=True)
-        self.latent, self.wait = latent, wait
+        self.latent, self.counted = latent, counted
         self.packets = latent // 8  # 16-byte packets of the latent
 
     @cute.jit
     def __call__(self, rows: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
-                 latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32, stream):
-        launch(self.kernel(rows, bias, ids, weights, latent, error, scale, first_row), [2 * ids.shape[0]], stream)
+                 latent: cute.Tensor, error: cute.Tensor, ready: cute.Tensor, scale: Float32, first_row: Int32,
+                 stream):
+        launch(self.kernel(rows, bias, ids, weights, latent, error, ready, scale, first_row), [2 * ids.shape[0]],
+               stream)
 
     @cute.kernel
     def kernel(self, rows: cute.Tensor, bias: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
-               latent: cute.Tensor, error: cute.Tensor, scale: Float32, first_row: Int32):
+               latent: cute.Tensor, error: cute.Tensor, ready: cute.Tensor, scale: Float32, first_row: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         batch = ids.shape[0]
@@ -223,7 +227,7 @@ class RoutePoll(Route):
                 for i in cutlass.range_constexpr(4):
                     raw[i] = bits_float(words[i])
             release_consumed()
-            if cutlass.const_expr(self.wait):
+            if cutlass.const_expr(not self.counted):
                 cute.arch.griddepcontrol_wait()
             self.route(raw, offsets, ids, weights, scale, token, tid)
         else:
@@ -238,13 +242,15 @@ class RoutePoll(Route):
                     for i in cutlass.range_constexpr(4):
                         taken[p, i] = words[i]
             release_consumed()
-            if cutlass.const_expr(self.wait):
+            if cutlass.const_expr(not self.counted):
                 cute.arch.griddepcontrol_wait()
             for p in cutlass.range_constexpr(rounds):
                 packet_index = tid + THREADS * p
                 if packet_index < self.packets:
                     store_words(latent.iterator + token * latent.stride[0] + packet_index * 8,
                                 [taken[p, i] for i in range(4)])
+        if cutlass.const_expr(self.counted):
+            count_arrival(ready)
 
 
 class Situ:
