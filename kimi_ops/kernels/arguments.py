@@ -48,12 +48,13 @@ def register_addresses(peer_lists) -> None:
             addresses(boxes)
 
 
-def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1) -> torch.Tensor:
-    """One element of ``tensor`` viewed as ``dtype`` (``dims`` dimensions) for an argument
-    the kernel's mode never touches (no allocation: nothing outlives the call, e.g. in a
-    cudagraph-tree pool). A row view of a wider matrix gives its first row's element."""
+def placeholder(tensor: torch.Tensor, dtype: torch.dtype, dims: int = 1, elements: int = 1) -> torch.Tensor:
+    """``elements`` elements of ``tensor`` viewed as ``dtype`` (``dims`` dimensions, the first
+    of them ``elements`` long) for an argument the kernel's mode never touches (no
+    allocation: nothing outlives the call, e.g. in a cudagraph-tree pool). A row view of a
+    wider matrix gives its first row's elements."""
     source = tensor.view(-1) if tensor.is_contiguous() else tensor[(0,) * (tensor.dim() - 1)]
-    return source.view(dtype)[:1].view([1] * dims)
+    return source.view(dtype)[:elements].view([elements] + [1] * (dims - 1))
 
 
 def tma_rows(t):

@@ -97,7 +97,7 @@ class RoutedExpertsKernel:
         if batch:
             plan = call_plan(width, intermediate, batch, latent.device.index, tp)
             if not self.counted:  # arguments the kernel's mode never touches
-                ready, error = placeholder(ids, torch.int64), placeholder(ids, torch.int32)
+                ready, error = placeholder(ids, torch.int64, elements=2), placeholder(ids, torch.int32)
             experts_variant(width, intermediate, batch, *plan.variant, self.counted).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width),
                 ready, error, batch, rank, experts // tp, experts, int(plan.wave))

@@ -135,7 +135,7 @@ class RoutePollKernel:
         ids = box.new_empty((batch, TOP_K), dtype=torch.int32)
         weights = box.new_empty((batch, TOP_K))
         latent = box.new_empty((batch, latent_width))
-        counter = placeholder(ids, torch.int64) if ready is None else ready
+        counter = placeholder(ids, torch.int64, elements=2) if ready is None else ready
         route_poll_variant(experts, latent_width, bool(renorm), batch, ready is not None).run(
             box.view(-1, box.shape[3]), bias, ids, weights, latent, error, counter, scale,
             box_row(parity, 0, 0, 1, box.shape[2]))
