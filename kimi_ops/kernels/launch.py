@@ -19,10 +19,12 @@ SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
 # prefetches its weights on the SMs we leave free (benchmarks/timeline.py shows it).
 # So a kernel two or more launches on may run beside us: one that takes rows from a box
 # before its wait releases only after re-arming them (mailbox.release_consumed), or a later
-# poll of the same box could take them again. A kernel that skips its wait (the route poll
+# poll of the same box could take them again. A grid launched early is complete only after
+# the grid before it, so a wait reaches every earlier grid, not only the predecessor
+# (benchmarks/NOTES.md, seventeenth session). A kernel that skips its wait (the route poll
 # after the fused shared expert, runtime/prepared.py) is not ordered after its predecessor
-# at all: its caller keeps what that grid reads alive, and whatever needs that grid's
-# results polls for them.
+# at all: its caller keeps what that grid reads alive, and whatever needs its results
+# polls for them (the routed experts its ready count: mailbox.await_arrivals).
 # KIMI_OPS_PDL=0: every kernel launched without programmatic dependent launch (each starts
 # when its predecessor has ended): bench_layer's "without PDL" row. Part of the cache key.
 PDL = os.environ.get("KIMI_OPS_PDL", "1") != "0"
