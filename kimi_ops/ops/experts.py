@@ -42,7 +42,12 @@ def routed_experts(latent, ids, gate_up, down, rank: int, tp: int):
     products, a sum that every order gives alike but at float64's own rounding) and
     rounded once to FP32, so no summation order (eager's, Inductor's, a kernel's) changes
     a bit."""
-    batch, width, experts, intermediate = check_routed_experts(latent, ids, gate_up, down, rank, tp)
+    return expert_rows(latent, ids, gate_up, down, rank, tp, check_routed_experts(latent, ids, gate_up, down, rank, tp))
+
+
+def expert_rows(latent, ids, gate_up, down, rank, tp, shape) -> torch.Tensor:
+    """:func:`routed_experts`' rows, its arguments checked (``shape``: the check's)."""
+    batch, _, experts, intermediate = shape
     served = mine(ids, experts, rank, tp)
     index = torch.where(served, ids, 0).long()
     hidden = torch.einsum("bl,bril->bri", latent.double(), gate_up[index].double()).float()
@@ -71,10 +76,10 @@ def routed_experts_counted(latent, ids, gate_up, down, rank: int, tp: int, ready
     poll counted its outputs into ``ready``: the kernel waits until ``ready[0]`` counts the
     poll's 2B CTAs (bounded: past it the error word gets EXPERTS_READY) instead of the end
     of every kernel launched before it, and zeroes the counter for the next step."""
-    batch = check_routed_experts_counted(latent, ids, gate_up, down, rank, tp, ready, error)[0]
-    error.bitwise_or_((ready[0] < 2 * batch).to(torch.int32) * EXPERTS_READY)
+    shape = check_routed_experts_counted(latent, ids, gate_up, down, rank, tp, ready, error)
+    error.bitwise_or_((ready[0] < 2 * shape[0]).to(torch.int32) * EXPERTS_READY)
     ready.zero_()
-    return routed_experts(latent, ids, gate_up, down, rank, tp)
+    return expert_rows(latent, ids, gate_up, down, rank, tp, shape)
 
 
 def routed_experts_counted_fake(latent, ids, gate_up, down, rank, tp, ready, error):

@@ -111,7 +111,7 @@ def moe_route_poll(box, bias, scale: float, renorm: bool, parity: int, batch: in
 
     ``ready`` ([2] int64, :func:`~kimi_ops.ops.boxes.check_ready`): the kernel writes its
     outputs without waiting for the end of the kernel launched before it (PDL), then adds
-    its 2B CTAs to ``ready[0]``, the count that ``kimi::routed_experts`` waits for: for a
+    its 2B CTAs to ``ready[0]``, the count ``kimi::routed_experts_counted`` waits for: for a
     caller that keeps every buffer that kernel reads alive past it (the decoder after the
     fused shared expert, whose input it owns). The values are the same either way."""
     latent_width = check_moe_route_poll(box, bias, scale, renorm, parity, batch, error, ready)

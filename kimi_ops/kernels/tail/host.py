@@ -110,7 +110,8 @@ def wave_plan_for(shard: int, latent: int, groups: int, min_groups: int = MIN_WA
     return wave_plan(shard, latent, groups) if groups >= min_groups else None
 
 
-def poll_wave_plan(tp: int, shard: int, latent: int, groups: int, min_groups: int = MIN_POLL_WAVE_GROUPS) -> WavePlan | None:
+def poll_wave_plan(tp: int, shard: int, latent: int, groups: int,
+                   min_groups: int = MIN_POLL_WAVE_GROUPS) -> WavePlan | None:
     """WaveMoeTail's plan for publish mode, or None where MoeTail polls instead: a CTA per
     64 rows leaves TP4's shard 28 CTAs, too few SMs to stream it at the HBM's rate."""
     return wave_plan_for(shard, latent, groups, min_groups) if tp <= MAX_WAVE_TP else None
