@@ -48,10 +48,11 @@ import torch
 import kimi_ops  # noqa: F401
 from kimi_ops import KimiConfig, KimiDecoder, backend
 from kimi_ops.debug import KimiOpMode
+from kimi_ops.kernels.launch import CARVEOUT, GEMM_ROOM
 from kimi_ops.testing import guard
 from kimi_ops.testing.composite import CompositeDecoder
 
-from .common import L2_BYTES, capture, graph_us, prefer_shared, print_table, rotating
+from .common import L2_BYTES, capture, graph_us, print_table, rotating
 
 BATCHES = (1, 8, 64)
 LAYERS = 2
@@ -280,15 +281,12 @@ def replays_equal(decoder, hidden, slots, replays: int) -> int:
 
 
 def add_ab_options(parser) -> None:
-    """The A/B arms of issue 37's overlap (benchmarks/NOTES.md, fifteenth session): the
-    shared memory the fused shared expert's rings leave a successor's CTA, every kernel
-    preferring the SM's whole shared memory, the token groups from which the polled
-    tail runs as the wave (PollNormFront + WaveMoeTail) instead of MoeTail, and the fused
-    shared expert's place in the chain."""
-    parser.add_argument("--shared-room", type=int, default=0, metavar="KB",
-                        help="shared memory the fused shared expert's rings leave an SM, KB (0: none)")
-    parser.add_argument("--prefer-shared", action="store_true",
-                        help="every kernel prefers the SM's whole shared memory (common.prefer_shared)")
+    """The A/B arms of issue 37's chain: the token groups from which the polled tail runs
+    as the wave (PollNormFront + WaveMoeTail) instead of MoeTail, and the fused shared
+    expert's place in the chain. The compiled-in arms are settings of the environment
+    (kimi_ops/kernels/launch.py), named in the title and the JSON: KIMI_OPS_SMEM_CARVEOUT
+    (every kernel's preferred shared-memory carveout, %) and KIMI_OPS_GEMM_ROOM (KB every
+    decode-GEMM ring leaves its SM)."""
     parser.add_argument("--wave-from-groups", type=int, default=0, metavar="G",
                         help="the polled tail as the wave from G 8-token groups on (0: the kernels' own rule)")
     parser.add_argument("--shared-last", action="store_true",
@@ -297,18 +295,15 @@ def add_ab_options(parser) -> None:
 
 
 def apply_ab_options(args) -> None:
-    """Before the decoder prepares its kernels (both settings choose compiles); set on every
+    """Before the decoder prepares its kernels (the setting chooses compiles); set on every
     run, so a second ``main`` in one process does not inherit the last arm."""
-    if args.prefer_shared:
-        prefer_shared()
-    shared, poll = backend.KERNELS.get("shared_expert_push"), backend.KERNELS.get("moe_tail_poll")
-    if shared is None or poll is None:
-        if args.shared_room or args.wave_from_groups:
-            raise SystemExit("--shared-room and --wave-from-groups choose CuTe kernels: none are registered")
+    poll = backend.KERNELS.get("moe_tail_poll")
+    if poll is None:
+        if args.wave_from_groups:
+            raise SystemExit("--wave-from-groups chooses CuTe kernels: none are registered")
         return
     from kimi_ops.kernels.tail.wave import MIN_POLL_WAVE_GROUPS
 
-    shared.room = args.shared_room * 1024
     type(poll).min_wave_groups = args.wave_from_groups or MIN_POLL_WAVE_GROUPS  # moe_tail_serve's poll too
 
 
@@ -321,15 +316,19 @@ def apply_chain_options(decoder, args) -> None:
 
 def ab_label(args) -> str:
     """The A/B arm, for titles and file names ('' for the default)."""
-    return "".join([f" room {args.shared_room} KB"] * bool(args.shared_room) + [" prefer-shared"] * args.prefer_shared
+    return "".join([f" carveout {CARVEOUT}"] * (CARVEOUT is not None) + [f" room {GEMM_ROOM // 1024} KB"] * bool(GEMM_ROOM)
                    + [f" wave from {args.wave_from_groups}"] * bool(args.wave_from_groups)
                    + [" shared last"] * args.shared_last)
 
 
+def ab_settings(args) -> dict:
+    """The arm's settings, for the JSON."""
+    return {"smem_carveout": CARVEOUT, "gemm_room_kb": GEMM_ROOM // 1024, "wave_from_groups": args.wave_from_groups}
+
+
 def ab_arguments(args) -> list[str]:
-    """The arm's options, for without_pdl's child."""
-    return (["--shared-room", str(args.shared_room)] * bool(args.shared_room) + ["--prefer-shared"] * args.prefer_shared
-            + ["--wave-from-groups", str(args.wave_from_groups)] * bool(args.wave_from_groups)
+    """The arm's options, for without_pdl's child (which inherits the environment's)."""
+    return (["--wave-from-groups", str(args.wave_from_groups)] * bool(args.wave_from_groups)
             + ["--shared-last"] * args.shared_last)
 
 
@@ -439,8 +438,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-no-pdl", action="store_true", help="no 'ours no PDL' column (its child recompiles all)")
     parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # without_pdl's child
     args = parser.parse_args(argv)
-    if args.shared_room and args.two_op_shared:
-        parser.error("--shared-room shrinks the fused shared expert's rings: --two-op-shared runs no fused op")
     config = config_for(args)
     torch._dynamo.config.cache_size_limit = 64  # a compiled graph per batch: more than the default 8
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -500,8 +497,7 @@ def main(argv=None) -> dict:
     for note in NOTES:
         print("note:", note)
     out = {"device": where, "config": name, "shapes": asdict(config), "layers": LAYERS, "smoke": args.smoke,
-           "shared_room_kb": args.shared_room, "prefer_shared": args.prefer_shared,
-           "wave_from_groups": args.wave_from_groups,
+           **ab_settings(args),
            "notes": NOTES, "rows": [r["row"] for r in results.values()],
            "breakdown": {str(b): r["breakdown"] for b, r in results.items()}}
     if args.json:

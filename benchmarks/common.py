@@ -6,25 +6,6 @@ HBM_READ_BYTES_PER_US = 4.26e6  # 4.26 TB/s, measured on the H200
 L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
 
 
-def prefer_shared() -> None:
-    """A hint to every kernel of this process's CUDA context: prefer the SM's whole shared
-    memory (the context's cache config; the layer's A/B, ``--prefer-shared``). The suspect
-    it tests: an SM holds CTAs of one shared-memory configuration at a time, which the
-    driver picks per kernel, so a kernel that set an SM up smaller would keep a
-    successor's CTAs off it although both fit. ``preferred_smem_carveout`` at launch is no
-    such test: the routed experts' exported object is byte-identical with it unset, 37 or
-    100 (benchmarks/NOTES.md). Whether the context's hint reaches a graph's kernel nodes
-    is not verified; the setting is read back here."""
-    from cuda.bindings import driver
-
-    torch.zeros(1, device="cuda")  # the primary context current on this thread
-    (err,) = driver.cuCtxSetCacheConfig(driver.CUfunc_cache.CU_FUNC_CACHE_PREFER_SHARED)
-    err_read, config = driver.cuCtxGetCacheConfig()
-    if err != driver.CUresult.CUDA_SUCCESS or err_read != driver.CUresult.CUDA_SUCCESS \
-            or config != driver.CUfunc_cache.CU_FUNC_CACHE_PREFER_SHARED:
-        raise RuntimeError(f"cuCtxSetCacheConfig: {err}, read back {err_read} {config}")
-
-
 def capture(fn, calls: int = 1, warmups: int = 3):
     """``fn`` warmed up on a side stream (first-call work stays out of the graph), then
     ``calls`` back-to-back calls captured: (the graph, the last call's result)."""

@@ -25,7 +25,16 @@ import kimi_ops  # noqa: F401
 from kimi_ops import KimiDecoder
 from kimi_ops.debug import KimiOpMode, tensors, weight_labels
 
-from .bench_layer import LAYERS, ab_label, add_ab_options, apply_ab_options, apply_chain_options, config_for, inputs
+from .bench_layer import (
+    LAYERS,
+    ab_label,
+    ab_settings,
+    add_ab_options,
+    apply_ab_options,
+    apply_chain_options,
+    config_for,
+    inputs,
+)
 from .common import L2_BYTES, capture, print_table
 
 REPLAYS = 7
@@ -220,8 +229,7 @@ def main(argv=None) -> dict:
     path = os.path.join(args.out, f"timeline_{name}{'_' * bool(suffix)}{suffix}.json")
     with open(path, "w") as f:
         json.dump({"config": name, "layers": LAYERS, "replays": REPLAYS, "device": torch.cuda.get_device_name(),
-                   "shared_room_kb": args.shared_room, "prefer_shared": args.prefer_shared,
-                   "wave_from_groups": args.wave_from_groups, "shared_last": args.shared_last,
+                   **ab_settings(args), "shared_last": args.shared_last,
                    "batches": {str(b): r for b, r in results.items()}}, f, indent=1)
     print("wrote", path)
     return results

@@ -30,7 +30,7 @@ if [[ $wanted == *" multiprocess "* ]]; then
   if command -v nvidia-cuda-mps-control > /dev/null && [ ! -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ]; then
     nvidia-cuda-mps-control -d && started=1
   fi
-  run multiprocess tests/test_multiprocess.py
+  run multiprocess -x tests/test_multiprocess.py  # -x: a failed group's report before the limit can cut it
   [ "$started" = 1 ] && echo quit | nvidia-cuda-mps-control
 fi
 cat "$OUT/rc.txt"

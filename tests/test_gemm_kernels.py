@@ -15,6 +15,7 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 from kimi_ops.checks import KimiArgumentError  # noqa: E402
 from kimi_ops.kernels.gemm import host as gemm  # noqa: E402
 from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
+from kimi_ops.kernels.dsa import plan as dsa_plans  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, canonical  # noqa: E402
@@ -81,20 +82,58 @@ def test_shared_expert_grid_is_one_size_and_resident():
             assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 <= SMEM_BYTES  # barriers, ring, target
 
 
-def test_shared_expert_rings_leave_the_room_asked():
-    """bench_layer --shared-room: the TP8 rank's rings shrink to leave ``room`` of the SM
-    (MoeTail's 76 KB CTA beside them), the grid and partition as without it."""
-    room = 80 * 1024
+@pytest.fixture
+def gemm_room(monkeypatch):
+    """``gemm_room(kb)``: launch.GEMM_ROOM (KIMI_OPS_GEMM_ROOM) for the rest of the test, the
+    plans' caches cleared around it."""
+    cached = (gemm_plans.gemm_plan, gemm.gemm_variant, gemm.shared_plan, gemm.shared_variant, dsa_plans.index_plan)
+
+    def set_room(kb: int) -> None:
+        for module in (gemm_plans, dsa_plans):
+            monkeypatch.setattr(module, "GEMM_ROOM", kb * 1024)
+        for function in cached:
+            function.cache_clear()
+
+    yield set_room
+    for function in cached:
+        function.cache_clear()
+
+
+TP8_RANK_SHAPES = [(7168, 1536, None), (1696, 7168, None), (1536, 1536, None), (624, 7168, None), (7168, 768, None),
+                   (1536, 7168, (1.0, 0.0))]  # o-proj, the DSA helpers, the core, the front, the push, gate/up
+
+
+def test_rings_leave_the_room_asked(gemm_room):
+    """KIMI_OPS_GEMM_ROOM: each decode GEMM of the TP8 rank's layer leaves the room beside its
+    ring (a successor's CTA of up to that much fits on its SM), its partition and grid as
+    without it; the DSA front, whose raw rows need its whole K slice in the ring, leaves
+    what that slice leaves, at most the room."""
+    room = 112 * 1024
+
+    def plans():
+        return {(n, k, t): gemm.plan_of(n, k, t, situ) for n, k, situ in TP8_RANK_SHAPES for t in gemm_plans.TOKEN_TILES}
+
+    full, shared_full = plans(), [gemm.shared_plan(1536, 7168, 7168, t) for t in gemm_plans.TOKEN_TILES]
+    gemm_room(room // 1024)
+    for key, roomy in plans().items():
+        assert (roomy.tiles, roomy.split, roomy.ctas) == (full[key].tiles, full[key].split, full[key].ctas), key
+        assert roomy.room == room and roomy.depth * (roomy.w_slot + roomy.x_slot) + 2048 + room <= SMEM_BYTES, key
+        assert 1 <= roomy.sets <= roomy.depth <= full[key].depth and roomy.chunks % roomy.sets == 0, key
+    for tokens, before in zip(gemm_plans.TOKEN_TILES, shared_full):
+        roomy = gemm.shared_plan(1536, 7168, 7168, tokens)
+        assert (roomy.grid, roomy.gate_up.ctas, roomy.down.ctas) == (before.grid, before.gate_up.ctas, before.down.ctas)
+        assert 1024 + roomy.ring_bytes + 8 + room <= SMEM_BYTES < 1024 + before.ring_bytes + 8 + room
+        assert gemm.shared_variant(1536, 7168, 7168, tokens, 1, (1.0, 0.0)).plan is roomy  # the compile's plan
     for tokens in gemm_plans.TOKEN_TILES:
-        full, roomy = (gemm.shared_plan(1536, 7168, 7168, tokens, r) for r in (0, room))
-        assert (roomy.grid, roomy.gate_up.ctas, roomy.down.ctas) == (full.grid, full.gate_up.ctas, full.down.ctas)
-        assert 1024 + roomy.ring_bytes + 8 + room <= SMEM_BYTES < 1024 + full.ring_bytes + 8 + room
-        assert roomy.gate_up.depth < full.gate_up.depth
-        assert gemm.shared_variant(1536, 7168, 7168, tokens, 1, (1.0, 0.0), room).plan is roomy  # the compile's plan
+        front = dsa_plans.index_plan(1536, tokens, True)
+        assert front.depth == front.chunks and 0 <= front.room <= room
+        assert front.ring_bytes + 2048 + front.reserve + front.room <= SMEM_BYTES
 
 
-def test_shared_expert_with_room_compiles(clean_ptxas):
-    assert gemm.compile_shared.build(1536, 7168, 7168, 8, 1, (1.0, 0.0), 80 * 1024) is not None
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_shared_expert_with_room_compiles(gemm_room, tokens, clean_ptxas):
+    gemm_room(112)
+    assert gemm.compile_shared.build(1536, 7168, 7168, tokens, 1, (1.0, 0.0)) is not None
     clean_ptxas()
 
 

@@ -10,9 +10,12 @@ import pathlib
 import cutlass
 import cutlass.cute as cute
 import torch
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import cuda
+from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
 from . import cache_root
-from .launch import PDL
+from .launch import CARVEOUT, GEMM_ROOM, PDL
 from .mailbox import BARRIER_ALIVE_NS, BARRIER_TIMEOUT_NS, POLL_TIMEOUT_NS
 
 EXPORT_NAME = "func"
@@ -48,7 +51,8 @@ def source_fingerprint() -> str:
     """The kernels' sources, subpackages' included, and the toolchain: a changed kernel
     never loads a stale .o."""
     digest = hashlib.sha256(
-        f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS},{BARRIER_ALIVE_NS} pdl={PDL}".encode())
+        f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS},{BARRIER_ALIVE_NS} pdl={PDL} "
+        f"carveout={CARVEOUT} room={GEMM_ROOM}".encode())
     root = pathlib.Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
@@ -69,6 +73,29 @@ def compile_options() -> str:
     remarks = " remarks{ptx}" if os.environ.get("KIMI_OPS_PTXAS_REMARKS") else ""
     return "--enable-tvm-ffi" + remarks
 
+
+def export_carveout(carveout: int) -> None:
+    """Every kernel compiled from now on sets its preferred shared-memory carveout as its
+    module loads (launch.CARVEOUT). The DSL applies a launch's ``preferred_smem_carveout``
+    in its own Python loader only; our kernels load from exported TVM-FFI objects, whose
+    code sets the attributes of the kernel op's ``cu_attrs`` (the opt-in shared memory,
+    clusters past 8), so the carveout joins them there."""
+    generate = CuTeDSL.generate_func_op
+    CuTeDSL.generate_func_op = lambda dsl, *args, **kwargs: with_carveout(generate(dsl, *args, **kwargs), carveout)
+
+
+def with_carveout(op, carveout: int):
+    """The kernel op ``op`` with the carveout among its ``cu_attrs``."""
+    attributes = ir.DictAttr(op.attributes["cu_attrs"])  # every kernel op has them (a KeyError: the DSL changed)
+    entries = {attributes[i].name: attributes[i].attr for i in range(len(attributes))}
+    entries[str(cuda.CUFunctionAttribute.preferred_shared_memory_carveout)] = ir.IntegerAttr.get(
+        ir.IntegerType.get_signless(32), carveout)
+    op.attributes["cu_attrs"] = ir.DictAttr.get(entries)
+    return op
+
+
+if CARVEOUT is not None:
+    export_carveout(CARVEOUT)
 
 BUILDS = {}  # every compiled() getter by its build's name: kimi_ops.prepare's processes call them
 _collected: set | None = None  # collecting(): the kernels a block would compile or load

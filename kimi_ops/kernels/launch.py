@@ -30,6 +30,36 @@ SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per SM
 PDL = os.environ.get("KIMI_OPS_PDL", "1") != "0"
 
 
+def percent_setting(variable: str) -> int | None:
+    value = os.environ.get(variable, "")
+    if not value:
+        return None
+    if not (value.isdigit() and int(value) <= 100):
+        raise ValueError(f"{variable} must be a percentage 0..100 (unset: the driver's choice), got {value!r}")
+    return int(value)
+
+
+def kb_setting(variable: str) -> int:
+    value = os.environ.get(variable, "0") or "0"
+    if not (value.isdigit() and int(value) * 1024 < SMEM_BYTES):
+        raise ValueError(f"{variable} must be whole KB below {SMEM_BYTES // 1024}, got {value!r}")
+    return int(value) * 1024
+
+
+# KIMI_OPS_SMEM_CARVEOUT=P: every kernel prefers P % of the SM's unified L1 / shared memory
+# as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, set as its module
+# loads: compile.export_carveout). Unset, the driver sets an SM up by each kernel's own
+# need; the suspect (benchmarks/NOTES.md, fifteenth session) is that an SM holds CTAs of
+# one setup at a time, so a kernel that set SMs up small keeps a successor's CTAs off them
+# although both would fit. 100 on every kernel is its A/B. Part of the cache key.
+CARVEOUT = percent_setting("KIMI_OPS_SMEM_CARVEOUT")
+# KIMI_OPS_GEMM_ROOM=KB: shared memory every decode-GEMM ring (kernels/gemm, the DSA front,
+# the shared expert) leaves its SM, so that the next kernel's CTAs can be resident beside
+# ours and stream their weights before our end (issue 37: two CTAs an SM, half the ring
+# each). 0: the rings take the SM. An A/B; part of the cache key.
+GEMM_ROOM = kb_setting("KIMI_OPS_GEMM_ROOM")
+
+
 def launch(kernel, grid, stream, min_blocks_per_mp: int = 0) -> None:
     """Launch a traced ``kernel(...)`` call over ``grid`` CTAs of THREADS threads, with
     programmatic dependent launch; ``min_blocks_per_mp`` 1 lets ptxas take the registers

@@ -49,9 +49,9 @@ def owned_rows(situ) -> int:
     return 2 * PAIRED if situ else 8
 
 
-def plan_of(n: int, k: int, tokens: int, situ, reserve: int = 0) -> GemmPlan:
+def plan_of(n: int, k: int, tokens: int, situ) -> GemmPlan:
     """A variant's plan: its CTAs own whole packets, or situ's pairs of them."""
-    return gemm_plan(n, k, tokens, owned_rows(situ), reserve)
+    return gemm_plan(n, k, tokens, owned_rows(situ))
 
 
 def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0, owned: int = 8) -> str | None:
@@ -253,10 +253,10 @@ class FrontPublishKernel(GemmKernel):
 
 
 @compiled
-def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, situ: tuple, room: int = 0):
+def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, situ: tuple):
     batch, inner = cute.sym_int(), n_gate_up // 2
     return cute.compile(
-        SharedExpert(shared_plan(n_gate_up, k, n_down, tokens, room), situ, tp),
+        SharedExpert(shared_plan(n_gate_up, k, n_down, tokens), situ, tp),
         fake(BFloat16, (batch, k)), fake(BFloat16, (n_gate_up, k)), fake(BFloat16, (batch, inner)),
         fake(BFloat16, (n_down, inner)), fake(Float32, (1, 1)), fake(Int64, (tp,), align=8),
         fake(Int64, (1,), align=8), fake(Int32, (1,), align=4), Int32(0), fake_stream(), options=compile_options(),
@@ -264,16 +264,15 @@ def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, si
 
 
 @functools.cache
-def shared_plan(n_gate_up: int, k: int, n_down: int, tokens: int, room: int = 0) -> SharedPlan:
+def shared_plan(n_gate_up: int, k: int, n_down: int, tokens: int) -> SharedPlan:
     """The gate/up's plan (situ's), the down's one tile a CTA over its whole K, and the grid
     of every bucket: the most CTAs either plan takes at any T, in clusters of the largest
-    split (every bucket's cluster size divides it); ``room``: shared bytes the rings leave
-    an SM for another kernel's CTA. Unsupported where that grid is not resident at once or
-    a plan does not fit."""
+    split (every bucket's cluster size divides it). Unsupported where that grid is not
+    resident at once or a plan does not fit."""
     inner = n_gate_up // 2
     try:
-        gate_ups = {t: plan_of(n_gate_up, k, t, True, room) for t in TOKEN_TILES}
-        down = GemmPlan(n_down, inner, tokens, (1, 1), reserve=room)
+        gate_ups = {t: plan_of(n_gate_up, k, t, True) for t in TOKEN_TILES}
+        down = GemmPlan(n_down, inner, tokens, (1, 1))
     except ValueError as why:
         raise Unsupported(f"the fused shared expert's plans: {why}") from None
     unit = max(SPLITS)
@@ -289,16 +288,16 @@ def shared_plan(n_gate_up: int, k: int, n_down: int, tokens: int, room: int = 0)
 
 
 @functools.cache  # asked by unsupported and the call, as gemm_variant
-def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, situ: tuple, room: int = 0) -> Variant:
+def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, situ: tuple) -> Variant:
     why = unsupported_shape(n_gate_up, k, batch, 0, owned_rows(situ)) or unsupported_shape(n_down, n_gate_up // 2, batch)
     if why:
         raise Unsupported(why)
     tokens = token_tile(batch)
-    plan = shared_plan(n_gate_up, k, n_down, tokens, room)
+    plan = shared_plan(n_gate_up, k, n_down, tokens)
     if (n_down // tp) % TILE:
         raise Unsupported(f"the fused shared expert's down stores a CTA's {TILE} rows into one owner: N/TP must be a "
                           f"multiple of them (N={n_down}, TP={tp})")
-    return engine_variant(lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ, room), plan)
+    return engine_variant(lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ), plan)
 
 
 class SharedExpertKernel(GemmKernel):
@@ -307,13 +306,10 @@ class SharedExpertKernel(GemmKernel):
 
     check = staticmethod(oproj_op.check_shared_expert_push)
     writes = "stores 16-byte packets: x, the weights, act and the boxes must be"
-    # bench-only: shared bytes the rings leave an SM for a successor's CTA (0: the rings take
-    # it all); bench_layer --shared-room sets it each run, an A/B not yet won (benchmarks/NOTES.md)
-    room = 0
 
     def variant(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
         return shared_variant(w_gate_up.shape[0], w_gate_up.shape[1], w_down.shape[0], x.shape[0], len(rs_boxes),
-                              (float(beta), float(linear_beta)), self.room)
+                              (float(beta), float(linear_beta)))
 
     def unsupported(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, *rest):
         if not aligned(x, w_gate_up, w_down, act, *rs_boxes):
@@ -330,13 +326,13 @@ class SharedExpertKernel(GemmKernel):
         107.5 (benchmarks/NOTES.md)."""
         pushes = [partition(n_down, n_gate_up // 2, tokens) for tokens in TOKEN_TILES]
         return all(parts is not None and parts[1] == 1 for parts in pushes) and all(
-            reason(lambda tokens=tokens: shared_plan(n_gate_up, k, n_down, tokens, self.room)) is None
+            reason(lambda tokens=tokens: shared_plan(n_gate_up, k, n_down, tokens)) is None
             for tokens in TOKEN_TILES)
 
     def prepare(self, n_gate_up: int, k: int, n_down: int, beta: float, linear_beta: float, tp: int, batches=None,
                 peer_lists=()) -> None:
         prepare_all(lambda tokens=tokens: shared_variant(n_gate_up, k, n_down, tokens, tp,
-                                                         (float(beta), float(linear_beta)), self.room)
+                                                         (float(beta), float(linear_beta)))
                     for tokens in tokens_of(batches))
         register_addresses(peer_lists)
 

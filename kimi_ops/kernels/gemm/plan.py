@@ -4,7 +4,7 @@ memory layout of the ring and the K parts' exchange (:class:`GemmPlan`)."""
 
 import functools
 
-from ..launch import SMEM_BYTES
+from ..launch import GEMM_ROOM, SMEM_BYTES
 from ..ring import CHUNK
 
 TILE = 64  # rows per wgmma (its M)
@@ -82,10 +82,12 @@ class GemmPlan:
     """The static partition and shared-memory layout of one (N, K, T) variant."""
 
     def __init__(self, n: int, k: int, tokens: int, parts: tuple[int, int] | None = None, by_token: bool = False,
-                 reserve: int = 0):
+                 reserve: int = 0, room: int | None = None):
         """``parts``: (tiles, split) instead of :func:`partition`'s; ``by_token``: a K split's
         owners take token ranges of every row of the block (a head's rows stay in one CTA:
-        kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds."""
+        kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds;
+        ``room``: shared bytes the ring leaves the SM for another kernel's CTAs (None:
+        launch.GEMM_ROOM; the K parts' exchange over the ring may take more)."""
         parts = parts or partition(n, k, tokens)
         if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
             raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
@@ -96,10 +98,6 @@ class GemmPlan:
         self.blocks = -(-n // self.rows)
         self.ctas = self.blocks * self.split
         self.chunks = k // CHUNK // self.split  # per CTA
-        # chunks in flight (each into its own accumulator set): as many as the registers
-        # hold beside the running sums, that divide the CTA's chunks
-        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1)
-        self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
         self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # raw rows: x packets per producer thread a chunk
         if by_token:
             # tokens per owner, even: an accumulator pair (tokens 2t, 2t + 1) has one owner
@@ -113,12 +111,19 @@ class GemmPlan:
         self.w_slot, self.x_slot = self.rows * CHUNK * 2, tokens * CHUNK * 2  # bytes, 1024-multiples
         stage = self.w_slot + self.x_slot
         self.reserve = reserve
-        free = SMEM_BYTES - 2048 - reserve  # 2 KB: barriers, alignment
+        self.room = GEMM_ROOM if room is None else room
+        free = SMEM_BYTES - 2048 - reserve - self.room  # 2 KB: barriers, alignment
         self.depth = min(self.chunks, MAX_DEPTH, free // stage)
+        if self.depth < 1:
+            raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
+        # chunks in flight (each into its own accumulator set and ring slot): as many as the
+        # registers hold beside the running sums and the ring's slots, that divide the CTA's chunks
+        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1, self.depth)
+        self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
         self.pace = self.depth if tokens <= EARLY_TOKENS else min(PACE, self.depth)  # weight chunks issued before the PDL wait
         self.receive_bytes = self.split * self.owned * self.stride * 4  # [part][owned row][token], over the ring
         self.ring_bytes = max(self.depth * stage, self.receive_bytes)
-        if self.depth < 1 or self.ring_bytes + 2048 + reserve > SMEM_BYTES:
+        if self.ring_bytes + 2048 + reserve > SMEM_BYTES:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
 
     def owner(self, token):
@@ -133,8 +138,8 @@ class GemmPlan:
 
 
 @functools.cache
-def gemm_plan(n: int, k: int, tokens: int, owned: int = 8, reserve: int = 0) -> GemmPlan:
-    """``owned``: :func:`partition`'s; ``reserve``: GemmPlan's."""
-    return GemmPlan(n, k, tokens, partition(n, k, tokens, owned), reserve=reserve)
+def gemm_plan(n: int, k: int, tokens: int, owned: int = 8) -> GemmPlan:
+    """``owned``: :func:`partition`'s."""
+    return GemmPlan(n, k, tokens, partition(n, k, tokens, owned))
 
 
