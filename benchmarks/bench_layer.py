@@ -282,13 +282,15 @@ def replays_equal(decoder, hidden, slots, replays: int) -> int:
 
 def add_ab_options(parser) -> None:
     """The A/B arms of issue 37's chain: the token groups from which the polled tail runs
-    as the wave (PollNormFront + WaveMoeTail) instead of MoeTail, and the fused shared
-    expert's place in the chain. The compiled-in arms are settings of the environment
+    as the wave (PollNormFront + WaveMoeTail) instead of MoeTail, those up to which the
+    wave runs its own front (one launch), and the fused shared expert's place in the chain. The compiled-in arms are settings of the environment
     (kimi_ops/kernels/launch.py), named in the title and the JSON: KIMI_OPS_SMEM_CARVEOUT
     (every kernel's preferred shared-memory carveout, %) and KIMI_OPS_GEMM_ROOM (KB every
     decode-GEMM ring leaves its SM)."""
     parser.add_argument("--wave-from-groups", type=int, default=0, metavar="G",
                         help="the polled tail as the wave from G 8-token groups on (0: the kernels' own rule)")
+    parser.add_argument("--wave-front-groups", type=int, default=0, metavar="G",
+                        help="the wave with its own front up to G 8-token groups, where its xn fits (0: never)")
     parser.add_argument("--shared-last", action="store_true",
                         help="the fused shared expert after the routed experts, routing waiting for its "
                              "predecessor (the chain before it led)")
@@ -299,12 +301,13 @@ def apply_ab_options(args) -> None:
     run, so a second ``main`` in one process does not inherit the last arm."""
     poll = backend.KERNELS.get("moe_tail_poll")
     if poll is None:
-        if args.wave_from_groups:
-            raise SystemExit("--wave-from-groups chooses CuTe kernels: none are registered")
+        if args.wave_from_groups or args.wave_front_groups:
+            raise SystemExit("--wave-from-groups and --wave-front-groups choose CuTe kernels: none are registered")
         return
     from kimi_ops.kernels.tail.wave import MIN_POLL_WAVE_GROUPS
 
     type(poll).min_wave_groups = args.wave_from_groups or MIN_POLL_WAVE_GROUPS  # moe_tail_serve's poll too
+    type(poll).front_groups = args.wave_front_groups
 
 
 def apply_chain_options(decoder, args) -> None:
@@ -318,17 +321,20 @@ def ab_label(args) -> str:
     """The A/B arm, for titles and file names ('' for the default)."""
     return "".join([f" carveout {CARVEOUT}"] * (CARVEOUT is not None) + [f" room {GEMM_ROOM // 1024} KB"] * bool(GEMM_ROOM)
                    + [f" wave from {args.wave_from_groups}"] * bool(args.wave_from_groups)
+                   + [f" wave front to {args.wave_front_groups}"] * bool(args.wave_front_groups)
                    + [" shared last"] * args.shared_last)
 
 
 def ab_settings(args) -> dict:
     """The arm's settings, for the JSON."""
-    return {"smem_carveout": CARVEOUT, "gemm_room_kb": GEMM_ROOM // 1024, "wave_from_groups": args.wave_from_groups}
+    return {"smem_carveout": CARVEOUT, "gemm_room_kb": GEMM_ROOM // 1024, "wave_from_groups": args.wave_from_groups,
+            "wave_front_groups": args.wave_front_groups}
 
 
 def ab_arguments(args) -> list[str]:
     """The arm's options, for without_pdl's child (which inherits the environment's)."""
     return (["--wave-from-groups", str(args.wave_from_groups)] * bool(args.wave_from_groups)
+            + ["--wave-front-groups", str(args.wave_front_groups)] * bool(args.wave_front_groups)
             + ["--shared-last"] * args.shared_last)
 
 

@@ -37,13 +37,15 @@ def test_ab_options_reach_the_child_and_the_kernels(monkeypatch):
     """without_pdl's child gets the same A/B arm (the compiled-in settings through its
     environment); the arm sets the registered kernels' settings on every run (a later
     default run resets them); the title and the JSON name the compiled-in settings."""
-    for argv in ([], ["--wave-from-groups", "1"], ["--shared-last"], ["--wave-from-groups", "1", "--shared-last"]):
+    for argv in ([], ["--wave-from-groups", "1"], ["--wave-front-groups", "2"], ["--shared-last"],
+                 ["--wave-from-groups", "1", "--wave-front-groups", "2", "--shared-last"]):
         assert bench.ab_arguments(ab_args(argv)) == argv
     monkeypatch.setattr(bench, "CARVEOUT", 100)
     monkeypatch.setattr(bench, "GEMM_ROOM", 112 * 1024)
-    args = ab_args(["--wave-from-groups", "3"])
-    assert bench.ab_label(args) == " carveout 100 room 112 KB wave from 3"
-    assert bench.ab_settings(args) == {"smem_carveout": 100, "gemm_room_kb": 112, "wave_from_groups": 3}
+    args = ab_args(["--wave-from-groups", "3", "--wave-front-groups", "2"])
+    assert bench.ab_label(args) == " carveout 100 room 112 KB wave from 3 wave front to 2"
+    assert bench.ab_settings(args) == {"smem_carveout": 100, "gemm_room_kb": 112, "wave_from_groups": 3,
+                                       "wave_front_groups": 2}
     pytest.importorskip("cutlass", reason="needs CuTe DSL")
     from kimi_ops.kernels.tail import host as tail
     from kimi_ops.kernels.tail.wave import MIN_POLL_WAVE_GROUPS
@@ -51,10 +53,12 @@ def test_ab_options_reach_the_child_and_the_kernels(monkeypatch):
     poll = tail.TailPollKernel()  # as kernels.register() does on a GPU machine
     monkeypatch.setitem(bench.backend.KERNELS, "moe_tail_poll", poll)
     monkeypatch.setattr(tail.TailPollKernel, "min_wave_groups", MIN_POLL_WAVE_GROUPS)
+    monkeypatch.setattr(tail.TailPollKernel, "front_groups", 0)
     bench.apply_ab_options(args)
     assert poll.min_wave_groups == 3 and tail.TailServeKernel.poll.min_wave_groups == 3
+    assert poll.front_groups == 2 and tail.TailServeKernel.poll.front_groups == 2
     bench.apply_ab_options(ab_args([]))
-    assert poll.min_wave_groups == MIN_POLL_WAVE_GROUPS
+    assert poll.min_wave_groups == MIN_POLL_WAVE_GROUPS and poll.front_groups == 0
 
 
 def test_smoke_runs_every_path(tmp_path):

@@ -74,6 +74,30 @@ def test_poll_wave_compiles(tp, batch, clean_ptxas):
     clean_ptxas(2)
 
 
+@pytest.mark.parametrize("tp, groups", [(1, 1), (1, 8), (2, 2)])
+def test_wave_with_its_front_compiles(tp, groups, clean_ptxas):
+    """The wave with its own front (a TP8 rank's latent: every xn chunk in its slots)."""
+    assert host.compile_wave_tail.build(HIDDEN // tp, 512, groups, False, tp, True) is not None
+    clean_ptxas()
+
+
+def test_the_wave_runs_its_own_front_up_to_front_groups_where_xn_fits():
+    """poll_variant with ``front_groups`` (bench_layer --wave-front-groups): one launch up
+    to that many token groups where every xn chunk fits the wave's slots (a TP8 rank's
+    L = 512: 32 KB at 32 tokens), PollNormFront + the wave past them and at L = 3584 (224 KB)."""
+    def launches(latent, groups, front_groups, tp=1):
+        return len(host.poll_variant(tp, HIDDEN // tp, latent, groups, tp, False, 1, front_groups).kernels())
+
+    compiled = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host, "compile_wave_tail", lambda *key: compiled.append(key) or "wave")
+        patch.setattr(host, "compile_poll_front", lambda *key: "front")
+        assert [launches(512, g, 2) for g in (1, 2, 3)] == [1, 1, 2] and launches(512, 1, 2, tp=2) == 1
+        assert launches(512, 1, 0) == 2 and launches(LATENT, 1, 8) == 2
+    assert compiled[0] == (HIDDEN, 512, 1, False, 1, True) and compiled[2] == (HIDDEN, 512, 3, False, 1)
+    assert host.wave_plan(HIDDEN, 512, 8).holds_xn and not host.wave_plan(HIDDEN, LATENT, 1).holds_xn
+
+
 def test_poll_front_at_a_tp8_ranks_latent_compiles(clean_ptxas):
     assert host.compile_poll_front.build(512, 1, HIDDEN) is not None  # 64 threads a CTA
     clean_ptxas()
@@ -619,6 +643,46 @@ def test_tail_poll_rearms_the_whole_capacity_past_its_tokens_ctas():
     (latent_box, rs_box, out, error), want = run(), reference(run)[2]
     assert_tail_close(out[0, 0, :batch], want[0, 0, :batch], fresh[1][0])
     assert armed(latent_box[rearm]) and armed(rs_box[rearm]) and armed(out[0, 0, batch:]) and int(error) == 0
+
+
+@on_hopper
+@pytest.mark.parametrize("tp, batch, rearm_batch", [(1, 1, CAPACITY), (1, 5, 5), (1, 16, 16), (2, 9, CAPACITY)])
+def test_the_waves_own_front_equals_poll_norm_front(tp, batch, rearm_batch, monkeypatch):
+    """moe_tail_poll at a TP8 rank's latent (L = 512) with the wave's own front (one
+    launch) against PollNormFront + the wave: every rank's output rows bit for bit, the
+    previous parity re-armed (the wrap's whole capacity too), the rows past the batch
+    left armed, no error; and against the reference."""
+    latent, shard, parity, rearm = 512, HIDDEN // tp, 1, 0
+    gen = torch.Generator().manual_seed(900 + 10 * tp + batch)
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16().cuda()  # noqa: E731
+    gamma, w_up = rand(latent, scale=0.1) + 1, rand(HIDDEN, latent, scale=latent**-0.5)
+    fresh = [rand(tp, batch, latent, scale=0.3), [rand(tp, batch, shard) for _ in range(tp)]]
+    junk = [rand(tp, CAPACITY, latent), rand(tp, CAPACITY, shard)]
+
+    def run(front_groups):
+        monkeypatch.setattr(host.TailPollKernel, "front_groups", front_groups)
+        outs, boxes = [armed_box(1, 1, CAPACITY, HIDDEN) for _ in range(tp)], []
+        for rank in range(tp):
+            latent_box, rs_box = armed_box(3, tp, CAPACITY, latent), armed_box(3, tp, CAPACITY, shard)
+            latent_box[parity, :, :batch], rs_box[parity, :, :batch] = fresh[0], fresh[1][rank]
+            latent_box[rearm], rs_box[rearm] = junk
+            error = torch.zeros(1, dtype=torch.int32, device="cuda")
+            kimi.moe_tail_poll(latent_box, rs_box, gamma, w_up[rank * shard:(rank + 1) * shard], 1e-6, outs, error,
+                               parity, rearm, rearm_batch, rank, batch)
+            boxes.append((latent_box, rs_box, error))
+        return boxes, outs
+
+    assert len(host.TailPollKernel().variant(tp, shard, latent, host.groups_of(batch), tp).kernels()) == 2
+    (_, two), (boxes, one) = run(0), run(wave.MAX_WAVE_GROUPS)
+    assert len(host.TailPollKernel().variant(tp, shard, latent, host.groups_of(batch), tp).kernels()) == 1
+    want = reference(run, 0)[1]
+    shared = torch.cat([s.float().sum(0).bfloat16() for s in fresh[1]], dim=1)
+    for got, launched_apart, expected in zip(one, two, want):
+        assert torch.equal(got, launched_apart)
+        assert_tail_close(got[0, 0, :batch], expected[0, 0, :batch], shared)
+        assert armed(got[0, 0, batch:])
+    for latent_box, rs_box, error in boxes:
+        assert armed(latent_box[rearm, :, :rearm_batch]) and armed(rs_box[rearm, :, :rearm_batch]) and int(error) == 0
 
 
 @on_hopper

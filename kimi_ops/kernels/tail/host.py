@@ -118,17 +118,19 @@ def poll_wave_plan(tp: int, shard: int, latent: int, groups: int,
 
 
 @compiled
-def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False, tp: int = 0):
-    batch = cute.sym_int()
+def compile_wave_tail(shard: int, latent: int, groups: int, stamps: bool = False, tp: int = 0, front: bool = False):
+    """WaveMoeTail; ``front`` (publish mode): with its own front, from the latent box."""
+    batch, capacity = cute.sym_int(), cute.sym_int()
     if tp:
-        shared_in, out_in = fake(BFloat16, (3, tp, cute.sym_int(), shard)), fake(BFloat16, (cute.sym_int(), shard))
+        shared_in, out_in = fake(BFloat16, (3, tp, capacity, shard)), fake(BFloat16, (cute.sym_int(), shard))
     else:
         shared_in, out_in = fake(BFloat16, (batch, shard)), fake(BFloat16, (batch, shard))
+    xn_in = fake(BFloat16, (3, tp, capacity, latent)) if front else fake(BFloat16, (cute.sym_int(), latent))
     return cute.compile(
-        WaveMoeTail(wave_plan(shard, latent, groups), stamps, tp), fake(BFloat16, (cute.sym_int(), latent)),
+        WaveMoeTail(wave_plan(shard, latent, groups), stamps, tp, front), xn_in,
         shared_in, fake(BFloat16, (shard, latent)), out_in, fake(Int64, (max(tp, 1),), align=8),
-        fake(Int32, (1,), align=4), Int32(0), Int32(0), fake(Int32, (1,), align=4), Int32(1), fake_stream(),
-        options=compile_options(),
+        fake(Int32, (1,), align=4), Int32(0), Int32(0), fake(Int32, (1,), align=4), Int32(1),
+        fake(BFloat16, (latent,)), Float32(1e-6), Int32(0), Int32(1), fake_stream(), options=compile_options(),
     )
 
 
@@ -167,7 +169,7 @@ def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = Fal
     if wave:
         def arguments(normed, shared, gamma, w_up, out, stamped, eps, batch):
             unpublished = placeholder(out, torch.int64), placeholder(out, torch.int32), 0, 0
-            return ((normed, shared, w_up, out, *unpublished, stamped, batch),)
+            return ((normed, shared, w_up, out, *unpublished, stamped, batch, *no_front(gamma, eps)),)
 
         return Variant(wave, lambda: (compile_wave_tail(hidden, latent, groups, stamps),), arguments)
 
@@ -179,15 +181,30 @@ def functional_variant(hidden: int, latent: int, groups: int, stamps: bool = Fal
                    lambda: (compile_tail(1, hidden, latent, groups, False, stamps),), arguments)
 
 
+def no_front(gamma, eps) -> tuple:
+    """WaveMoeTail's arguments of its own front where it has none (unused)."""
+    return gamma, eps, 0, 0
+
+
 @functools.cache
 def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, stamps: bool = False,
-                 min_groups: int = MIN_POLL_WAVE_GROUPS) -> Variant:
+                 min_groups: int = MIN_POLL_WAVE_GROUPS, front_groups: int = 0) -> Variant:
     """``kimi::moe_tail_poll``: PollNormFront and WaveMoeTail from ``min_groups`` token
     groups on (every batch by default) at TP <= MAX_WAVE_TP, else MoeTail (which alone takes two-shot's one-source
-    gathered box, ``sources`` 1); ``arguments`` takes the op's. Unsupported (why) where
-    neither takes the shape. ``stamps`` (MoeTail, benchmarks/profile_tail.py): the error
-    word's buffer holds the Stamps after its first 16 bytes."""
+    gathered box, ``sources`` 1); ``arguments`` takes the op's. Up to ``front_groups``
+    token groups, where every xn chunk fits its slots, the wave with its own front alone
+    (one launch). Unsupported (why) where neither takes the shape. ``stamps`` (MoeTail,
+    benchmarks/profile_tail.py): the error word's buffer holds the Stamps after its first
+    16 bytes."""
     wave = poll_wave_plan(tp, shard, latent, groups, min_groups) if sources == tp and not stamps else None
+    if wave and groups <= front_groups and wave.holds_xn:
+        def arguments(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
+                      rank, batch):
+            out = rs_box[parity, rank]  # placeholder: publish mode writes through the peers
+            return ((latent_box, rs_box, w_up, out, addresses(out_boxes), error, parity, rank,
+                     placeholder(error, torch.int32), batch, gamma, eps, rearm_parity, rearm_batch),)
+
+        return Variant(wave, lambda: (compile_wave_tail(shard, latent, groups, False, tp, True),), arguments)
     if wave:
         front = PollNormFront(latent, tp)  # its grid (ctas) per call
 
@@ -198,7 +215,7 @@ def poll_variant(tp: int, shard: int, latent: int, groups: int, sources: int, st
             ctas = front.ctas(batch, rearm_batch, shard)
             return ((latent_box, rs_box, gamma, normed[:batch], error, eps, parity, rearm_parity, rearm_batch, ctas),
                     (normed, rs_box, w_up, out, addresses(out_boxes), error, parity, rank,
-                     placeholder(error, torch.int32), batch))
+                     placeholder(error, torch.int32), batch, *no_front(gamma, eps)))
 
         def kernels():
             return compile_poll_front(latent, tp, shard), compile_wave_tail(shard, latent, groups, False, tp)
@@ -340,34 +357,38 @@ class TailPollKernel:
     """``kimi::moe_tail_poll`` on CUDA: :func:`poll_variant`'s kernels."""
 
     check = staticmethod(tail_op.check_moe_tail_poll)
-    # bench-only: the token groups from which the wave serves (bench_layer --wave-from-groups
-    # sets it each run; the TP8 rank's A/B, benchmarks/NOTES.md)
+    # bench-only: the token groups from which the wave serves, and up to which it runs its
+    # own front (bench_layer --wave-from-groups, --wave-front-groups set them each run; the
+    # TP8 rank's A/Bs, benchmarks/NOTES.md; the front inside is not yet measured)
     min_wave_groups = MIN_POLL_WAVE_GROUPS
+    front_groups = 0
+
+    def variant(self, tp: int, shard: int, latent: int, groups: int, sources: int) -> Variant:
+        return poll_variant(tp, shard, latent, groups, sources, False, self.min_wave_groups, self.front_groups)
 
     def prepare(self, tp: int, shard: int, latent: int, batches, peer_lists=(), gathered_batches=()) -> None:
         """``gathered_batches``: those of ``batches`` that poll two-shot's gathered box (one source)."""
-        prepare_all(lambda groups=groups, sources=sources: poll_variant(tp, shard, latent, groups, sources, False,
-                                                                        self.min_wave_groups)
+        prepare_all(lambda groups=groups, sources=sources: self.variant(tp, shard, latent, groups, sources)
                     for groups, sources in sorted({(groups_of(b), 1 if b in gathered_batches else tp) for b in batches}))
         register_addresses(peer_lists)
 
     def serves(self, tp: int, shard: int, latent: int, batches) -> bool:
         """Whether its kernels (bounded polls of the shard box, not plain loads) take every
         one of ``batches`` at these shapes (one-shot: TP latent sources)."""
-        return all(reason(lambda groups=groups_of(b): poll_variant(tp, shard, latent, groups, tp, False,
-                                                                   self.min_wave_groups)) is None for b in batches)
+        return all(reason(lambda groups=groups_of(b): self.variant(tp, shard, latent, groups, tp)) is None
+                   for b in batches)
 
     def unsupported(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity,
                     rearm_batch, rank, batch):
         if not aligned(latent_box, rs_box, gamma, w_up, *out_boxes):
             return "the tail kernel reads 16-byte packets: tensors must be 16-byte aligned"
-        return reason(lambda: poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
-                                           latent_box.shape[1], False, self.min_wave_groups)) or hopper(latent_box)
+        return reason(lambda: self.variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
+                                           latent_box.shape[1])) or hopper(latent_box)
 
     def __call__(self, latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch,
                  rank, batch):
-        variant = poll_variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
-                               latent_box.shape[1], False, self.min_wave_groups)
+        variant = self.variant(rs_box.shape[1], rs_box.shape[3], latent_box.shape[3], groups_of(batch),
+                               latent_box.shape[1])
         variant.run(latent_box, rs_box, gamma, w_up, eps, out_boxes, error, parity, rearm_parity, rearm_batch, rank,
                     batch)
 

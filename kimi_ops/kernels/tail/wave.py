@@ -8,13 +8,13 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..launch import PDL, SMEM_BYTES
-from ..mailbox import peer_bases
-from ..packets import clamp, unpack_words
+from ..mailbox import box_row, peer_bases, poll_all
+from ..packets import butterfly_sum, clamp, inverse_rms, normalized, unpack_words
 from ..ptx import (
     l2_evict_first,
     load_matrices,
@@ -22,12 +22,23 @@ from ..ptx import (
     load_words,
     pack_values,
     pinned,
+    store_shared,
     store_words,
     wgmma_bf16,
 )
 from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
 from ..values import Stamps, Values
-from .common import PHASES, Outbox, output_packet, publish_out, reduced_shared
+from .common import (
+    LATENT_POLL,
+    PHASES,
+    Outbox,
+    output_packet,
+    publish_out,
+    rank_sums,
+    rearm_previous,
+    reduced_shared,
+    sum_of_squares,
+)
 
 WAVE_ROWS = 64  # rows per WaveMoeTail CTA: wgmma's M
 # WaveMoeTail CTAs sharing each xn chunk by multicast. Pairs: clusters of 2 fit 66 at a
@@ -51,6 +62,7 @@ MIN_WAVE_GROUPS, MAX_WAVE_GROUPS = 3, 8  # WaveMoeTail's batches (MoeTail is fas
 # publish mode's: the wave from one token group on, since PollNormFront spreads its re-arm over
 # its grid (1.5-8 µs faster than MoeTail at B = 1-16 at a TP8 rank, benchmarks/NOTES.md)
 MIN_POLL_WAVE_GROUPS = 1
+FRONT_TOKENS = 2  # rows a consumer warp of the wave's own front polls at once (16 tokens a round)
 WAVE_REGISTERS = 184  # of CONSUMER_REGISTERS for the stash, accumulators and shared packets (ptxas: no spills)
 
 
@@ -80,6 +92,11 @@ class WavePlan:
         if (latent % (2 * CHUNK) or shard % (WAVE_ROWS * WAVE_CLUSTER) or groups > MAX_WAVE_GROUPS
                 or self.depth < WAVE_PACE or 8 * (2 * self.depth + 2 * self.xn_depth + 2) > 1024):
             raise ValueError(f"the wave tail does not take N={shard}, L={latent}, {8 * groups} tokens")
+
+    @property
+    def holds_xn(self) -> bool:
+        """Whether every xn chunk fits the xn slots at once: what the wave's own front needs."""
+        return self.xn_depth >= self.chunks
 
     def xn_rows(self, batch: int) -> int:
         """Rows of the xn buffer the front writes: the padded tokens, since the xn boxes span
@@ -141,28 +158,46 @@ class WaveMoeTail:
     after the last chunk it lands on the SMs of our first CTAs to finish, where the next
     call's clusters would start, and those then start µs apart (benchmarks/NOTES.md).
     Past xn the CTA is bound by shared memory: wgmma reads A and B and TMA writes both,
-    32 KB per chunk at 64 tokens, 0.14 µs at 128 bytes per clock, as measured."""
+    32 KB per chunk at 64 tokens, 0.14 µs at 128 bytes per clock, as measured.
 
-    def __init__(self, plan: WavePlan, stamps: bool = False, tp: int = 0):
-        self.plan, self.stamps, self.tp = plan, stamps, tp  # tp 0: functional
+    ``front`` (publish mode, the seeds' wave with its front inside; where every xn chunk
+    fits the xn slots at once, :attr:`WavePlan.holds_xn`): no PollNormFront launch. After
+    the stash each consumer warp polls whole latent rows of the batch from the latent box
+    (a row a warp, every packet of its rows in flight at once, bounded), sums the sources
+    in rank order, normalizes as PollNormFront does (the same bits) and stores xn into the
+    slots in TMA's swizzle; the consumers then meet at a barrier and project. The
+    producers' spare warps re-arm the previous MoE layer's boxes over the grid. Every CTA
+    computes the whole batch's xn: a front a CTA, no exchange."""
+
+    def __init__(self, plan: WavePlan, stamps: bool = False, tp: int = 0, front: bool = False):
+        assert not front or (tp and plan.holds_xn), "the wave's own front: publish mode, every xn chunk in its slots"
+        self.plan, self.stamps, self.tp, self.front = plan, stamps, tp, front  # tp 0: functional
 
     @cute.jit
-    def __call__(self, normed: cute.Tensor, shared: cute.Tensor, w_up: cute.Tensor, out: cute.Tensor,
+    def __call__(self, xn_in: cute.Tensor, shared: cute.Tensor, w_up: cute.Tensor, out: cute.Tensor,
                  peers: cute.Tensor, error: cute.Tensor, parity: Int32, rank: Int32, stamps: cute.Tensor,
-                 batch: Int32, stream):
+                 batch: Int32, gamma: cute.Tensor, eps: Float32, rearm_parity: Int32, rearm_batch: Int32, stream):
         """Functional: ``shared`` and ``out`` [B, N]. Publish mode: ``shared`` the reduce-
         scatter box [3, TP, CAP, N]; (``peers``, ``error``, ``parity``, ``rank``) the publish
-        side (Outbox; ``out`` unused)."""
+        side (Outbox; ``out`` unused). ``xn_in``: the normalized rows [rows, L], or with
+        ``front`` the latent box [3, TP, CAP, L], whose rows ``gamma``, ``eps`` normalize and
+        whose (and ``shared``'s) parity ``rearm_parity`` it re-arms for ``rearm_batch``
+        tokens (unused without ``front``)."""
         plan = self.plan
         weight_copy, weight_boxes = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), w_up, swizzled_stages(WAVE_ROWS, 1), (WAVE_ROWS, CHUNK)
         )
-        xn_copy, xn_boxes = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp(), normed, swizzled_stages(plan.tokens, 1), (plan.tokens, CHUNK),
-            num_multicast=WAVE_CLUSTER,
-        )
-        self.kernel(weight_copy, weight_boxes, xn_copy, xn_boxes, shared, out, peers, error, stamps, batch, parity,
-                    rank).launch(
+        if cutlass.const_expr(self.front):
+            kernel = self.kernel_front(weight_copy, weight_boxes, xn_in, gamma, shared, out, peers, error, stamps, batch,
+                                       parity, rank, eps, rearm_parity, rearm_batch)
+        else:
+            xn_copy, xn_boxes = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), xn_in, swizzled_stages(plan.tokens, 1),
+                (plan.tokens, CHUNK), num_multicast=WAVE_CLUSTER,
+            )
+            kernel = self.kernel(weight_copy, weight_boxes, xn_copy, xn_boxes, shared, out, peers, error, stamps, batch,
+                                 parity, rank)
+        kernel.launch(
             grid=[plan.ctas, 1, 1], block=[WAVE_THREADS, 1, 1], cluster=[WAVE_CLUSTER, 1, 1], stream=stream,
             use_pdl=PDL, min_blocks_per_mp=1,  # ptxas: the registers at entry, for setmaxnreg
         )
@@ -171,6 +206,21 @@ class WaveMoeTail:
     def kernel(self, weight_copy: cute.CopyAtom, weight_boxes: cute.Tensor, xn_copy: cute.CopyAtom,
                xn_boxes: cute.Tensor, shared: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor,
                stamps: cute.Tensor, batch: Int32, parity: Int32, rank: Int32):
+        self.body(weight_copy, weight_boxes, (xn_copy, xn_boxes), shared, out, peers, error, stamps, batch, parity,
+                  rank)
+
+    @cute.kernel
+    def kernel_front(self, weight_copy: cute.CopyAtom, weight_boxes: cute.Tensor, latent: cute.Tensor,
+                     gamma: cute.Tensor, shared: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, error: cute.Tensor,
+                     stamps: cute.Tensor, batch: Int32, parity: Int32, rank: Int32, eps: Float32, rearm_parity: Int32,
+                     rearm_batch: Int32):
+        self.body(weight_copy, weight_boxes, Front(latent, gamma, eps, rearm_parity, rearm_batch), shared, out, peers,
+                  error, stamps, batch, parity, rank)
+
+    @cute.jit
+    def body(self, weight_copy, weight_boxes, xn_source, shared, out, peers, error, stamps, batch, parity, rank):
+        """The kernel, whatever brings xn in: ``xn_source`` the xn TMA descriptor and boxes,
+        or (``front``) the :class:`Front`."""
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -207,14 +257,17 @@ class WaveMoeTail:
             cute.arch.cluster_wait()
             if warp == 2 * WAVE_WARPS:
                 self.produce_weights(weight_copy, weight_boxes, ring, barriers, cta, lane)
+            elif cutlass.const_expr(self.front):
+                self.rearm(xn_source, shared, cta, tid - 32 * (2 * WAVE_WARPS + 1))
             elif warp == 2 * WAVE_WARPS + 1:
-                self.produce_xn(xn_copy, xn_boxes, xn, barriers, cta, lane)
+                self.produce_xn(*xn_source, xn, barriers, cta, lane)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            front = xn_source if cutlass.const_expr(self.front) else None
             if warp < WAVE_WARPS:
-                self.consume(0, xn, ring, barriers, shared, out, outbox, batch, cta, tid, stamp)
+                self.consume(0, xn, ring, barriers, shared, out, outbox, batch, cta, tid, stamp, front)
             else:
-                self.consume(1, xn, ring, barriers, shared, out, outbox, batch, cta, tid, stamp)
+                self.consume(1, xn, ring, barriers, shared, out, outbox, batch, cta, tid, stamp, front)
         # No CTA leaves while a peer may still multicast into it or arrive on its barriers.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
@@ -259,9 +312,19 @@ class WaveMoeTail:
                       mcast_mask=Int32((1 << WAVE_CLUSTER) - 1))
 
     @cute.jit
+    def rearm(self, front, shared, cta, thread):
+        """The producers' spare warps (``thread`` of their 96 threads, with ``front``):
+        the previous MoE layer's latent and reduce-scatter rows re-armed over the grid."""
+        threads = 32 * (WAVE_WARPS - 1)
+        for box in (front.latent, shared):
+            rearm_previous(box, self.tp, front.rearm_parity, front.rearm_batch, cta * threads + thread,
+                           self.plan.ctas * threads)
+
+    @cute.jit
     def consume(self, group: cutlass.Constexpr[int], xn, ring, barriers, shared, out, outbox, batch, cta, tid,
-                stamp):
-        """Consumer warpgroup ``group``: chunks group, group + 2, …; then the epilogue."""
+                stamp, front=None):
+        """Consumer warpgroup ``group``: chunks group, group + 2, …; then the epilogue.
+        With ``front``, first the batch's xn rows into the slots (:meth:`front_rows`)."""
         plan = self.plan
         warp, lane = tid // 32 % WAVE_WARPS, tid % 32
         stashed = []
@@ -270,6 +333,10 @@ class WaveMoeTail:
             landed(barriers.full, 2 * j + group, plan.depth)
             stashed.append(self.a_fragments(ring, slot, warp, lane))
             hand_back(barriers.empty + slot, lane)
+        if cutlass.const_expr(self.front):
+            self.front_rows(front, xn, outbox, batch, tid)
+            cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then wgmma's reads (async proxy)
+            cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)  # every row's packets are in
         cute.arch.griddepcontrol_wait()
         if tid == 0:
             cute.arch.mbarrier_arrive(barriers.waited)  # after the stash: the stream's pace lets it land
@@ -329,6 +396,44 @@ class WaveMoeTail:
         return [load_words(shared.iterator + token * shared.stride[0] + column) for token, column in items]
 
     @cute.jit
+    def front_rows(self, front, xn, outbox, batch, tid):
+        """The wave's own front: xn = BF16((latent · inv) · gamma) of every token of the
+        batch into the xn slots, latent = BF16(Σ of the TP sources in rank order), each row's
+        Σ BF16(latent²) in FP64 (exact) over its warp, inv from it (PollNormFront's
+        rounding points). Consumer warp w takes tokens w, w + 8, …, a packet a lane and
+        round; every packet of its FRONT_TOKENS rows is polled at once (bounded, into the
+        error word; past the batch a row's polls repeat the last token's and store nothing)."""
+        plan, tp = self.plan, self.tp
+        warp, lane = tid // 32, tid % 32
+        packets = plan.latent // 8
+        rounds = -(-packets // 32)
+        warps = 2 * WAVE_WARPS
+        capacity = front.latent.shape[2]
+        columns = [clamp(lane + 32 * q, packets - 1) * 8 for q in range(rounds)]
+        scale = [unpack_words(load_words(front.gamma.iterator + column)) for column in columns]
+        for first in cutlass.range(warp, batch, warps * FRONT_TOKENS, unroll=1):
+            tokens = [first + warps * j for j in range(FRONT_TOKENS)]
+            rows = [front.latent.iterator + box_row(outbox.parity, source, clamp(token, batch - 1), tp, capacity)
+                    * plan.latent for token in tokens for source in range(tp)]
+            polled = poll_all([row + column for row in rows for column in columns], outbox.error, LATENT_POLL)
+            # polled[(j·TP + source)·rounds + q]: rank_sums wants the sources innermost
+            latents = rank_sums([polled[(j * tp + source) * rounds + q] for j in range(FRONT_TOKENS)
+                                 for q in range(rounds) for source in range(tp)], tp)
+            for j in cutlass.range_constexpr(FRONT_TOKENS):
+                squares = Float64(0.0)
+                for q in cutlass.range_constexpr(rounds):
+                    if lane + 32 * q < packets:
+                        squares += sum_of_squares(latents[j * rounds + q])
+                inv = inverse_rms(butterfly_sum(squares, 32), plan.latent, front.eps)
+                if tokens[j] < batch:
+                    for q in cutlass.range_constexpr(rounds):
+                        if lane + 32 * q < packets:
+                            packet = lane + 32 * q
+                            slot = xn + packet // (CHUNK // 8) * (plan.xn_bytes // 4)
+                            store_shared(slot + swizzled(0, tokens[j], packet % (CHUNK // 8)) * 4,
+                                         normalized(latents[j * rounds + q], inv, scale[q]))
+
+    @cute.jit
     def a_fragments(self, ring, slot, warp, lane):
         """The warp's A fragments of a slot per k16 step (WavePlan.a_piece)."""
         return [load_matrices(ring + self.plan.a_piece(slot, warp, k16, lane) * 4) for k16 in range(CHUNK // 16)]
@@ -354,7 +459,8 @@ class WaveMoeTail:
                 landed(barriers.full, i, plan.depth)
                 stamp.slot(i, 2 * plan.stash, plan.depth, plan.chunks - 1)  # warpgroup 0: even chunks
                 a = [descriptor(ring.toint() + slot * plan.slot_bytes + 32 * k16) for k16 in range(CHUNK // 16)]
-            landed(barriers.xn_full, i, plan.xn_depth)
+            if cutlass.const_expr(not self.front):  # (the front's rows are in: consume's barrier)
+                landed(barriers.xn_full, i, plan.xn_depth)
             if cutlass.const_expr(i == 0):
                 stamp.at("latent")
                 if (warp == 0) & (lane == 0):
@@ -385,11 +491,23 @@ class WaveMoeTail:
         """Chunk ``i``'s wgmmas are done: its xn slot back to every producer of the cluster,
         its weight slot (unless stashed: handed back already) to ours."""
         cute.arch.sync_warp()
-        if lane < WAVE_CLUSTER:
-            cute.arch.mbarrier_arrive(barriers.xn_empty + i % self.plan.xn_depth, lane)
+        if cutlass.const_expr(not self.front):  # (no xn slot is refilled after the front's rows)
+            if lane < WAVE_CLUSTER:
+                cute.arch.mbarrier_arrive(barriers.xn_empty + i % self.plan.xn_depth, lane)
         if cutlass.const_expr(i >= 2 * self.plan.stash):
             if lane == 0:
                 cute.arch.mbarrier_arrive(barriers.empty + i % self.plan.depth)
+
+
+class Front(Values):
+    """The wave's own front (WaveMoeTail ``front``): the latent box, the RMS weight and
+    eps, and the previous MoE layer's parity and batch to re-arm."""
+
+    DYNAMIC = ("latent", "gamma", "eps", "rearm_parity", "rearm_batch")
+
+    def __init__(self, latent, gamma, eps, rearm_parity, rearm_batch):
+        self.latent, self.gamma, self.eps = latent, gamma, eps
+        self.rearm_parity, self.rearm_batch = rearm_parity, rearm_batch
 
 
 class Barriers(Values):
