@@ -74,10 +74,11 @@ def test_poll_wave_compiles(tp, batch, clean_ptxas):
     clean_ptxas(2)
 
 
-@pytest.mark.parametrize("tp, groups", [(1, 1), (1, 8), (2, 2)])
-def test_wave_with_its_front_compiles(tp, groups, clean_ptxas):
-    """The wave with its own front (a TP8 rank's latent: every xn chunk in its slots)."""
-    assert host.compile_wave_tail.build(HIDDEN // tp, 512, groups, False, tp, True) is not None
+@pytest.mark.parametrize("tp, groups, latent", [(1, 1, 512), (1, 8, 512), (2, 2, 512), (2, 8, 512), (1, 1, 1536)])
+def test_wave_with_its_front_compiles(tp, groups, latent, clean_ptxas):
+    """The wave with its own front (a TP8 rank's latent, L = 512; and 1536, whose 24 xn
+    chunks at 32 tokens fill the slots)."""
+    assert host.compile_wave_tail.build(HIDDEN // tp, latent, groups, False, tp, True) is not None
     clean_ptxas()
 
 
@@ -646,7 +647,8 @@ def test_tail_poll_rearms_the_whole_capacity_past_its_tokens_ctas():
 
 
 @on_hopper
-@pytest.mark.parametrize("tp, batch, rearm_batch", [(1, 1, CAPACITY), (1, 5, 5), (1, 16, 16), (2, 9, CAPACITY)])
+@pytest.mark.parametrize("tp, batch, rearm_batch", [(1, 1, CAPACITY), (1, 5, 5), (1, 16, 16), (1, 33, 33),
+                                                    (1, 64, CAPACITY), (2, 9, CAPACITY), (2, 64, CAPACITY)])
 def test_the_waves_own_front_equals_poll_norm_front(tp, batch, rearm_batch, monkeypatch):
     """moe_tail_poll at a TP8 rank's latent (L = 512) with the wave's own front (one
     launch) against PollNormFront + the wave: every rank's output rows bit for bit, the
@@ -678,11 +680,27 @@ def test_the_waves_own_front_equals_poll_norm_front(tp, batch, rearm_batch, monk
     want = reference(run, 0)[1]
     shared = torch.cat([s.float().sum(0).bfloat16() for s in fresh[1]], dim=1)
     for got, launched_apart, expected in zip(one, two, want):
-        assert torch.equal(got, launched_apart)
+        assert torch.equal(got.view(torch.int16), launched_apart.view(torch.int16))  # bits: −0 is not +0
         assert_tail_close(got[0, 0, :batch], expected[0, 0, :batch], shared)
         assert armed(got[0, 0, batch:])
     for latent_box, rs_box, error in boxes:
         assert armed(latent_box[rearm, :, :rearm_batch]) and armed(rs_box[rearm, :, :rearm_batch]) and int(error) == 0
+
+
+@on_hopper
+def test_the_waves_own_front_times_out_into_the_error_word(monkeypatch):
+    """Nothing published: the front's latent polls and the shared polls give up into the
+    error word (bounded), as PollNormFront's do."""
+    monkeypatch.setattr(host.TailPollKernel, "front_groups", wave.MAX_WAVE_GROUPS)
+    latent, gen = 512, torch.Generator().manual_seed(4)
+    gamma = (torch.randn(latent, generator=gen) * 0.1 + 1).bfloat16().cuda()
+    w_up = (torch.randn(HIDDEN, latent, generator=gen) * latent**-0.5).bfloat16().cuda()
+    latent_box, rs_box = armed_box(3, 1, CAPACITY, latent), armed_box(3, 1, CAPACITY, HIDDEN)
+    out, error = armed_box(1, 1, CAPACITY, HIDDEN), torch.zeros(1, dtype=torch.int32, device="cuda")
+    assert len(host.TailPollKernel().variant(1, HIDDEN, latent, 1, 1).kernels()) == 1  # the front's form
+    kimi.moe_tail_poll(latent_box, rs_box, gamma, w_up, 1e-6, [out], error, 0, 2, 4, 0, 4)
+    torch.cuda.synchronize()  # returns: the polls are bounded
+    assert int(error) == 2 | 4
 
 
 @on_hopper

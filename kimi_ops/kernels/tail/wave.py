@@ -62,7 +62,7 @@ MIN_WAVE_GROUPS, MAX_WAVE_GROUPS = 3, 8  # WaveMoeTail's batches (MoeTail is fas
 # publish mode's: the wave from one token group on, since PollNormFront spreads its re-arm over
 # its grid (1.5-8 µs faster than MoeTail at B = 1-16 at a TP8 rank, benchmarks/NOTES.md)
 MIN_POLL_WAVE_GROUPS = 1
-FRONT_TOKENS = 2  # rows a consumer warp of the wave's own front polls at once (16 tokens a round)
+FRONT_PACKETS = 8  # packets a lane of the wave's own front polls at once, over its warp's rows
 WAVE_REGISTERS = 184  # of CONSUMER_REGISTERS for the stash, accumulators and shared packets (ptxas: no spills)
 
 
@@ -161,7 +161,7 @@ class WaveMoeTail:
     32 KB per chunk at 64 tokens, 0.14 µs at 128 bytes per clock, as measured.
 
     ``front`` (publish mode, the seeds' wave with its front inside; where every xn chunk
-    fits the xn slots at once, :attr:`WavePlan.holds_xn`): no PollNormFront launch. After
+    fits the xn slots at once, :attr:`WavePlan.holds_xn`): no PollNormFront launch. Before
     the stash each consumer warp polls whole latent rows of the batch from the latent box
     (a row a warp, every packet of its rows in flight at once, bounded), sums the sources
     in rank order, normalizes as PollNormFront does (the same bits) and stores xn into the
@@ -324,19 +324,21 @@ class WaveMoeTail:
     def consume(self, group: cutlass.Constexpr[int], xn, ring, barriers, shared, out, outbox, batch, cta, tid,
                 stamp, front=None):
         """Consumer warpgroup ``group``: chunks group, group + 2, …; then the epilogue.
-        With ``front``, first the batch's xn rows into the slots (:meth:`front_rows`)."""
+        With ``front``, first the batch's xn rows into the slots (:meth:`front_rows`: its
+        polls beside the weight stream, no stash live yet); the PDL wait and ``waited``
+        stay after the stash (``paced`` holds the stream on ``fronted`` once they came)."""
         plan = self.plan
         warp, lane = tid // 32 % WAVE_WARPS, tid % 32
+        if cutlass.const_expr(self.front):
+            self.front_rows(front, xn, outbox, batch, tid)
+            cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then wgmma's reads (async proxy)
+            cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)  # every row's packets are in
         stashed = []
         for j in cutlass.range_constexpr(plan.stash):
             slot = (2 * j + group) % plan.depth
             landed(barriers.full, 2 * j + group, plan.depth)
             stashed.append(self.a_fragments(ring, slot, warp, lane))
             hand_back(barriers.empty + slot, lane)
-        if cutlass.const_expr(self.front):
-            self.front_rows(front, xn, outbox, batch, tid)
-            cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then wgmma's reads (async proxy)
-            cute.arch.barrier(barrier_id=1, number_of_threads=64 * WAVE_WARPS)  # every row's packets are in
         cute.arch.griddepcontrol_wait()
         if tid == 0:
             cute.arch.mbarrier_arrive(barriers.waited)  # after the stash: the stream's pace lets it land
@@ -401,25 +403,27 @@ class WaveMoeTail:
         batch into the xn slots, latent = BF16(Σ of the TP sources in rank order), each row's
         Σ BF16(latent²) in FP64 (exact) over its warp, inv from it (PollNormFront's
         rounding points). Consumer warp w takes tokens w, w + 8, …, a packet a lane and
-        round; every packet of its FRONT_TOKENS rows is polled at once (bounded, into the
-        error word; past the batch a row's polls repeat the last token's and store nothing)."""
+        round; every packet of ``rows_at_once`` rows (FRONT_PACKETS a lane) is polled at once (bounded,
+        into the error word; past the batch a row's polls repeat the last token's and store
+        nothing)."""
         plan, tp = self.plan, self.tp
         warp, lane = tid // 32, tid % 32
         packets = plan.latent // 8
         rounds = -(-packets // 32)
         warps = 2 * WAVE_WARPS
+        rows_at_once = max(1, FRONT_PACKETS // (tp * rounds))
         capacity = front.latent.shape[2]
         columns = [clamp(lane + 32 * q, packets - 1) * 8 for q in range(rounds)]
         scale = [unpack_words(load_words(front.gamma.iterator + column)) for column in columns]
-        for first in cutlass.range(warp, batch, warps * FRONT_TOKENS, unroll=1):
-            tokens = [first + warps * j for j in range(FRONT_TOKENS)]
+        for first in cutlass.range(warp, batch, warps * rows_at_once, unroll=1):
+            tokens = [first + warps * j for j in range(rows_at_once)]
             rows = [front.latent.iterator + box_row(outbox.parity, source, clamp(token, batch - 1), tp, capacity)
                     * plan.latent for token in tokens for source in range(tp)]
             polled = poll_all([row + column for row in rows for column in columns], outbox.error, LATENT_POLL)
             # polled[(j·TP + source)·rounds + q]: rank_sums wants the sources innermost
-            latents = rank_sums([polled[(j * tp + source) * rounds + q] for j in range(FRONT_TOKENS)
+            latents = rank_sums([polled[(j * tp + source) * rounds + q] for j in range(rows_at_once)
                                  for q in range(rounds) for source in range(tp)], tp)
-            for j in cutlass.range_constexpr(FRONT_TOKENS):
+            for j in cutlass.range_constexpr(rows_at_once):
                 squares = Float64(0.0)
                 for q in cutlass.range_constexpr(rounds):
                     if lane + 32 * q < packets:
