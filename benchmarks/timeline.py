@@ -9,7 +9,10 @@ CTA's, its end its last CTA's (CUPTI's kernel record), so "beside" bounds the ov
 above: CTAs waiting in griddepcontrol.wait count as running. Each kernel is labelled by an
 eager step profiled the same way: the ``kimi`` op that launched it (or the aten op), the
 layer of its weights, and the op call's weight bytes (routed experts: the distinct experts
-routed to). Writes a JSON and, where matplotlib is installed, a Gantt PNG.
+routed to). Below each table, the step's parts: the seed systems' kernels, the stand-ins
+(the attention core, the routed experts), AttnRes and the rest, each part's Σ adds against
+its weights' floor (issue 37's "seed kernels' part of the layer"). Writes a JSON and, where
+matplotlib is installed, a Gantt PNG.
 
     python -m benchmarks.timeline [--tp8-rank] [--batches 1 8 64] [--out DIR]
 """
@@ -35,14 +38,25 @@ from .bench_layer import (
     config_for,
     inputs,
 )
-from .common import L2_BYTES, capture, print_table
+from .common import HBM_READ_BYTES_PER_US, L2_BYTES, capture, print_table
 
 REPLAYS = 7
 
 
+STAND_INS = {"oproj.w_core", "front.expert_gate_up", "front.expert_down"}  # the core's and the routed experts'
+
+
+def part_of(op: str, names) -> str:
+    """The step's part a ``kimi`` op call belongs to, by its op and its weights' names."""
+    if op.startswith("attn_res"):
+        return "AttnRes"
+    return "stand-ins" if any(name in STAND_INS for name in names) else "seed kernels"
+
+
 class OpLabels(KimiOpMode):
     """Wraps every ``kimi`` op call of an eager step in a profiler range named
-    ``op|where|weight bytes`` (the layer of its weights, as kimi_ops.debug labels it)."""
+    ``op|where|part|weight bytes`` (the layer of its weights, as kimi_ops.debug labels
+    it; :func:`part_of`)."""
 
     def __init__(self, decoder):
         super().__init__()
@@ -53,12 +67,13 @@ class OpLabels(KimiOpMode):
         weights = [t for arg in args for t in tensors(arg) if t.data_ptr() in self.labels]
         if weights:
             self.where = self.labels[weights[0].data_ptr()][0]
-        if op == "routed_experts":  # a batch reads the experts it routed to, each once
+        if op.startswith("routed_experts"):  # a batch reads the experts it routed to, each once
             _, ids, gate_up, down = args[:4]
             nbytes = int(ids.unique().numel()) * (gate_up[0].nbytes + down[0].nbytes)
         else:
             nbytes = sum(t.nbytes for t in weights)
-        with torch.profiler.record_function(f"{op}|{self.where}|{nbytes}"):
+        part = part_of(op, [self.labels[t.data_ptr()][1] for t in weights])
+        with torch.profiler.record_function(f"{op}|{self.where}|{part}|{nbytes}"):
             return func(*args, **kwargs)
 
 
@@ -79,7 +94,7 @@ def eager_labels(decoder, hidden, slots) -> list[dict]:
             decoder(hidden, slots)
         torch.cuda.synchronize()
     events = trace_events(prof)
-    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"].count("|") == 2]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"].count("|") == 3]
     aten = [e for e in events if e.get("cat") == "cpu_op"]
     launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime"
                 and "correlation" in e.get("args", {})}
@@ -89,11 +104,11 @@ def eager_labels(decoder, hidden, slots) -> list[dict]:
         at = launch["ts"] if launch else kernel["ts"]
         inside = [r for r in ranges if r["ts"] <= at <= r["ts"] + r["dur"]]
         if inside:
-            op, where, nbytes = min(inside, key=lambda r: r["dur"])["name"].split("|")
+            op, where, part, nbytes = min(inside, key=lambda r: r["dur"])["name"].split("|")
         else:
             around = [e for e in aten if e["ts"] <= at <= e["ts"] + e["dur"]]
-            op, where, nbytes = (min(around, key=lambda e: e["dur"])["name"] if around else "?"), "", "0"
-        labels.append({"kernel": kernel["name"], "op": op, "where": where, "bytes": int(nbytes)})
+            op, where, part, nbytes = (min(around, key=lambda e: e["dur"])["name"] if around else "?"), "", "rest", "0"
+        labels.append({"kernel": kernel["name"], "op": op, "where": where, "part": part, "bytes": int(nbytes)})
     return labels
 
 
@@ -146,7 +161,7 @@ def timeline(labels: list[dict], runs: list[list[dict]]) -> dict:
     for i, (kernel, label) in enumerate(zip(run, aligned(labels, run))):
         busy = kernel["end"] - kernel["start"]
         beside = max(0.0, min(run[i - 1]["end"], kernel["end"]) - kernel["start"]) if i else 0.0
-        rows.append({"op": label["op"], "where": label["where"], "kernel": kernel["kernel"],
+        rows.append({"op": label["op"], "where": label["where"], "part": label["part"], "kernel": kernel["kernel"],
                      "start": kernel["start"] - origin, "end": kernel["end"] - origin, "busy": busy,
                      "beside": beside, "gap": max(0.0, kernel["start"] - reach),
                      "adds": max(0.0, kernel["end"] - reach), "bytes": label["bytes"],
@@ -155,7 +170,20 @@ def timeline(labels: list[dict], runs: list[list[dict]]) -> dict:
     step = run[-1]["end"] - origin
     steps = [r[-1]["end"] - r[0]["start"] for r in runs]
     return {"rows": rows, "step_us": step, "steps_us": steps, "idle_us": sum(r["gap"] for r in rows),
-            "bytes": sum(r["bytes"] for r in rows), "median_step_us": statistics.median(steps)}
+            "bytes": sum(r["bytes"] for r in rows), "median_step_us": statistics.median(steps), "parts": parts(rows)}
+
+
+def parts(rows: list[dict]) -> dict:
+    """Per part of the step (:func:`part_of`): Σ adds (µs), the floor of its weights' bytes
+    at HBM_READ_BYTES_PER_US, and their ratio (None without weights)."""
+    out = {}
+    for row in rows:
+        part = out.setdefault(row["part"], {"adds_us": 0.0, "floor_us": 0.0})
+        part["adds_us"] += row["adds"]
+        part["floor_us"] += row["bytes"] / HBM_READ_BYTES_PER_US
+    for part in out.values():
+        part["ratio"] = part["adds_us"] / part["floor_us"] if part["floor_us"] else None
+    return out
 
 
 def short(name: str) -> str:
@@ -223,6 +251,8 @@ def main(argv=None) -> dict:
                       r["gap"], r["adds"], "-" if r["gbs"] is None or not r["bytes"] else r["gbs"])
                      for r in result["rows"]],
                     ("op", "where", "kernel", "start", "end", "busy", "beside", "gap", "adds", "GB/s"))
+        print_table([(part, v["adds_us"], v["floor_us"], "-" if v["ratio"] is None else v["ratio"])
+                     for part, v in result["parts"].items()], ("part of the step", "Σ adds", "floor", "adds/floor"))
         png = os.path.join(args.out, f"timeline_{name}{'_' * bool(suffix)}{suffix}_B{batch}.png")
         if gantt(result, title, png):
             print("wrote", png)
