@@ -175,7 +175,8 @@ def timeline(labels: list[dict], runs: list[list[dict]]) -> dict:
 
 def parts(rows: list[dict]) -> dict:
     """Per part of the step (:func:`part_of`): Σ adds (µs), the floor of its weights' bytes
-    at HBM_READ_BYTES_PER_US, and their ratio (None without weights)."""
+    at HBM_READ_BYTES_PER_US (the H200's: an H100's ratio reads high), and their ratio
+    (None without weights)."""
     out = {}
     for row in rows:
         part = out.setdefault(row["part"], {"adds_us": 0.0, "floor_us": 0.0})

@@ -83,10 +83,11 @@ def test_shared_expert_grid_is_one_size_and_resident():
 
 
 @pytest.fixture
-def gemm_room(monkeypatch):
+def gemm_room(monkeypatch, tmp_path):
     """``gemm_room(kb)``: launch.GEMM_ROOM (KIMI_OPS_GEMM_ROOM) for the rest of the test, the
-    plans' caches cleared around it."""
+    plans' caches cleared around it (and the kernel cache a directory of its own)."""
     cached = (gemm_plans.gemm_plan, gemm.gemm_variant, gemm.shared_plan, gemm.shared_variant, dsa_plans.index_plan)
+    monkeypatch.setenv("KIMI_OPS_CACHE_DIR", str(tmp_path))
 
     def set_room(kb: int) -> None:
         for module in (gemm_plans, dsa_plans):
@@ -126,13 +127,29 @@ def test_rings_leave_the_room_asked(gemm_room):
         assert gemm.shared_variant(1536, 7168, 7168, tokens, 1, (1.0, 0.0)).plan is roomy  # the compile's plan
     for tokens in gemm_plans.TOKEN_TILES:
         front = dsa_plans.index_plan(1536, tokens, True)
-        assert front.depth == front.chunks and 0 <= front.room <= room
-        assert front.ring_bytes + 2048 + front.reserve + front.room <= SMEM_BYTES
+        whole = front.chunks * (front.w_slot + front.x_slot)
+        assert front.depth == front.chunks and front.room == min(room, SMEM_BYTES - 2048 - front.reserve - whole)
+        assert front.room > 0 and front.ring_bytes + 2048 + front.reserve + front.room <= SMEM_BYTES
 
 
+def test_a_ring_keeps_a_slot_and_no_more_chunks_in_flight_than_slots(gemm_room):
+    """A room past what leaves one slot leaves that much (no plan fails for it), and the
+    chunks in flight (each in a slot until its sum is in) never exceed the slots: at 180 KB
+    the stacked DSA GEMM at 64 tokens keeps one 32 KB slot, one chunk in flight (two
+    without the cap: the consumer would wait for a slot it holds)."""
+    gemm_room(180)
+    plan = gemm_plans.gemm_plan(1696, 7168, 64)
+    assert (plan.depth, plan.sets, plan.room) == (1, 1, 180 * 1024)
+    gemm_room(226)
+    plan = gemm_plans.gemm_plan(1696, 7168, 64)
+    stage = plan.w_slot + plan.x_slot
+    assert plan.depth == 1 and plan.room == SMEM_BYTES - 2048 - stage
+
+
+@pytest.mark.parametrize("room", [112, 140])
 @pytest.mark.parametrize("tokens", [8, 64])
-def test_shared_expert_with_room_compiles(gemm_room, tokens, clean_ptxas):
-    gemm_room(112)
+def test_shared_expert_with_room_compiles(gemm_room, room, tokens, clean_ptxas):
+    gemm_room(room)
     assert gemm.compile_shared.build(1536, 7168, 7168, tokens, 1, (1.0, 0.0)) is not None
     clean_ptxas()
 

@@ -26,30 +26,46 @@ def test_settings_read(monkeypatch):
     assert launch.kb_setting("KIMI_OPS_TEST_SETTING") == 100 * 1024
 
 
-cute_dsl = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
-
-from cutlass.cutlass_dsl.cutlass import CuTeDSL  # noqa: E402
-
-from kimi_ops.kernels import compile as kernel_compile  # noqa: E402
-from kimi_ops.kernels.group import host as group  # noqa: E402
-
-
-def fingerprint(**settings) -> str:
+def in_a_process(code: str, **settings) -> str:
+    """``code``'s stdout in a fresh process with only these of the compiled-in settings."""
     env = {k: v for k, v in os.environ.items() if k not in ("KIMI_OPS_SMEM_CARVEOUT", "KIMI_OPS_GEMM_ROOM")}
-    code = "from kimi_ops.kernels import compile; print(compile.source_fingerprint())"
-    done = subprocess.run([sys.executable, "-c", code], env={**env, **settings}, capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", code], env={**env, "CUTE_DSL_ARCH": "sm_90a", **settings},
+                          capture_output=True, text=True, check=True)
     return done.stdout.strip()
 
 
 def test_each_setting_keys_the_cache():
-    keys = [fingerprint(), fingerprint(KIMI_OPS_SMEM_CARVEOUT="100"), fingerprint(KIMI_OPS_GEMM_ROOM="112")]
+    pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+    code = "from kimi_ops.kernels import compile; print(compile.source_fingerprint())"
+    keys = [in_a_process(code), in_a_process(code, KIMI_OPS_SMEM_CARVEOUT="100"),
+            in_a_process(code, KIMI_OPS_GEMM_ROOM="112")]
     assert len(set(keys)) == 3, keys
+
+
+def test_the_setting_alone_puts_the_carveout_into_the_exported_kernel(tmp_path):
+    """KIMI_OPS_SMEM_CARVEOUT set before import, nothing else: the exported object's loader
+    sets attribute 9 (the carveout) to 37, where the unset build's loader has no such call."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+    code = ("import sys\nfrom kimi_ops.kernels.group import host\n"
+            "host.compile_barrier.build(2).export_to_c(object_file_path=sys.argv[1], function_name='func')\n")
+    objects = {}
+    for name, settings in (("unset", {}), ("set", {"KIMI_OPS_SMEM_CARVEOUT": "37"})):
+        path = tmp_path / f"{name}.o"
+        in_a_process(code.replace("sys.argv[1]", repr(str(path))), **settings)
+        objects[name] = path.read_bytes()
+    call = bytes.fromhex("be09000000ba25000000")  # mov $0x9, %esi; mov $0x25 (37), %edx: the attribute's call
+    assert objects["set"].count(call) == 2 and objects["unset"].count(call) == 0  # cuda_load, cuda_load_to_device
 
 
 def test_the_carveout_reaches_the_kernels_load_attributes(monkeypatch):
     """export_carveout: each kernel op's ``cu_attrs`` (which the exported object's loader
     sets, cuKernelSetAttribute) carry the carveout beside the DSL's own attributes."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+
+    from kimi_ops.kernels import compile as kernel_compile
+    from kimi_ops.kernels.group import host as group
+
     monkeypatch.setattr(CuTeDSL, "generate_func_op", CuTeDSL.generate_func_op)  # undone after the test
     kernel_compile.export_carveout(100)
     with_carveout, seen = CuTeDSL.generate_func_op, []

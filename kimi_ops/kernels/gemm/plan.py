@@ -87,7 +87,8 @@ class GemmPlan:
         owners take token ranges of every row of the block (a head's rows stay in one CTA:
         kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds;
         ``room``: shared bytes the ring leaves the SM for another kernel's CTAs (None:
-        launch.GEMM_ROOM; the K parts' exchange over the ring may take more)."""
+        launch.GEMM_ROOM), at most what leaves one slot (the K parts' exchange over the
+        ring may take more)."""
         parts = parts or partition(n, k, tokens)
         if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
             raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
@@ -111,9 +112,9 @@ class GemmPlan:
         self.w_slot, self.x_slot = self.rows * CHUNK * 2, tokens * CHUNK * 2  # bytes, 1024-multiples
         stage = self.w_slot + self.x_slot
         self.reserve = reserve
-        self.room = GEMM_ROOM if room is None else room
-        free = SMEM_BYTES - 2048 - reserve - self.room  # 2 KB: barriers, alignment
-        self.depth = min(self.chunks, MAX_DEPTH, free // stage)
+        free = SMEM_BYTES - 2048 - reserve  # 2 KB: barriers, alignment
+        self.room = max(0, min(GEMM_ROOM if room is None else room, free - stage))
+        self.depth = min(self.chunks, MAX_DEPTH, (free - self.room) // stage)
         if self.depth < 1:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
         # chunks in flight (each into its own accumulator set and ring slot): as many as the
