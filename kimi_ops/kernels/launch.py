@@ -58,11 +58,6 @@ CARVEOUT = percent_setting("KIMI_OPS_SMEM_CARVEOUT")
 # ours and stream their weights before our end (issue 37: two CTAs an SM, half the ring
 # each). 0: the rings take the SM. An A/B; part of the cache key.
 GEMM_ROOM = kb_setting("KIMI_OPS_GEMM_ROOM")
-# KIMI_OPS_ATTN_RES_RELEASE=loads: AttnRes and AttnResTake release their dependents once
-# their own loads are in (the timeline: a successor GEMM's whole-ring prefetch, 24 MB, queued
-# their loads behind it, 5-10 µs each), not at entry / after the take's re-arms. An A/B;
-# part of the cache key.
-ATTN_RES_LATE = os.environ.get("KIMI_OPS_ATTN_RES_RELEASE", "entry") == "loads"
 
 
 def launch(kernel, grid, stream, min_blocks_per_mp: int = 0) -> None:

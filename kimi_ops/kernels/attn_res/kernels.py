@@ -51,7 +51,7 @@ from cutlass import BFloat16, Float32, Float64, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
 from ...mailbox import TAKE_POLL
-from ..launch import ATTN_RES_LATE, PDL
+from ..launch import PDL
 from ..mailbox import box_row, poll_all, rearm, release_consumed
 from ..packets import (
     butterfly,
@@ -105,8 +105,7 @@ class AttnRes:
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
                key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor, h: cute.Tensor,
                h_normed: cute.Tensor, count: Int32, eps: Float32):
-        if cutlass.const_expr(not ATTN_RES_LATE):
-            cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
+        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
         token = at.token
         cute.arch.griddepcontrol_wait()
@@ -116,8 +115,7 @@ class AttnRes:
             sources = [sublayer.iterator + (s * partial.shape[0] + token) * self.hidden + columns[q]
                        for s in range(self.tp)]
             rows.append([load_words(address) for address in own + sources])
-        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps,
-                    cute.arch.griddepcontrol_launch_dependents if cutlass.const_expr(ATTN_RES_LATE) else None)
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
 
     @cute.jit
     def start(self, blocks, partial, query, key_norm_w, out_norm_w, count, eps):
@@ -140,9 +138,8 @@ class AttnRes:
         return Place(token, part, tid), space, columns, weights
 
     @cute.jit
-    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, release=None):
-        """Steps 2-5 of the module doc from each round's rows (partial and the sources);
-        ``release()`` (launch.ATTN_RES_LATE) once they are in: the dependents' release."""
+    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps):
+        """Steps 2-5 of the module doc from each round's rows (partial and the sources)."""
         token, part, tid = at.token, at.part, at.tid
         query_v, key_w, out_w = weights.query, weights.key_norm, weights.out_norm
         stash, partials, received, alpha = space.stash, space.partials, space.received, space.alpha
@@ -157,8 +154,6 @@ class AttnRes:
             words = pack_values(acc)
             squares += self.stored(new_partial, words, token, columns[q], valid[q])
             values.append(unpack_words(words))
-        if cutlass.const_expr(release is not None):
-            release()
         self.warp_sum(partials, self.partial_ss, squares, tid)
         self.share(partials, received, self.partial_ss, 1, part, tid)
         inv = inverse_rms(self.total(received, self.partial_ss), self.hidden, eps)
@@ -372,13 +367,11 @@ class AttnResTake(AttnRes):
                     rearm(packets[source])
                     for k in cutlass.range_constexpr(4):
                         polled[q, source, k] = words[source][k]
-        if cutlass.const_expr(not ATTN_RES_LATE):
-            release_consumed()
+        release_consumed()
         cute.arch.griddepcontrol_wait()
         rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
                 + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
-        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps,
-                    release_consumed if cutlass.const_expr(ATTN_RES_LATE) else None)
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
 
 
 @cute.jit
