@@ -51,12 +51,13 @@ def kb_setting(variable: str) -> int:
 # loads: compile.export_carveout). Unset, the driver sets an SM up by each kernel's own
 # need; the suspect (benchmarks/NOTES.md, fifteenth session) is that an SM holds CTAs of
 # one setup at a time, so a kernel that set SMs up small keeps a successor's CTAs off them
-# although both would fit. 100 on every kernel is its A/B. Part of the cache key.
+# although both would fit. 100 on every kernel is its A/B: it moves CTAs (the DSA front
+# beside the stacked GEMM) but made the layer 3 µs slower on an H100. Part of the cache key.
 CARVEOUT = percent_setting("KIMI_OPS_SMEM_CARVEOUT")
 # KIMI_OPS_GEMM_ROOM=KB: shared memory every decode-GEMM ring (kernels/gemm, the DSA front,
 # the shared expert) leaves its SM, so that the next kernel's CTAs can be resident beside
 # ours and stream their weights before our end (issue 37: two CTAs an SM, half the ring
-# each). 0: the rings take the SM. An A/B; part of the cache key.
+# each). 0: the rings take the SM. An A/B, slower at 140 KB on an H100; part of the cache key.
 GEMM_ROOM = kb_setting("KIMI_OPS_GEMM_ROOM")
 
 
