@@ -14,7 +14,7 @@ from ..gemm.plan import (
     GemmPlan,
     cta_cost,
 )
-from ..launch import GEMM_ROOM, SMEM_BYTES
+from ..launch import SMEM_BYTES
 from ..ring import CHUNK
 
 N = INDEX_HEADS * INDEX_DIM  # wq_b's rows
@@ -63,12 +63,7 @@ def index_plan(k: int, tokens: int, norm: bool) -> GemmPlan:
     parts = index_partition(k, tokens, norm)
     if parts is None:
         raise ValueError(f"the DSA front does not take K={k} at {tokens} tokens (norm={norm})")
-    tiles, split = parts
-    extra = reserve(tokens, split)
-    # raw rows hold the whole K slice in the ring: the room is what that leaves, at most GEMM_ROOM
-    whole = k // CHUNK // split * (TILE * tiles + tokens) * CHUNK * 2
-    room = min(GEMM_ROOM, SMEM_BYTES - 2048 - extra - whole) if norm else GEMM_ROOM
-    return GemmPlan(N, k, tokens, parts, by_token=True, reserve=extra, room=room)
+    return GemmPlan(N, k, tokens, parts, by_token=True, reserve=reserve(tokens, parts[1]), whole=norm)
 
 
 # Device helpers: IEEE where torch is IEEE, bit-exact where the reference works on bits.

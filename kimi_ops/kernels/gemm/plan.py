@@ -82,13 +82,14 @@ class GemmPlan:
     """The static partition and shared-memory layout of one (N, K, T) variant."""
 
     def __init__(self, n: int, k: int, tokens: int, parts: tuple[int, int] | None = None, by_token: bool = False,
-                 reserve: int = 0, room: int | None = None):
+                 reserve: int = 0, room: int | None = None, whole: bool = False):
         """``parts``: (tiles, split) instead of :func:`partition`'s; ``by_token``: a K split's
         owners take token ranges of every row of the block (a head's rows stay in one CTA:
         kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds;
         ``room``: shared bytes the ring leaves the SM for another kernel's CTAs (None:
-        launch.GEMM_ROOM), at most what leaves one slot (the K parts' exchange over the
-        ring may take more)."""
+        launch.GEMM_ROOM), at most what leaves one slot, or with ``whole`` (raw rows: the CTA's
+        whole K slice stays in the ring) every chunk's (the K parts' exchange over the ring
+        may take more)."""
         parts = parts or partition(n, k, tokens)
         if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
             raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
@@ -113,7 +114,7 @@ class GemmPlan:
         stage = self.w_slot + self.x_slot
         self.reserve = reserve
         free = SMEM_BYTES - 2048 - reserve  # 2 KB: barriers, alignment
-        self.room = max(0, min(GEMM_ROOM if room is None else room, free - stage))
+        self.room = max(0, min(GEMM_ROOM if room is None else room, free - (self.chunks if whole else 1) * stage))
         self.depth = min(self.chunks, MAX_DEPTH, (free - self.room) // stage)
         if self.depth < 1:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
