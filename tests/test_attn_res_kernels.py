@@ -68,6 +68,9 @@ def test_every_exchange_round_has_slots_of_its_own():
     slots = ([kernel.block_ss + n for n in range(6)] + [kernel.block_dot + n for n in range(6)]
              + [kernel.partial_ss, kernel.partial_dot, kernel.h_ss])
     assert sorted(slots) == list(range(kernel.slots))
+    assert sorted(kernel.rounds_of) == [kernel.block_ss, kernel.block_dot, kernel.partial_ss, kernel.partial_dot,
+                                        kernel.h_ss]  # a barrier each (st.async counted on it)
+    assert sorted(kernel.rounds_of.values()) == list(range(5))
 
 
 def test_stash_buckets_take_every_block_count_up_to_64():

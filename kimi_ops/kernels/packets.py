@@ -10,6 +10,7 @@ from cutlass import Float32, Float64, Int32, Uint32
 from .ptx import (
     bits_float,
     divide,
+    double_words,
     float_bits,
     pack_values,
     rsqrt_like_torch,
@@ -85,11 +86,18 @@ def exact_dot(a, b) -> Float64:
 # A cluster's exchange of per-CTA sums: ``received`` [rows, cluster] FP64 in every CTA, one
 # column a CTA; each CTA stores its value of a row into column ``part`` of every CTA's
 # (DSMEM; at a cluster of one, its own), a barrier, then every thread adds the columns in
-# rank order: the same bits in every CTA and every run.
+# rank order: the same bits in every CTA and every run. With ``arrived`` (an mbarrier of
+# the receiver's, armed for the round's bytes) the stores are st.async, counted on it: the
+# receiver waits for its values alone, where a cluster barrier's release also waits for
+# every global store issued before it.
 @cute.jit
-def send_to_cluster(received, row, value: Float64, part, cluster: cutlass.Constexpr[int]):
+def send_to_cluster(received, row, value: Float64, part, cluster: cutlass.Constexpr[int], arrived=None):
     if cutlass.const_expr(cluster == 1):
         received[row, 0] = value
+    elif cutlass.const_expr(arrived is not None):
+        words = double_words(value)
+        for c in cutlass.range_constexpr(cluster):
+            cute.arch.store_async_dsmem(received.iterator + row * cluster + part, words, arrived, c)
     else:
         for c in cutlass.range_constexpr(cluster):
             store_cluster(received.iterator + row * cluster + part, value, c)

@@ -26,10 +26,14 @@ reference's rounding points, in order:
 5. h_normed = BF16((h · rr_h) · out_norm_w), rr_h from Σ h² of the rounded h: one round.
 
 A round of the exchange: each warp's butterfly sum to shared memory, a CTA barrier, one
-thread per value adds the warps in order and stores the CTA's sum into slot [value, c] of
-every CTA of the cluster (``store_cluster``), a cluster barrier (release / acquire), then
-every thread adds the slots in rank order. Each round has its own slots: nothing is
-reused within a launch. Three rounds follow the wait; the two of the blocks precede it.
+thread per value adds the warps in order and sends the CTA's sum into slot [value, c] of
+every CTA of the cluster (st.async, counted on the round's mbarrier in the receiver),
+every thread waits on its CTA's barrier of the round, then adds the slots in rank order.
+Each round has its own slots and barrier: nothing is reused within a launch. Three rounds
+follow the wait; the two of the blocks precede it. Not a cluster barrier: its release
+waited for every global store issued before it (new_partial's, h's) to be performed, 1-4
+µs a round while the next kernel's prefetch fills the memory queues (benchmarks/NOTES.md,
+nineteenth session).
 
 ``AttnResTake`` (``kimi::attn_res_take``, ``mailbox_take`` fused): the same kernel, the
 sublayer's rows polled from the box after step 1 (bounded, into the error word), re-armed,
@@ -47,7 +51,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float64, Int32, Uint32
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
 from ...mailbox import TAKE_POLL
@@ -57,7 +61,6 @@ from ..packets import (
     butterfly,
     butterfly_sum,
     clamp,
-    cluster_barrier,
     cluster_total,
     exact_dot,
     inverse_rms,
@@ -86,6 +89,7 @@ class AttnRes:
         self.block_ss, self.block_dot = 0, rows
         self.partial_ss, self.partial_dot, self.h_ss = 2 * rows, 2 * rows + 1, 2 * rows + 2
         self.slots = 2 * rows + 3
+        self.rounds_of = {self.block_ss: 0, self.block_dot: 1, self.partial_ss: 2, self.partial_dot: 3, self.h_ss: 4}
 
     @cute.jit
     def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
@@ -126,6 +130,7 @@ class AttnRes:
         cta, _, _ = cute.arch.block_idx()
         token, part = cta // self.cluster, cta % self.cluster
         space = self.allocate()
+        self.arm_rounds(space.arrived, count, tid)
         columns = self.columns(part, tid)
         weights = Weights(self.weights(query, columns), self.weights(key_norm_w, columns),
                           self.weights(out_norm_w, columns))
@@ -155,14 +160,14 @@ class AttnRes:
             squares += self.stored(new_partial, words, token, columns[q], valid[q])
             values.append(unpack_words(words))
         self.warp_sum(partials, self.partial_ss, squares, tid)
-        self.share(partials, received, self.partial_ss, 1, part, tid)
+        self.share(space, self.partial_ss, 1, part, tid)
         inv = inverse_rms(self.total(received, self.partial_ss), self.hidden, eps)
         dot = Float64(0.0)
         for q in cutlass.range_constexpr(self.rounds):
             if valid[q]:
                 dot += key_dot(values[q], inv, key_w[q], query_v[q])
         self.warp_sum(partials, self.partial_dot, dot, tid)
-        self.share(partials, received, self.partial_dot, 1, part, tid)
+        self.share(space, self.partial_dot, 1, part, tid)
         self.softmax(received, alpha, count, tid)
         squares = Float64(0.0)
         mixed = []  # h's rounded values (FP32) per round
@@ -182,7 +187,7 @@ class AttnRes:
             squares += self.stored(h, words, token, columns[q], valid[q])
             mixed.append(unpack_words(words))
         self.warp_sum(partials, self.h_ss, squares, tid)
-        self.share(partials, received, self.h_ss, 1, part, tid)
+        self.share(space, self.h_ss, 1, part, tid)
         inv = inverse_rms(self.total(received, self.h_ss), self.hidden, eps)
         for q in cutlass.range_constexpr(self.rounds):
             if valid[q]:
@@ -222,7 +227,7 @@ class AttnRes:
             self.warp_sum(partials, self.block_ss + n, squares, tid)
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
-        self.share(partials, received, self.block_ss, count, part, tid)
+        self.share(space, self.block_ss, count, part, tid)
         for n in cutlass.range(count, unroll=1):
             inv = inverse_rms(self.total(received, self.block_ss + n), self.hidden, eps)
             dot = Float64(0.0)
@@ -231,7 +236,7 @@ class AttnRes:
                     block = unpack_words(load_shared(stash + self.stash_word(n, q, tid)))
                     dot += key_dot(block, inv, key_w[q], query_v[q])
             self.warp_sum(partials, self.block_dot + n, dot, tid)
-        self.share(partials, received, self.block_dot, count, part, tid)
+        self.share(space, self.block_dot, count, part, tid)
 
     @cute.jit
     def softmax(self, received, alpha, count, tid):
@@ -273,17 +278,34 @@ class AttnRes:
             partials[slot, tid // 32] = total
 
     @cute.jit
-    def share(self, partials, received, first, count, part, tid):
+    def arm_rounds(self, arrived, count, tid):
+        """Thread 0 arms each exchange round's barrier for the bytes the cluster's CTAs send
+        this CTA in it (the blocks' rounds: N values), before the cluster's first arrive."""
+        if cutlass.const_expr(self.cluster > 1):
+            if tid == 0:
+                for first, round_ in self.rounds_of.items():
+                    values = count if first < self.partial_ss else 1
+                    cute.arch.mbarrier_init(arrived + round_, 1)
+                    cute.arch.mbarrier_arrive_and_expect_tx(arrived + round_, values * (self.cluster * 8))
+                cute.arch.mbarrier_init_fence()
+
+    @cute.jit
+    def share(self, space, first, count, part, tid):
         """One exchange round over slots [first, first + count): the CTA's sums (warps in
         order) into slot [·, part] of every CTA of the cluster; on return every thread
         may read them all."""
+        partials, received = space.partials, space.received
+        arrived = space.arrived + self.rounds_of[first]
         cute.arch.sync_threads()  # every warp's sum is in
         for n in cutlass.range(tid, count, self.threads, unroll=1):
             total = Float64(0.0)
             for w in cutlass.range_constexpr(self.warps):
                 total += partials[first + n, w]
-            send_to_cluster(received, first + n, total, part, self.cluster)
-        cluster_barrier(self.cluster)
+            send_to_cluster(received, first + n, total, part, self.cluster, arrived)
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.mbarrier_wait(arrived, 0)
+        else:
+            cute.arch.sync_threads()
 
     @cute.jit
     def total(self, received, slot) -> Float64:
@@ -297,8 +319,9 @@ class AttnRes:
         received = smem.allocate_tensor(Float64, cute.make_layout((self.slots, self.cluster), stride=(self.cluster, 1)),
                                         16)
         alpha = smem.allocate_tensor(Float32, cute.make_layout(self.rows + 1), 16)
+        arrived = smem.allocate_tensor(Int64, cute.make_layout(len(self.rounds_of)), 16).iterator
         stash = smem.allocate_tensor(Uint32, cute.make_layout(max(self.stash_words(), 4)), 16).iterator
-        return AttnResSpace(partials, received, alpha, stash)
+        return AttnResSpace(partials, received, alpha, arrived, stash)
 
     def stash_words(self) -> int:
         return self.rows * self.packets * 4
@@ -306,7 +329,7 @@ class AttnRes:
     def smem_bytes(self) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned)."""
         pieces = (8 * self.slots * self.warps, 8 * self.slots * self.cluster, 4 * (self.rows + 1),
-                  4 * max(self.stash_words(), 4))
+                  8 * len(self.rounds_of), 4 * max(self.stash_words(), 4))
         return sum(-(-piece // 16) * 16 for piece in pieces)
 
     @cute.jit
@@ -407,4 +430,5 @@ class AttnResSpace(NamedTuple):
     partials: object  # [slot, warp] FP64: the warps' sums
     received: object  # [slot, CTA] FP64: the cluster's sums
     alpha: object  # [rows + 1] FP32: the softmax weights
+    arrived: object  # the exchange rounds' mbarriers (Int64 pointer)
     stash: object  # the N blocks' rows (words)
