@@ -14,7 +14,11 @@ routed to). Below each table, the step's parts: the seed systems' kernels, the s
 its weights' floor (issue 37's "seed kernels' part of the layer"). Writes a JSON and, where
 matplotlib is installed, a Gantt PNG.
 
-    python -m benchmarks.timeline [--tp8-rank] [--batches 1 8 64] [--out DIR]
+``--marks`` (with KIMI_OPS_MARKS=1, compiled in: kernels/launch.py) adds what CUPTI cannot
+see: for each marked kernel of the step (AttnResTake), CTA 0's phases, µs after its start
+(the median replay of each), and the µs from its last mark to the grid's end (CUPTI's).
+
+    python -m benchmarks.timeline [--tp8-rank] [--batches 1 8 64] [--out DIR] [--marks]
 """
 
 import argparse
@@ -27,6 +31,7 @@ import torch
 import kimi_ops  # noqa: F401
 from kimi_ops import KimiDecoder
 from kimi_ops.debug import KimiOpMode, tensors, weight_labels
+from kimi_ops.kernels.launch import MARK_FIRST, MARK_RECORD, MARK_RECORDS, MARKS
 
 from .bench_layer import (
     LAYERS,
@@ -112,11 +117,14 @@ def eager_labels(decoder, hidden, slots) -> list[dict]:
     return labels
 
 
-def replayed(decoder, hidden, slots) -> list[list[dict]]:
+def replayed(decoder, hidden, slots, marks=None) -> list[list[dict]]:
     """The step's graph replayed REPLAYS times, L2 flushed before each: per replay, its
-    kernels (name, start, end in µs)."""
+    kernels (name, start, end in µs). ``marks``: the words whose records the replays take
+    (their count zeroed first)."""
     with torch.no_grad():
         graph, _ = capture(lambda: decoder(hidden, slots), warmups=1)
+    if marks is not None:
+        marks[1] = 0
     flush = torch.empty(int(2 * L2_BYTES), dtype=torch.uint8, device=hidden.device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -173,6 +181,37 @@ def timeline(labels: list[dict], runs: list[list[dict]]) -> dict:
             "bytes": sum(r["bytes"] for r in rows), "median_step_us": statistics.median(steps), "parts": parts(rows)}
 
 
+def marks_table(words: torch.Tensor, rows: list[dict], replays: int) -> list[dict]:
+    """The replays' Marks records (kernels.values) in ``words``, a step's in launch order,
+    labelled by the timeline's rows of their op: per marked launch, the median over the
+    replays of each phase's µs after CTA 0's start, and the µs from the last mark to the
+    grid's end (the row's busy less the marks' span)."""
+    from kimi_ops.kernels.values import MARKED
+
+    count = min(int(words[1]), MARK_RECORDS)
+    records = words[MARK_FIRST:MARK_FIRST + MARK_RECORD * count].cpu().view(torch.int64).view(count, -1).tolist()
+    per_step = count // replays
+    marked = [r for r in rows if any(r["op"].startswith(kernel) for kernel, _ in MARKED.values())]
+    out = []
+    for i in range(per_step):
+        runs = records[i::per_step][:replays]
+        kernel, phases = MARKED[runs[0][0]]
+        times = [[(run[1 + j] - run[1]) / 1e3 for j in range(1, len(phases) + 1)] for run in runs]
+        median = [statistics.median(column) for column in zip(*times)]
+        row = marked[i] if i < len(marked) else {"op": kernel, "where": "?", "busy": float("nan")}
+        out.append({"op": row["op"], "where": row["where"], "phases": dict(zip(phases, median)),
+                    "to_grid_end": row["busy"] - median[-1]})
+    return out
+
+
+def print_marks(marks: list[dict]) -> None:
+    """A table per kind of marked kernel: its launches' phases and drain (:func:`marks_table`)."""
+    for phases in dict.fromkeys(tuple(m["phases"]) for m in marks):
+        print_table([(m["op"][:18], m["where"][-10:], *m["phases"].values(), m["to_grid_end"])
+                     for m in marks if tuple(m["phases"]) == phases],
+                    ("op", "where", *(p[:12] for p in phases), "→ grid end"))
+
+
 def parts(rows: list[dict]) -> dict:
     """Per part of the step (:func:`part_of`): Σ adds (µs), the floor of its weights' bytes
     at HBM_READ_BYTES_PER_US (the H200's: an H100's ratio reads high), and their ratio
@@ -225,10 +264,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--tp8-rank", action="store_true", help="one TP8 rank's shard shapes (bench_layer's)")
     parser.add_argument("--expert-intermediate", type=int, default=16, help="the routed experts' width (a stand-in)")
     parser.add_argument("--out", default=".", help="where the JSON and PNGs go")
+    parser.add_argument("--marks", action="store_true", help="the marked kernels' phases (KIMI_OPS_MARKS=1)")
     add_ab_options(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the timeline profiles CUDA-graph replays: it needs a GPU")
+    if args.marks and not MARKS:
+        raise SystemExit("--marks needs the kernels built with KIMI_OPS_MARKS=1 (set it before the run)")
     apply_ab_options(args)
     args.smoke = False
     config = config_for(args)
@@ -242,7 +284,8 @@ def main(argv=None) -> dict:
         hidden, slots = inputs(config, batch, "cuda")
         with torch.no_grad():
             decoder(hidden, slots)  # compiles and first-call work out of the profiles
-        result = timeline(eager_labels(decoder, hidden, slots), replayed(decoder, hidden, slots))
+        words = decoder.boxes.marks(decoder.group.ranks[0]) if args.marks else None
+        result = timeline(eager_labels(decoder, hidden, slots), replayed(decoder, hidden, slots, words))
         decoder.check()
         results[batch] = result
         title = f"kimi_k3 {name}{arm}, {LAYERS} layers, B = {batch}: step {result['step_us']:.1f} µs"
@@ -254,6 +297,9 @@ def main(argv=None) -> dict:
                     ("op", "where", "kernel", "start", "end", "busy", "beside", "gap", "adds", "GB/s"))
         print_table([(part, v["adds_us"], v["floor_us"], "-" if v["ratio"] is None else v["ratio"])
                      for part, v in result["parts"].items()], ("part of the step", "Σ adds", "floor", "adds/floor"))
+        if args.marks:
+            result["marks"] = marks_table(words, result["rows"], REPLAYS)
+            print_marks(result["marks"])
         png = os.path.join(args.out, f"timeline_{name}{'_' * bool(suffix)}{suffix}_B{batch}.png")
         if gantt(result, title, png):
             print("wrote", png)

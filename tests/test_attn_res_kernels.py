@@ -40,6 +40,14 @@ def test_attn_res_take_compiles(hidden, tp, rows, clean_ptxas):
     clean_ptxas()
 
 
+def test_the_take_compiles_with_marks(monkeypatch, clean_ptxas):
+    """KIMI_OPS_MARKS (kernels.values.Marks): the take's marks compiled in (the build is not
+    cached: the setting is read at import, and the cache's key holds it)."""
+    monkeypatch.setattr(attn_res_kernels, "MARKS", True)
+    assert attn_res.compile_attn_res.build(HIDDEN, 8, attn_res_plan.cluster_for(HIDDEN), 4, True) is not None
+    clean_ptxas()
+
+
 def test_one_token_per_cluster_each_cta_a_slice_of_whole_packets():
     """H = 7168: 8 CTAs of 112 packets (128 threads); tiny H: one CTA; every packet of H
     once, no CTA past CTA_PACKETS where a cluster size allows it."""

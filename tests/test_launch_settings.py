@@ -1,5 +1,5 @@
 """The compiled-in launch settings of kernels/launch.py (KIMI_OPS_SMEM_CARVEOUT,
-KIMI_OPS_GEMM_ROOM): bad values named, each a part of the kernel cache's key, and the
+KIMI_OPS_GEMM_ROOM, KIMI_OPS_MARKS): bad values named, each a part of the kernel cache's key, and the
 carveout in every exported kernel's load-time attributes."""
 
 import os
@@ -28,7 +28,7 @@ def test_settings_read(monkeypatch):
 
 def in_a_process(code: str, **settings) -> str:
     """``code``'s stdout in a fresh process with only these of the compiled-in settings."""
-    env = {k: v for k, v in os.environ.items() if k not in ("KIMI_OPS_SMEM_CARVEOUT", "KIMI_OPS_GEMM_ROOM")}
+    env = {k: v for k, v in os.environ.items() if k not in ("KIMI_OPS_SMEM_CARVEOUT", "KIMI_OPS_GEMM_ROOM", "KIMI_OPS_MARKS")}
     done = subprocess.run([sys.executable, "-c", code], env={**env, "CUTE_DSL_ARCH": "sm_90a", **settings},
                           capture_output=True, text=True, check=True)
     return done.stdout.strip()
@@ -38,8 +38,14 @@ def test_each_setting_keys_the_cache():
     pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     code = "from kimi_ops.kernels import compile; print(compile.source_fingerprint())"
     keys = [in_a_process(code), in_a_process(code, KIMI_OPS_SMEM_CARVEOUT="100"),
-            in_a_process(code, KIMI_OPS_GEMM_ROOM="112")]
-    assert len(set(keys)) == 3, keys
+            in_a_process(code, KIMI_OPS_GEMM_ROOM="112"), in_a_process(code, KIMI_OPS_MARKS="1")]
+    assert len(set(keys)) == 4, keys
+
+
+def test_marks_take_0_or_1():
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        in_a_process("import kimi_ops.kernels.launch", KIMI_OPS_MARKS="yes")
+    assert "KIMI_OPS_MARKS must be 0 or 1, got 'yes'" in failed.value.stderr
 
 
 def test_the_setting_alone_puts_the_carveout_into_the_exported_kernel(tmp_path):

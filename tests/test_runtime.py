@@ -8,6 +8,7 @@ from torch._inductor.utils import run_and_get_code
 
 from kimi_ops.config import KimiConfig
 from kimi_ops.debug import KimiOpMode
+from kimi_ops.kernels.launch import MARK_WORDS
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, canonical, parities, raise_if_error
 from kimi_ops.runtime import boxes as boxes_module
 from kimi_ops.runtime.decoder import KimiDecoder
@@ -289,3 +290,19 @@ def test_compiled_decoder_bit_equal_to_eager_at_every_tp(tp):
     for seed in range(10):
         x = hidden_states(5, seed=100 + seed)
         assert torch.equal(compiled(x), eager(x)), seed
+
+
+def test_marks_follow_each_ranks_error_word(monkeypatch):
+    """KIMI_OPS_MARKS: each rank's error word is the first of its marks' words (a view: the
+    ops still take a one-word error), and a step and reset() leave the words after it alone."""
+    monkeypatch.setattr(boxes_module, "MARKS", True)
+    decoder = KimiDecoder(CONFIG, 2, tp=2, seed=3)
+    for rank in decoder.group.ranks:
+        error, marks = decoder.boxes.error(rank), decoder.boxes.marks(rank)
+        assert error.shape == (1,) and error.data_ptr() == marks.data_ptr() and marks.numel() == MARK_WORDS
+        marks[1:].fill_(7)
+    decoder(hidden_states(3))
+    decoder.boxes.reset()
+    assert all(bool((decoder.boxes.marks(r)[1:] == 7).all()) and int(decoder.boxes.error(r)) == 0
+               for r in decoder.group.ranks)
+

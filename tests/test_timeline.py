@@ -48,3 +48,37 @@ def test_a_kernel_missing_from_the_eager_step_raises():
 
 def test_short_names():
     assert timeline.short("kernel_cutlass_kernel_kimi_opskernelstailfrontsTailFront_object_at_0x1") == "tailfrontsTailFront"
+
+
+def test_the_marks_table_takes_each_launchs_median_phases():
+    """Two replays of a step with two marked launches (records in the words after the
+    error word, kernels.values.Marks' layout): per launch the median of each phase after
+    its start, labelled by the timeline's rows of its op, and the drain to the grid's end."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+    import torch
+
+    from kimi_ops.kernels.attn_res.kernels import TAKE_MARKS
+    from kimi_ops.kernels.launch import MARK_FIRST, MARK_RECORD, MARK_WORDS
+    from kimi_ops.kernels.values import MARKED
+
+    phases = MARKED[TAKE_MARKS][1]
+    words = torch.zeros(MARK_WORDS, dtype=torch.int32)
+    records = words[MARK_FIRST:].view(torch.int64).view(-1, MARK_RECORD // 2)
+    for replay, scale in enumerate((1000, 3000)):  # ns a phase: launch 1, then twice that for launch 2
+        for launch in range(2):
+            start = 10**9 + replay * 10**6 + launch * 10**5
+            record = records[2 * replay + launch]
+            record[0] = TAKE_MARKS
+            record[1:2 + len(phases)] = torch.tensor([start + k * scale * (launch + 1) for k in range(len(phases) + 1)])
+    words[1] = 5  # a record past the replays' (a fifth launch) is left out
+    rows = [{"op": "attn_res", "where": "embed", "busy": 3.0},
+            {"op": "attn_res_take_into", "where": "layer 0", "busy": 20.0},
+            {"op": "oproj", "where": "layer 1", "busy": 9.0},
+            {"op": "attn_res_take", "where": "layer 0", "busy": 30.0}]
+    first, second = timeline.marks_table(words, rows, replays=2)
+    assert (first["op"], second["op"]) == ("attn_res_take_into", "attn_res_take")
+    assert list(first["phases"]) == list(phases)
+    assert list(first["phases"].values()) == pytest.approx([2.0 * k for k in range(1, len(phases) + 1)])
+    assert list(second["phases"].values()) == pytest.approx([4.0 * k for k in range(1, len(phases) + 1)])
+    assert first["to_grid_end"] == pytest.approx(20.0 - 2.0 * len(phases))
+

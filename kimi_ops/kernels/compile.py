@@ -15,7 +15,7 @@ from cutlass._mlir.dialects import cuda
 from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
 from . import cache_root
-from .launch import CARVEOUT, GEMM_ROOM, PDL
+from .launch import CARVEOUT, GEMM_ROOM, MARKS, PDL
 from .mailbox import BARRIER_ALIVE_NS, BARRIER_TIMEOUT_NS, POLL_TIMEOUT_NS
 
 EXPORT_NAME = "func"
@@ -52,7 +52,7 @@ def source_fingerprint() -> str:
     never loads a stale .o."""
     digest = hashlib.sha256(
         f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS},{BARRIER_ALIVE_NS} pdl={PDL} "
-        f"carveout={CARVEOUT} room={GEMM_ROOM}".encode())
+        f"carveout={CARVEOUT} room={GEMM_ROOM} marks={MARKS}".encode())
     root = pathlib.Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + path.read_bytes())

@@ -60,6 +60,18 @@ CARVEOUT = percent_setting("KIMI_OPS_SMEM_CARVEOUT")
 # each). 0: the rings take the SM. An A/B, slower at 140 KB on an H100; part of the cache key.
 GEMM_ROOM = kb_setting("KIMI_OPS_GEMM_ROOM")
 
+# KIMI_OPS_MARKS=1: kernels that carry marks (AttnResTake) record %globaltimer at each phase
+# of CTA 0 into the words after their rank's error word (kernels.values.Marks;
+# benchmarks/timeline.py --marks prints them): the CTA-level view CUPTI's kernel records
+# lack. Off: compiled out, and the error word is one word. Part of the cache key.
+MARKS = os.environ.get("KIMI_OPS_MARKS", "0") == "1"
+if os.environ.get("KIMI_OPS_MARKS", "0") not in ("0", "1", ""):
+    raise ValueError(f"KIMI_OPS_MARKS must be 0 or 1, got {os.environ['KIMI_OPS_MARKS']!r}")
+# The marks' words (int32) after the error word: word 1 counts the records taken, records
+# of MARK_RECORD words (the kind, then each phase's time, int64) from word MARK_FIRST on
+MARK_FIRST, MARK_RECORD, MARK_RECORDS = 16, 32, 4096
+MARK_WORDS = MARK_FIRST + MARK_RECORD * MARK_RECORDS
+
 
 def launch(kernel, grid, stream, min_blocks_per_mp: int = 0) -> None:
     """Launch a traced ``kernel(...)`` call over ``grid`` CTAs of THREADS threads, with

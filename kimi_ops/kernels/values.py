@@ -1,9 +1,13 @@
-"""DSL values of several fields: :class:`Values`, and the :class:`Stamps` phase clock."""
+"""DSL values of several fields: :class:`Values`; the :class:`Stamps` and :class:`Marks`
+phase clocks."""
 
 import copy
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from .launch import MARK_FIRST, MARK_RECORD, MARK_RECORDS
 
 
 class Values:
@@ -55,3 +59,40 @@ class Stamps(Values):
                 self.at("refilled slot")
             if i == chunks - 1:
                 self.at("last slot")
+
+
+MARKED = {}  # a marked kernel's kind → (its name, its phases' names): benchmarks/timeline.py --marks
+
+
+def marked(kind: int, kernel: str, phases: tuple) -> int:
+    """Name kind ``kind`` (≥ 1) of :class:`Marks` records: ``kernel`` and its phases after
+    its start."""
+    MARKED[kind] = (kernel, phases)
+    return kind
+
+
+class Marks:
+    """One launch's phase clock in a chain of launches (launch.MARKS; compiled out unless
+    ``on``): :meth:`at` keeps %globaltimer in registers, and :meth:`store` has thread 0 of
+    CTA 0 take the next record after the error word (launch.MARK_FIRST) and write the kind
+    and the times there, int64s. Stamps instead write every CTA's phases into a buffer of
+    one launch's (benchmarks/profile_tail.py)."""
+
+    def __init__(self, kind: int, on: bool):
+        self.kind, self.on, self.times = kind, on, []
+
+    def at(self):
+        if cutlass.const_expr(self.on):
+            self.times.append(Int64(cute.arch.globaltimer()))
+
+    @cute.jit
+    def store(self, error: cute.Tensor):
+        if cutlass.const_expr(self.on):
+            tid, _, _ = cute.arch.thread_idx()
+            cta, _, _ = cute.arch.block_idx()
+            if (tid == 0) & (cta == 0):
+                record = cute.arch.atomic_add(error.iterator + 1, Int32(1)) % MARK_RECORDS
+                base = error.iterator + MARK_FIRST + record * MARK_RECORD
+                for k, value in enumerate([Int64(self.kind)] + self.times):
+                    cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[base + 2 * k, value])
+

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..config import KimiConfig
+from ..kernels.launch import MARK_WORDS, MARKS
 from ..mailbox import PACKET
 from .groups import Boxes
 
@@ -43,7 +44,8 @@ class DecodeBoxes(nn.Module):
     - ``out`` [1, 1, CAP, H]: the tail's output rows (the next AttnRes input);
     - ``sync`` [1, TP, 1, 8]: the group barrier's tickets, a packet per rank
       (``kimi::group_barrier``; multi-process groups only call it);
-    - ``error`` [1] int32 per rank: bits of the polls that found nothing;
+    - ``error`` [1] int32 per rank: bits of the polls that found nothing; with KIMI_OPS_MARKS,
+      the first word of ``marks`` [MARK_WORDS] (kernels.values.Marks' records follow it);
     - ``ticket`` [1] int64 per rank: the group barrier's monotonic counter;
     - ``shared_act`` [CAP, S/TP] BF16 and ``shared_ticket`` [1] int64 per rank: the fused
       shared expert's activations (its down reads them) and its grid barrier's counter
@@ -86,7 +88,10 @@ class DecodeBoxes(nn.Module):
                     static(box)
             self._peers[kind] = boxes.peers
         for rank in group.ranks:
-            self.register_buffer(f"error_{rank}", static(torch.zeros(1, dtype=torch.int32, device=device)))
+            words = torch.zeros(MARK_WORDS if MARKS else 1, dtype=torch.int32, device=device)
+            if MARKS:
+                self.register_buffer(f"marks_{rank}", words)
+            self.register_buffer(f"error_{rank}", static(words[:1]))
             self.register_buffer(f"ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
             self.register_buffer(f"shared_act_{rank}", static(torch.zeros(cap, config.shared_intermediate // tp,
                                                                             dtype=torch.bfloat16, device=device)))
@@ -105,6 +110,10 @@ class DecodeBoxes(nn.Module):
 
     def error(self, rank: int) -> torch.Tensor:
         return getattr(self, f"error_{rank}")
+
+    def marks(self, rank: int) -> torch.Tensor:
+        """KIMI_OPS_MARKS: the error word and the marks' words after it."""
+        return getattr(self, f"marks_{rank}")
 
     def ticket(self, rank: int) -> torch.Tensor:
         return getattr(self, f"ticket_{rank}")

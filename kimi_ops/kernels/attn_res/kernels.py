@@ -55,7 +55,7 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
 from ...mailbox import TAKE_POLL
-from ..launch import PDL
+from ..launch import MARKS, PDL
 from ..mailbox import box_row, poll_all, rearm, release_consumed
 from ..packets import (
     butterfly,
@@ -69,10 +69,15 @@ from ..packets import (
     unpack_words,
 )
 from ..ptx import copy_async, divide, load_shared, load_words, pack_values, store_words
+from ..values import Marks, marked
 from .plan import (
     MAX_THREADS,
     NEG_INF,
 )
+
+# KIMI_OPS_MARKS: AttnResTake's phases after its start (benchmarks/timeline.py --marks)
+TAKE_MARKS = marked(1, "attn_res_take", ("block stats", "rows polled", "PDL wait over", "new_partial's ss",
+                                         "logit", "h's ss", "h_normed stored"))
 
 
 class AttnRes:
@@ -119,7 +124,7 @@ class AttnRes:
             sources = [sublayer.iterator + (s * partial.shape[0] + token) * self.hidden + columns[q]
                        for s in range(self.tp)]
             rows.append([load_words(address) for address in own + sources])
-        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, Marks(0, False))
 
     @cute.jit
     def start(self, blocks, partial, query, key_norm_w, out_norm_w, count, eps):
@@ -143,8 +148,9 @@ class AttnRes:
         return Place(token, part, tid), space, columns, weights
 
     @cute.jit
-    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps):
-        """Steps 2-5 of the module doc from each round's rows (partial and the sources)."""
+    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks):
+        """Steps 2-5 of the module doc from each round's rows (partial and the sources);
+        ``marks`` at each round's end and after the last store."""
         token, part, tid = at.token, at.part, at.tid
         query_v, key_w, out_w = weights.query, weights.key_norm, weights.out_norm
         stash, partials, received, alpha = space.stash, space.partials, space.received, space.alpha
@@ -161,6 +167,7 @@ class AttnRes:
             values.append(unpack_words(words))
         self.warp_sum(partials, self.partial_ss, squares, tid)
         self.share(space, self.partial_ss, 1, part, tid)
+        marks.at()
         inv = inverse_rms(self.total(received, self.partial_ss), self.hidden, eps)
         dot = Float64(0.0)
         for q in cutlass.range_constexpr(self.rounds):
@@ -168,6 +175,7 @@ class AttnRes:
                 dot += key_dot(values[q], inv, key_w[q], query_v[q])
         self.warp_sum(partials, self.partial_dot, dot, tid)
         self.share(space, self.partial_dot, 1, part, tid)
+        marks.at()
         self.softmax(received, alpha, count, tid)
         squares = Float64(0.0)
         mixed = []  # h's rounded values (FP32) per round
@@ -188,10 +196,12 @@ class AttnRes:
             mixed.append(unpack_words(words))
         self.warp_sum(partials, self.h_ss, squares, tid)
         self.share(space, self.h_ss, 1, part, tid)
+        marks.at()
         inv = inverse_rms(self.total(received, self.h_ss), self.hidden, eps)
         for q in cutlass.range_constexpr(self.rounds):
             if valid[q]:
                 store_words(h_normed.iterator + token * self.hidden + columns[q], normalized(mixed[q], inv, out_w[q]))
+        marks.at()
 
     @cute.jit
     def stored(self, out, words, token, column, valid) -> Float64:
@@ -377,7 +387,10 @@ class AttnResTake(AttnRes):
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, box: cute.Tensor, error: cute.Tensor,
                query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor,
                h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32):
+        marks = Marks(TAKE_MARKS, MARKS)
+        marks.at()
         at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
+        marks.at()
         token, tid = at.token, at.tid
         valid = self.valid(tid)
         polled = cute.make_rmem_tensor((self.rounds, max(self.tp, 1), 4), Uint32)
@@ -390,11 +403,14 @@ class AttnResTake(AttnRes):
                     rearm(packets[source])
                     for k in cutlass.range_constexpr(4):
                         polled[q, source, k] = words[source][k]
+        marks.at()
         release_consumed()
         cute.arch.griddepcontrol_wait()
+        marks.at()
         rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
                 + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
-        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps)
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks)
+        marks.store(error)
 
 
 @cute.jit
