@@ -31,7 +31,7 @@ import torch
 import kimi_ops  # noqa: F401
 from kimi_ops import KimiDecoder
 from kimi_ops.debug import KimiOpMode, tensors, weight_labels
-from kimi_ops.kernels.launch import MARK_FIRST, MARK_RECORD, MARK_RECORDS, MARKS
+from kimi_ops.kernels.launch import MARK_COUNT, MARK_FIRST, MARK_RECORD, MARK_RECORDS, MARKS
 
 from .bench_layer import (
     LAYERS,
@@ -124,7 +124,7 @@ def replayed(decoder, hidden, slots, marks=None) -> list[list[dict]]:
     with torch.no_grad():
         graph, _ = capture(lambda: decoder(hidden, slots), warmups=1)
     if marks is not None:
-        marks[1] = 0
+        marks[MARK_COUNT] = 0
     flush = torch.empty(int(2 * L2_BYTES), dtype=torch.uint8, device=hidden.device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -184,11 +184,14 @@ def timeline(labels: list[dict], runs: list[list[dict]]) -> dict:
 def marks_table(words: torch.Tensor, rows: list[dict], replays: int) -> list[dict]:
     """The replays' Marks records (kernels.values) in ``words``, a step's in launch order,
     labelled by the timeline's rows of their op: per marked launch, the median over the
-    replays of each phase's µs after CTA 0's start, and the µs from the last mark to the
-    grid's end (the row's busy less the marks' span)."""
+    replays of each phase's µs after CTA 0's start, and about the µs from the last mark to
+    the grid's end (the median replay's busy less that median span: CTA 0 starts with the
+    grid, give or take its launch)."""
     from kimi_ops.kernels.values import MARKED
 
-    count = min(int(words[1]), MARK_RECORDS)
+    count = int(words[MARK_COUNT])
+    if count > MARK_RECORDS:
+        raise RuntimeError(f"{count} marked launches overran the {MARK_RECORDS} records: fewer replays or batches")
     records = words[MARK_FIRST:MARK_FIRST + MARK_RECORD * count].cpu().view(torch.int64).view(count, -1).tolist()
     per_step = count // replays
     marked = [r for r in rows if any(r["op"].startswith(kernel) for kernel, _ in MARKED.values())]
@@ -209,7 +212,7 @@ def print_marks(marks: list[dict]) -> None:
     for phases in dict.fromkeys(tuple(m["phases"]) for m in marks):
         print_table([(m["op"][:18], m["where"][-10:], *m["phases"].values(), m["to_grid_end"])
                      for m in marks if tuple(m["phases"]) == phases],
-                    ("op", "where", *(p[:12] for p in phases), "→ grid end"))
+                    ("op", "where", *phases, "→ grid end"))
 
 
 def parts(rows: list[dict]) -> dict:

@@ -48,6 +48,17 @@ def test_the_take_compiles_with_marks(monkeypatch, clean_ptxas):
     clean_ptxas()
 
 
+def test_marks_need_their_words_after_the_error_word(monkeypatch):
+    """KIMI_OPS_MARKS: a take whose error word has no marks' words behind it is refused
+    before any launch (its records would land past the word)."""
+    monkeypatch.setattr(attn_res, "MARKS", True)
+    box, partial = torch.zeros(1, 1, 4, TINY, dtype=torch.bfloat16), torch.zeros(1, TINY, dtype=torch.bfloat16)
+    weights = [torch.ones(TINY, dtype=torch.bfloat16)] * 3
+    with pytest.raises(ValueError, match="error must be the first of .* int32 words"):
+        attn_res.AttnResTakeKernel().take(box, 0, 1, torch.zeros(1, dtype=torch.int32),
+                                          torch.zeros(0, 1, TINY, dtype=torch.bfloat16), partial, *weights, 1e-6)
+
+
 def test_one_token_per_cluster_each_cta_a_slice_of_whole_packets():
     """H = 7168: 8 CTAs of 112 packets (128 threads); tiny H: one CTA; every packet of H
     once, no CTA past CTA_PACKETS where a cluster size allows it."""
@@ -76,9 +87,13 @@ def test_every_exchange_round_has_slots_of_its_own():
     slots = ([kernel.block_ss + n for n in range(6)] + [kernel.block_dot + n for n in range(6)]
              + [kernel.partial_ss, kernel.partial_dot, kernel.h_ss])
     assert sorted(slots) == list(range(kernel.slots))
-    assert sorted(kernel.rounds_of) == [kernel.block_ss, kernel.block_dot, kernel.partial_ss, kernel.partial_dot,
-                                        kernel.h_ss]  # a barrier each (st.async counted on it)
-    assert sorted(kernel.rounds_of.values()) == list(range(5))
+    # each round its own mbarrier (st.async counted on it), whatever the stash: at rows = 0
+    # the blocks' slots are empty, the rounds are not
+    assert (attn_res_kernels.BLOCK_SS, attn_res_kernels.BLOCK_DOT, attn_res_kernels.PARTIAL_SS,
+            attn_res_kernels.PARTIAL_DOT, attn_res_kernels.H_SS) == tuple(range(attn_res_kernels.EXCHANGES))
+    empty = attn_res_kernels.AttnRes(HIDDEN, 8, 8, 0)
+    assert (empty.partial_ss, empty.partial_dot, empty.h_ss, empty.slots) == (0, 1, 2, 3)
+    assert empty.smem_bytes() >= 8 * attn_res_kernels.EXCHANGES + 16
 
 
 def test_stash_buckets_take_every_block_count_up_to_64():

@@ -19,6 +19,15 @@ def test_a_bad_setting_is_named(variable, value, monkeypatch):
         (launch.percent_setting if "CARVEOUT" in variable else launch.kb_setting)(variable)
 
 
+def test_a_flag_is_0_or_1(monkeypatch):
+    assert launch.flag_setting("KIMI_OPS_UNSET_SETTING") is False
+    monkeypatch.setenv("KIMI_OPS_TEST_SETTING", "1")
+    assert launch.flag_setting("KIMI_OPS_TEST_SETTING") is True
+    monkeypatch.setenv("KIMI_OPS_TEST_SETTING", "yes")
+    with pytest.raises(ValueError, match="KIMI_OPS_TEST_SETTING must be 0 or 1, got 'yes'"):
+        launch.flag_setting("KIMI_OPS_TEST_SETTING")
+
+
 def test_settings_read(monkeypatch):
     assert launch.percent_setting("KIMI_OPS_UNSET_SETTING") is None and launch.kb_setting("KIMI_OPS_UNSET_SETTING") == 0
     monkeypatch.setenv("KIMI_OPS_TEST_SETTING", "100")
@@ -42,10 +51,6 @@ def test_each_setting_keys_the_cache():
     assert len(set(keys)) == 4, keys
 
 
-def test_marks_take_0_or_1():
-    with pytest.raises(subprocess.CalledProcessError) as failed:
-        in_a_process("import kimi_ops.kernels.launch", KIMI_OPS_MARKS="yes")
-    assert "KIMI_OPS_MARKS must be 0 or 1, got 'yes'" in failed.value.stderr
 
 
 def test_the_setting_alone_puts_the_carveout_into_the_exported_kernel(tmp_path):

@@ -305,4 +305,3 @@ def test_marks_follow_each_ranks_error_word(monkeypatch):
     decoder.boxes.reset()
     assert all(bool((decoder.boxes.marks(r)[1:] == 7).all()) and int(decoder.boxes.error(r)) == 0
                for r in decoder.group.ranks)
-

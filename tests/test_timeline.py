@@ -58,7 +58,7 @@ def test_the_marks_table_takes_each_launchs_median_phases():
     import torch
 
     from kimi_ops.kernels.attn_res.kernels import TAKE_MARKS
-    from kimi_ops.kernels.launch import MARK_FIRST, MARK_RECORD, MARK_WORDS
+    from kimi_ops.kernels.launch import MARK_COUNT, MARK_FIRST, MARK_RECORD, MARK_WORDS
     from kimi_ops.kernels.values import MARKED
 
     phases = MARKED[TAKE_MARKS][1]
@@ -70,7 +70,7 @@ def test_the_marks_table_takes_each_launchs_median_phases():
             record = records[2 * replay + launch]
             record[0] = TAKE_MARKS
             record[1:2 + len(phases)] = torch.tensor([start + k * scale * (launch + 1) for k in range(len(phases) + 1)])
-    words[1] = 5  # a record past the replays' (a fifth launch) is left out
+    words[MARK_COUNT] = 5  # a record past the replays' (a fifth launch) is left out
     rows = [{"op": "attn_res", "where": "embed", "busy": 3.0},
             {"op": "attn_res_take_into", "where": "layer 0", "busy": 20.0},
             {"op": "oproj", "where": "layer 1", "busy": 9.0},
@@ -81,4 +81,7 @@ def test_the_marks_table_takes_each_launchs_median_phases():
     assert list(first["phases"].values()) == pytest.approx([2.0 * k for k in range(1, len(phases) + 1)])
     assert list(second["phases"].values()) == pytest.approx([4.0 * k for k in range(1, len(phases) + 1)])
     assert first["to_grid_end"] == pytest.approx(20.0 - 2.0 * len(phases))
+    words[MARK_COUNT] = 4097
+    with pytest.raises(RuntimeError, match="overran"):
+        timeline.marks_table(words, rows, replays=2)
 

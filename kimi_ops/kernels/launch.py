@@ -46,6 +46,13 @@ def kb_setting(variable: str) -> int:
     return int(value) * 1024
 
 
+def flag_setting(variable: str) -> bool:
+    value = os.environ.get(variable, "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{variable} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # KIMI_OPS_SMEM_CARVEOUT=P: every kernel prefers P % of the SM's unified L1 / shared memory
 # as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, set as its module
 # loads: compile.export_carveout). Unset, the driver sets an SM up by each kernel's own
@@ -64,12 +71,11 @@ GEMM_ROOM = kb_setting("KIMI_OPS_GEMM_ROOM")
 # of CTA 0 into the words after their rank's error word (kernels.values.Marks;
 # benchmarks/timeline.py --marks prints them): the CTA-level view CUPTI's kernel records
 # lack. Off: compiled out, and the error word is one word. Part of the cache key.
-MARKS = os.environ.get("KIMI_OPS_MARKS", "0") == "1"
-if os.environ.get("KIMI_OPS_MARKS", "0") not in ("0", "1", ""):
-    raise ValueError(f"KIMI_OPS_MARKS must be 0 or 1, got {os.environ['KIMI_OPS_MARKS']!r}")
-# The marks' words (int32) after the error word: word 1 counts the records taken, records
-# of MARK_RECORD words (the kind, then each phase's time, int64) from word MARK_FIRST on
-MARK_FIRST, MARK_RECORD, MARK_RECORDS = 16, 32, 4096
+MARKS = flag_setting("KIMI_OPS_MARKS")
+# The marks' words (int32) after the error word: word MARK_COUNT counts the records taken,
+# records of MARK_RECORD words (the kind, then each phase's time, int64) from word
+# MARK_FIRST on, MARK_RECORDS of them (a power of 2: the count wraps into them)
+MARK_COUNT, MARK_FIRST, MARK_RECORD, MARK_RECORDS = 1, 16, 32, 4096
 MARK_WORDS = MARK_FIRST + MARK_RECORD * MARK_RECORDS
 
 

@@ -7,7 +7,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .launch import MARK_FIRST, MARK_RECORD, MARK_RECORDS
+from .launch import MARK_COUNT, MARK_FIRST, MARK_RECORD, MARK_RECORDS
 
 
 class Values:
@@ -88,11 +88,12 @@ class Marks:
     @cute.jit
     def store(self, error: cute.Tensor):
         if cutlass.const_expr(self.on):
+            assert len(self.times) == len(MARKED[self.kind][1]) + 1, "a mark for each named phase, and the start"
+            assert 2 + 2 * len(self.times) <= MARK_RECORD, "the kind and the times fit a record"
             tid, _, _ = cute.arch.thread_idx()
             cta, _, _ = cute.arch.block_idx()
             if (tid == 0) & (cta == 0):
-                record = cute.arch.atomic_add(error.iterator + 1, Int32(1)) % MARK_RECORDS
+                record = cute.arch.atomic_add(error.iterator + MARK_COUNT, Int32(1)) & (MARK_RECORDS - 1)
                 base = error.iterator + MARK_FIRST + record * MARK_RECORD
                 for k, value in enumerate([Int64(self.kind)] + self.times):
                     cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[base + 2 * k, value])
-

@@ -88,10 +88,11 @@ class DecodeBoxes(nn.Module):
                     static(box)
             self._peers[kind] = boxes.peers
         for rank in group.ranks:
-            words = torch.zeros(MARK_WORDS if MARKS else 1, dtype=torch.int32, device=device)
+            error = torch.zeros(1, dtype=torch.int32, device=device)
             if MARKS:
-                self.register_buffer(f"marks_{rank}", words)
-            self.register_buffer(f"error_{rank}", static(words[:1]))
+                self.register_buffer(f"marks_{rank}", torch.zeros(MARK_WORDS, dtype=torch.int32, device=device))
+                error = self.marks(rank)[:1]
+            self.register_buffer(f"error_{rank}", static(error))
             self.register_buffer(f"ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
             self.register_buffer(f"shared_act_{rank}", static(torch.zeros(cap, config.shared_intermediate // tp,
                                                                             dtype=torch.bfloat16, device=device)))

@@ -31,9 +31,8 @@ every CTA of the cluster (st.async, counted on the round's mbarrier in the recei
 every thread waits on its CTA's barrier of the round, then adds the slots in rank order.
 Each round has its own slots and barrier: nothing is reused within a launch. Three rounds
 follow the wait; the two of the blocks precede it. Not a cluster barrier: its release
-waited for every global store issued before it (new_partial's, h's) to be performed, 1-4
-µs a round while the next kernel's prefetch fills the memory queues (benchmarks/NOTES.md,
-nineteenth session).
+waits for every global store issued before it (new_partial's, h's) to be performed, in the
+queues the next kernel's prefetch fills (benchmarks/NOTES.md, nineteenth session).
 
 ``AttnResTake`` (``kimi::attn_res_take``, ``mailbox_take`` fused): the same kernel, the
 sublayer's rows polled from the box after step 1 (bounded, into the error word), re-armed,
@@ -75,9 +74,13 @@ from .plan import (
     NEG_INF,
 )
 
+# The exchange rounds, each with its own mbarrier: the blocks' Σ x² and logits (N values
+# each), then new_partial's Σ x², its logit and h's Σ x² (one value each)
+BLOCK_SS, BLOCK_DOT, PARTIAL_SS, PARTIAL_DOT, H_SS = range(5)
+EXCHANGES = 5
 # KIMI_OPS_MARKS: AttnResTake's phases after its start (benchmarks/timeline.py --marks)
-TAKE_MARKS = marked(1, "attn_res_take", ("block stats", "rows polled", "PDL wait over", "new_partial's ss",
-                                         "logit", "h's ss", "h_normed stored"))
+# (block stats, rows polled, PDL wait over, the three rounds, h_normed stored)
+TAKE_MARKS = marked(1, "attn_res_take", ("stats", "polled", "waited", "partial ss", "logit", "h ss", "stored"))
 
 
 class AttnRes:
@@ -94,7 +97,6 @@ class AttnRes:
         self.block_ss, self.block_dot = 0, rows
         self.partial_ss, self.partial_dot, self.h_ss = 2 * rows, 2 * rows + 1, 2 * rows + 2
         self.slots = 2 * rows + 3
-        self.rounds_of = {self.block_ss: 0, self.block_dot: 1, self.partial_ss: 2, self.partial_dot: 3, self.h_ss: 4}
 
     @cute.jit
     def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
@@ -166,7 +168,7 @@ class AttnRes:
             squares += self.stored(new_partial, words, token, columns[q], valid[q])
             values.append(unpack_words(words))
         self.warp_sum(partials, self.partial_ss, squares, tid)
-        self.share(space, self.partial_ss, 1, part, tid)
+        self.share(space, PARTIAL_SS, self.partial_ss, 1, part, tid)
         marks.at()
         inv = inverse_rms(self.total(received, self.partial_ss), self.hidden, eps)
         dot = Float64(0.0)
@@ -174,7 +176,7 @@ class AttnRes:
             if valid[q]:
                 dot += key_dot(values[q], inv, key_w[q], query_v[q])
         self.warp_sum(partials, self.partial_dot, dot, tid)
-        self.share(space, self.partial_dot, 1, part, tid)
+        self.share(space, PARTIAL_DOT, self.partial_dot, 1, part, tid)
         marks.at()
         self.softmax(received, alpha, count, tid)
         squares = Float64(0.0)
@@ -195,7 +197,7 @@ class AttnRes:
             squares += self.stored(h, words, token, columns[q], valid[q])
             mixed.append(unpack_words(words))
         self.warp_sum(partials, self.h_ss, squares, tid)
-        self.share(space, self.h_ss, 1, part, tid)
+        self.share(space, H_SS, self.h_ss, 1, part, tid)
         marks.at()
         inv = inverse_rms(self.total(received, self.h_ss), self.hidden, eps)
         for q in cutlass.range_constexpr(self.rounds):
@@ -237,7 +239,7 @@ class AttnRes:
             self.warp_sum(partials, self.block_ss + n, squares, tid)
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
-        self.share(space, self.block_ss, count, part, tid)
+        self.share(space, BLOCK_SS, self.block_ss, count, part, tid)
         for n in cutlass.range(count, unroll=1):
             inv = inverse_rms(self.total(received, self.block_ss + n), self.hidden, eps)
             dot = Float64(0.0)
@@ -246,7 +248,7 @@ class AttnRes:
                     block = unpack_words(load_shared(stash + self.stash_word(n, q, tid)))
                     dot += key_dot(block, inv, key_w[q], query_v[q])
             self.warp_sum(partials, self.block_dot + n, dot, tid)
-        self.share(space, self.block_dot, count, part, tid)
+        self.share(space, BLOCK_DOT, self.block_dot, count, part, tid)
 
     @cute.jit
     def softmax(self, received, alpha, count, tid):
@@ -293,19 +295,19 @@ class AttnRes:
         this CTA in it (the blocks' rounds: N values), before the cluster's first arrive."""
         if cutlass.const_expr(self.cluster > 1):
             if tid == 0:
-                for first, round_ in self.rounds_of.items():
-                    values = count if first < self.partial_ss else 1
+                for round_ in cutlass.range_constexpr(EXCHANGES):
+                    values = count if round_ < PARTIAL_SS else 1
                     cute.arch.mbarrier_init(arrived + round_, 1)
                     cute.arch.mbarrier_arrive_and_expect_tx(arrived + round_, values * (self.cluster * 8))
                 cute.arch.mbarrier_init_fence()
 
     @cute.jit
-    def share(self, space, first, count, part, tid):
-        """One exchange round over slots [first, first + count): the CTA's sums (warps in
-        order) into slot [·, part] of every CTA of the cluster; on return every thread
+    def share(self, space, round_: cutlass.Constexpr[int], first, count, part, tid):
+        """Exchange round ``round_`` over slots [first, first + count): the CTA's sums (warps
+        in order) into slot [·, part] of every CTA of the cluster; on return every thread
         may read them all."""
         partials, received = space.partials, space.received
-        arrived = space.arrived + self.rounds_of[first]
+        arrived = space.arrived + round_
         cute.arch.sync_threads()  # every warp's sum is in
         for n in cutlass.range(tid, count, self.threads, unroll=1):
             total = Float64(0.0)
@@ -329,7 +331,7 @@ class AttnRes:
         received = smem.allocate_tensor(Float64, cute.make_layout((self.slots, self.cluster), stride=(self.cluster, 1)),
                                         16)
         alpha = smem.allocate_tensor(Float32, cute.make_layout(self.rows + 1), 16)
-        arrived = smem.allocate_tensor(Int64, cute.make_layout(len(self.rounds_of)), 16).iterator
+        arrived = smem.allocate_tensor(Int64, cute.make_layout(EXCHANGES), 16).iterator
         stash = smem.allocate_tensor(Uint32, cute.make_layout(max(self.stash_words(), 4)), 16).iterator
         return AttnResSpace(partials, received, alpha, arrived, stash)
 
@@ -339,7 +341,7 @@ class AttnRes:
     def smem_bytes(self) -> int:
         """What :meth:`allocate` takes (each piece 16-byte aligned)."""
         pieces = (8 * self.slots * self.warps, 8 * self.slots * self.cluster, 4 * (self.rows + 1),
-                  8 * len(self.rounds_of), 4 * max(self.stash_words(), 4))
+                  8 * EXCHANGES, 4 * max(self.stash_words(), 4))
         return sum(-(-piece // 16) * 16 for piece in pieces)
 
     @cute.jit
