@@ -77,7 +77,7 @@ from .plan import (
 # The exchange rounds, each with its own mbarrier: the blocks' Σ x² and logits (N values
 # each), then new_partial's Σ x², its logit and h's Σ x² (one value each)
 BLOCK_SS, BLOCK_DOT, PARTIAL_SS, PARTIAL_DOT, H_SS = range(5)
-EXCHANGES = 5
+EXCHANGES = H_SS + 1
 # KIMI_OPS_MARKS: AttnResTake's phases after its start (benchmarks/timeline.py --marks)
 # (block stats, rows polled, PDL wait over, the three rounds, h_normed stored)
 TAKE_MARKS = marked(1, "attn_res_take", ("stats", "polled", "waited", "partial ss", "logit", "h ss", "stored"))
@@ -97,6 +97,7 @@ class AttnRes:
         self.block_ss, self.block_dot = 0, rows
         self.partial_ss, self.partial_dot, self.h_ss = 2 * rows, 2 * rows + 1, 2 * rows + 2
         self.slots = 2 * rows + 3
+        self.first_slot = (self.block_ss, self.block_dot, self.partial_ss, self.partial_dot, self.h_ss)  # by round
 
     @cute.jit
     def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
@@ -168,7 +169,7 @@ class AttnRes:
             squares += self.stored(new_partial, words, token, columns[q], valid[q])
             values.append(unpack_words(words))
         self.warp_sum(partials, self.partial_ss, squares, tid)
-        self.share(space, PARTIAL_SS, self.partial_ss, 1, part, tid)
+        self.share(space, PARTIAL_SS, 1, part, tid)
         marks.at()
         inv = inverse_rms(self.total(received, self.partial_ss), self.hidden, eps)
         dot = Float64(0.0)
@@ -176,7 +177,7 @@ class AttnRes:
             if valid[q]:
                 dot += key_dot(values[q], inv, key_w[q], query_v[q])
         self.warp_sum(partials, self.partial_dot, dot, tid)
-        self.share(space, PARTIAL_DOT, self.partial_dot, 1, part, tid)
+        self.share(space, PARTIAL_DOT, 1, part, tid)
         marks.at()
         self.softmax(received, alpha, count, tid)
         squares = Float64(0.0)
@@ -197,7 +198,7 @@ class AttnRes:
             squares += self.stored(h, words, token, columns[q], valid[q])
             mixed.append(unpack_words(words))
         self.warp_sum(partials, self.h_ss, squares, tid)
-        self.share(space, H_SS, self.h_ss, 1, part, tid)
+        self.share(space, H_SS, 1, part, tid)
         marks.at()
         inv = inverse_rms(self.total(received, self.h_ss), self.hidden, eps)
         for q in cutlass.range_constexpr(self.rounds):
@@ -239,7 +240,7 @@ class AttnRes:
             self.warp_sum(partials, self.block_ss + n, squares, tid)
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
-        self.share(space, BLOCK_SS, self.block_ss, count, part, tid)
+        self.share(space, BLOCK_SS, count, part, tid)
         for n in cutlass.range(count, unroll=1):
             inv = inverse_rms(self.total(received, self.block_ss + n), self.hidden, eps)
             dot = Float64(0.0)
@@ -248,7 +249,7 @@ class AttnRes:
                     block = unpack_words(load_shared(stash + self.stash_word(n, q, tid)))
                     dot += key_dot(block, inv, key_w[q], query_v[q])
             self.warp_sum(partials, self.block_dot + n, dot, tid)
-        self.share(space, BLOCK_DOT, self.block_dot, count, part, tid)
+        self.share(space, BLOCK_DOT, count, part, tid)
 
     @cute.jit
     def softmax(self, received, alpha, count, tid):
@@ -302,11 +303,11 @@ class AttnRes:
                 cute.arch.mbarrier_init_fence()
 
     @cute.jit
-    def share(self, space, round_: cutlass.Constexpr[int], first, count, part, tid):
-        """Exchange round ``round_`` over slots [first, first + count): the CTA's sums (warps
-        in order) into slot [·, part] of every CTA of the cluster; on return every thread
-        may read them all."""
-        partials, received = space.partials, space.received
+    def share(self, space, round_: cutlass.Constexpr[int], count, part, tid):
+        """Exchange round ``round_`` over its ``count`` slots: the CTA's sums (warps in
+        order) into slot [·, part] of every CTA of the cluster; on return every thread may
+        read them all."""
+        partials, received, first = space.partials, space.received, self.first_slot[round_]
         arrived = space.arrived + round_
         cute.arch.sync_threads()  # every warp's sum is in
         for n in cutlass.range(tid, count, self.threads, unroll=1):
