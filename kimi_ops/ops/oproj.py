@@ -151,11 +151,10 @@ def shared_expert_push(x, w_gate_up, w_down, beta: float, linear_beta: float, ac
     ``ready`` ([2] int64, :func:`~kimi_ops.ops.boxes.check_ready`): x's writer
     (``kimi::attn_res_take_into``) counted READY_PER_TOKEN a token into ``ready[0]``. The
     kernel's x copier waits for that count (bounded: past it the error word gets
-    SHARED_INPUT) instead of for the end of the kernel launched before it, and nothing of
-    it waits for that end: the whole op runs beside that kernel. For a caller whose x
-    writer waited for every kernel before it (the decoder: its MoE input), so that nothing
-    the op writes is still read. The reference checks the count the same way and zeroes it;
-    the values are the same either way."""
+    SHARED_INPUT) instead of for the end of the kernel launched before it, so the gate/up
+    runs beside that kernel; its stores still wait for that end. For a caller whose x
+    writer waited for every kernel before it (the decoder: its MoE input). The reference
+    checks the count the same way and zeroes it; the values are the same either way."""
     batch = check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank,
                                      error, ready)
     if ready is not None:

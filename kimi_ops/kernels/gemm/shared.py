@@ -25,20 +25,20 @@ barrier pass early — the step is lost either way until reset()). (The down's s
 keep the engine's two cluster barriers, over all 8 CTAs of the gate/up's clusters: each
 waits for the slowest of its cluster.)
 
-PDL (uncounted): every CTA releases the dependents once its PDL wait is over (the gate/up's
-consumers, the barrier's waiters), not at entry: a dependent that does not wait for our end (the
+PDL: every CTA releases the dependents once its PDL wait is over (the gate/up's consumers,
+the barrier's waiters), not at entry: a dependent that does not wait for our end (the
 decoder's route poll, runtime/prepared.py) then starts after our predecessor ended, as if
 it followed it. A dependent launches only once every CTA of ours has released it, so the
 whole grid is resident by then and the barrier cannot starve.
 
 ``counted`` (x's ready counter, :class:`InputReady`): x's writer, attn_res_take_into, counts
-h_normed's rows once stored, and x's copier waits for that count instead of the PDL wait.
-Nothing of the kernel then waits for our predecessor (the decoder's front publish, which
-reads the same x and ended 5.6 µs after x was in on the H100 timeline: benchmarks/NOTES.md,
-nineteenth session): not the consumers before their stores, not the barrier's waiters (any
-wait would hold the CTA's and the cluster's barriers behind it), and the dependents are
-released at entry. That is safe where x's writer itself waited for every kernel before it
-(the decoder's take does): nothing we write is still read then.
+h_normed's rows once stored, and x's copier waits for that count instead of the PDL wait,
+so the gate/up's MMAs run beside our predecessor (the decoder's front publish, which reads
+the same x): on the H100 timeline that predecessor ended 5.6 µs after x was in
+(benchmarks/NOTES.md, nineteenth session). The consumers' PDL wait then comes after their
+MMAs, before their stores, and the producers' two idle warps wait and release instead.
+The count is safe where x's writer itself waited for every kernel before it (the decoder's
+take does): then nothing we write is still read.
 """
 
 import cutlass
@@ -71,10 +71,10 @@ class GridBarrier:
     :meth:`wait` (arguments: an ``if`` of the DSL carries no object that holds tensors).
     The down's :class:`DecodeGemm` holds it as its ``waiter``."""
 
-    def __init__(self, grid: int, after_predecessor: bool = True):
-        """``after_predecessor``: :meth:`wait` waits for our predecessor's end first and
-        releases the dependents (else neither: ``counted``, the module doc)."""
-        self.grid, self.after_predecessor = grid, after_predecessor
+    after_predecessor = True  # wait() waits for our predecessor's end and releases the dependents
+
+    def __init__(self, grid: int):
+        self.grid = grid
 
     @cute.jit
     def arrive(self, tid, ticket: cute.Tensor, target: cute.Tensor):
@@ -91,11 +91,10 @@ class GridBarrier:
     def wait(self, ticket: cute.Tensor, target: cute.Tensor, error: cute.Tensor):
         """The dependents' release, then until every CTA arrived (bounded). A warp's lane 0
         polls; the warp then fences for its TMA reads of the activations. The bound's clock
-        starts after our predecessor ended where we wait for it (the PDL wait first: the
-        clusters that skip the gate/up arrive before it ends)."""
-        if cutlass.const_expr(self.after_predecessor):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()  # see the module doc
+        starts after our predecessor ended (the PDL wait first: the clusters that skip the
+        gate/up arrive before it ends)."""
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # see the module doc
         goal = target[0]
         if cute.arch.lane_idx() == 0:
             start = cute.arch.globaltimer()
@@ -116,7 +115,7 @@ class InputReady:
     SHARED_INPUT into the error word), the last zeroing the counter. The gate/up's
     :class:`DecodeGemm` holds it as its ``waiter``."""
 
-    after_predecessor = False  # the wait is not for our predecessor's end
+    after_predecessor = False  # x is in before our predecessor's end
 
     def __init__(self, ctas: int):
         self.ctas = ctas
@@ -142,8 +141,7 @@ class SharedExpert:
             self.gate_up = DecodeGemm(plan.gate_up, gate_up_outputs, waiter=InputReady(plan.gate_up.ctas))
         else:
             self.gate_up = DecodeGemm(plan.gate_up, gate_up_outputs, release_waited=True)
-        self.down = DecodeGemm(plan.down, Outputs(plan.down.n, tp=tp, scatter=True), cluster,
-                               GridBarrier(plan.grid, after_predecessor=not counted))
+        self.down = DecodeGemm(plan.down, Outputs(plan.down.n, tp=tp, scatter=True), cluster, GridBarrier(plan.grid))
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w_gate_up: cute.Tensor, act: cute.Tensor, w_down: cute.Tensor,
@@ -166,8 +164,6 @@ class SharedExpert:
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.counted):
-            cute.arch.griddepcontrol_launch_dependents()  # at entry (the module doc)
         full, ring = DecodeGemm.allocate(plan.depth, plan.ring_bytes)
         target = SmemAllocator().allocate_tensor(Int64, cute.make_layout(1), 8)
         # (a plan's CTAs are whole clusters: a cluster past one plan's CTAs skips it whole)
