@@ -116,16 +116,13 @@ def test_prepare_compiles_each_bucket_once(monkeypatch):
     compiled = []
     monkeypatch.setattr(attn_res, "compile_attn_res", lambda *key: compiled.append(key))
     attn_res.AttnResKernel().prepare(HIDDEN, (8, 1), range(0, 6))
-    assert compiled == [(HIDDEN, tp, 8, rows, False, False) for tp in (8, 1) for rows in (0, 1, 2, 3, 4, 6)]
+    assert compiled == [(HIDDEN, tp, 8, rows, False) for tp in (8, 1) for rows in (0, 1, 2, 3, 4, 6)]
     compiled.clear()
     attn_res.AttnResTakeKernel().prepare(HIDDEN, (2,), [0, 3, 30])
-    assert compiled == [(HIDDEN, 2, 8, rows, True, False) for rows in (0, 3, 32)]
+    assert compiled == [(HIDDEN, 2, 8, rows, True) for rows in (0, 3, 32)]
     compiled.clear()
     attn_res.AttnResTakeKernel().prepare(HIDDEN, (1,), [1], batches=(8, 64))
-    assert compiled == [(HIDDEN, 1, 8, 1, True, False), (HIDDEN, 1, 1, 1, True, False)]
-    compiled.clear()
-    attn_res.AttnResTakeIntoKernel().prepare(HIDDEN, (8,), [0], batches=(1,), counted=True)  # the MoE input's take
-    assert compiled == [(HIDDEN, 8, 8, 0, True, True)]
+    assert compiled == [(HIDDEN, 1, 8, 1, True), (HIDDEN, 1, 1, 1, True)]
 
 
 def kernel_model(blocks, partial, sublayer, query, key_w, out_w, eps, cluster):
