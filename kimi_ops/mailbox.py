@@ -25,7 +25,6 @@ PULSE_STRIDE = 64  # bytes a rank in a group's heartbeat page (runtime/heartbeat
 ROUTE_POLL, TAIL_LATENT_POLL, TAIL_SHARED_POLL, TAKE_POLL, BARRIER_POLL, TWO_SHOT_POLL = 1, 2, 4, 8, 16, 32
 SHARED_BARRIER = 64  # not a box: the fused shared expert's grid barrier (kernels/gemm/shared.py)
 EXPERTS_READY = 128  # not a box: the routed experts' wait for the route poll's count (kernels/experts)
-SHARED_INPUT = 256  # not a box: the fused shared expert's wait for its input's count (kernels/gemm/shared.py)
 POLL_NAMES = {
     ROUTE_POLL: "the routing kernel's front row",
     TAIL_LATENT_POLL: "the tail's latent sources",
@@ -36,8 +35,6 @@ POLL_NAMES = {
     SHARED_BARRIER: "the fused shared expert's grid barrier (a CTA of its grid was not resident: another grid held "
                     "its SM)",
     EXPERTS_READY: "the routed experts' wait for the route poll's outputs (its ready count never reached 2B)",
-    SHARED_INPUT: "the fused shared expert's wait for its input h_normed (attn_res_take_into's ready count never "
-                  "reached 8B)",
 }
 
 

@@ -38,7 +38,7 @@ def work_list(config: KimiConfig, tp: int, layers: int) -> list[tuple[str, tuple
     decoder = KimiDecoder(config, 2, tp=tp, device="cpu")  # no prepare on the CPU: done below
     with kernel_compile.collecting() as needed:
         decoder.prepare_calls()
-        prepare_residuals(config, layers, tp, decoder.buckets(), decoder.counts_moe_input())
+        prepare_residuals(config, layers, tp, decoder.buckets())
         if tp > 1:  # a process a rank: the phases' barrier (a simulated group has none)
             backend.prepare("group_barrier", tp)
     return sorted(needed, key=repr)

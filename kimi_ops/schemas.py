@@ -55,15 +55,14 @@ SCHEMAS: dict[str, str] = {
     ),
     "attn_res_take_into": (
         "attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks,"
-        " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed,"
-        " Tensor(d!)? ready=None) -> (Tensor new_partial, Tensor h)"
+        " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed)"
+        " -> (Tensor new_partial, Tensor h)"
     ),
     "oproj_publish": "oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()",
     "oproj_push": "oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",
     "shared_expert_push": (
         "shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act,"
-        " Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error, Tensor(e!)? ready=None)"
-        " -> ()"
+        " Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()"
     ),
     "moe_front_publish": (
         "moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity,"

@@ -2,8 +2,6 @@
 
 import torch
 
-from kimi_ops.ops.attn_res import READY_PER_TOKEN
-
 
 def rand(gen, *shape, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
@@ -62,8 +60,8 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         return rand(gen, 3, TP, CAP, 16), 1, batch
     if name == "mailbox_take":
         return rand(gen, 1, TP, CAP, 64), 0, batch, error
-    if name in ("attn_res_take", "attn_res_take_into"):  # into: counted, on top of 3 arrivals
-        into = (rand(gen, CAP, 64), torch.tensor([3, 0])) if name == "attn_res_take_into" else ()
+    if name in ("attn_res_take", "attn_res_take_into"):
+        into = (rand(gen, CAP, 64),) if name == "attn_res_take_into" else ()
         return (
             rand(gen, 1, TP, CAP, 64), 0, batch, error, rand(gen, 2, batch, 64), rand(gen, batch, 64),
             rand(gen, 64, scale=0.1), rand(gen, 64) + 1, rand(gen, 64) + 1, 1e-6, *into,
@@ -72,11 +70,10 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1), boxes(1, TP, CAP, 48), 1
     if name == "oproj_push":  # N = 64 over TP2
         return rand(gen, batch, 64), rand(gen, 64, 64, scale=0.1), boxes(3, TP, CAP, 32), 0, 1
-    if name == "shared_expert_push":  # I = 16, N = 64 over TP2; x's take counted in
+    if name == "shared_expert_push":  # I = 16, N = 64 over TP2
         return (
             rand(gen, batch, 64), rand(gen, 32, 64, scale=0.1), rand(gen, 64, 16, scale=0.1), 1.0, 0.0,
             rand(gen, CAP, 16), torch.zeros(1, dtype=torch.int64), boxes(3, TP, CAP, 32), 0, 1, error,
-            torch.tensor([READY_PER_TOKEN * batch, 0]),
         )
     if name == "moe_front_publish":  # E = 32, L = 48 over TP2
         return rand(gen, batch, 128), rand(gen, 16 + 24, 128, scale=0.1), 16, boxes(3, 1, CAP, 48 + 64), 2, 1

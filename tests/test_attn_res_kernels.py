@@ -15,7 +15,6 @@ from kimi_ops.kernels.attn_res import host as attn_res  # noqa: E402
 from kimi_ops.kernels.attn_res import kernels as attn_res_kernels  # noqa: E402
 from kimi_ops.kernels.attn_res import plan as attn_res_plan  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, TAKE_POLL, KimiMailboxError, canonical, raise_if_error  # noqa: E402
-from kimi_ops.ops.attn_res import READY_PER_TOKEN  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
 
@@ -35,12 +34,9 @@ def test_attn_res_compiles(hidden, tp, rows, clean_ptxas):
     clean_ptxas()
 
 
-@pytest.mark.parametrize("hidden, tp, rows, counted", [(HIDDEN, 1, 0, False), (HIDDEN, 8, 4, False),
-                                                       (TINY, 2, 3, False), (HIDDEN, 8, 0, True)])
-def test_attn_res_take_compiles(hidden, tp, rows, counted, clean_ptxas):
-    """``counted``: h_normed counted into a ready counter once stored."""
-    cluster = attn_res_plan.cluster_for(hidden)
-    assert attn_res.compile_attn_res.build(hidden, tp, cluster, rows, True, counted) is not None
+@pytest.mark.parametrize("hidden, tp, rows", [(HIDDEN, 1, 0), (HIDDEN, 8, 4), (TINY, 2, 3)])
+def test_attn_res_take_compiles(hidden, tp, rows, clean_ptxas):
+    assert attn_res.compile_attn_res.build(hidden, tp, attn_res_plan.cluster_for(hidden), rows, True) is not None
     clean_ptxas()
 
 
@@ -270,26 +266,23 @@ def armed(rows):
     return bool((rows.contiguous().view(torch.int32) == torch.tensor(SENTINEL, dtype=torch.int32)).all())
 
 
-def take(box, parity, error, blocks, partial, weights, into=None, ready=None):
-    """attn_res_take, or attn_res_take_into ``into`` (then its rows [:B] stand for h_normed),
-    counted into ``ready`` if given."""
+def take(box, parity, error, blocks, partial, weights, into=None):
+    """attn_res_take, or attn_res_take_into ``into`` (then its rows [:B] stand for h_normed)."""
     batch = partial.shape[0]
     if into is None:
         return kimi.attn_res_take(box, parity, batch, error, blocks, partial, *weights, 1e-6)
-    new_partial, h = kimi.attn_res_take_into(box, parity, batch, error, blocks, partial, *weights, 1e-6, into, ready)
-    return new_partial, h, into[:batch]
+    return (*kimi.attn_res_take_into(box, parity, batch, error, blocks, partial, *weights, 1e-6, into), into[:batch])
 
 
 @on_hopper
 @pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("count", [0, 1, 3])
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
-@pytest.mark.parametrize("into", [False, True, "counted"])
+@pytest.mark.parametrize("into", [False, True])
 def test_attn_res_take_kernel(batch, count, tp, into):
     """Parity 1 of a 3-parity box: rows [:B] published; ours against the reference on a
     copy of the box: the outputs, the taken rows re-armed, every other row as it was
-    (``into``: h_normed into a poisoned buffer's rows [:B], the rows past them kept;
-    ``counted``: and READY_PER_TOKEN · B added to a ready counter, as the reference adds)."""
+    (``into``: h_normed into a poisoned buffer's rows [:B], the rows past them kept)."""
     blocks, partial, rows, *weights = args_of(batch, count, tp, seed=2000 * tp + 10 * count + batch)
     ours = armed_box(3, tp, CAPACITY, HIDDEN)
     ours[0].normal_()  # another parity's rows: never touched
@@ -298,15 +291,12 @@ def test_attn_res_take_kernel(batch, count, tp, into):
     errors = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2)]
     buffers = [torch.full((CAPACITY, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda") if into else None
                for _ in range(2)]
-    counters = [torch.tensor([5, 0], device="cuda") if into == "counted" else None for _ in range(2)]
     poison(batch, HIDDEN)
-    got = take(ours, 1, errors[0], blocks, partial, weights, buffers[0], counters[0])
-    want = reference(take, theirs, 1, errors[1], blocks, partial, weights, buffers[1], counters[1])
+    got = take(ours, 1, errors[0], blocks, partial, weights, buffers[0])
+    want = reference(take, theirs, 1, errors[1], blocks, partial, weights, buffers[1])
     assert_matches(got, want, blocks, weights[2])
     assert armed(ours[1]) and torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
     assert int(errors[0]) == 0
-    if into == "counted":
-        assert counters[0].tolist() == counters[1].tolist() == [5 + READY_PER_TOKEN * batch, 0]
     if into:
         assert buffers[0][batch:].isnan().all()
     # the functional op on the same rows agrees bit for bit

@@ -18,9 +18,8 @@ from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
 from kimi_ops.kernels.dsa import plan as dsa_plans  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
-from kimi_ops.mailbox import SENTINEL, SHARED_INPUT, KimiMailboxError, canonical, raise_if_error  # noqa: E402
+from kimi_ops.mailbox import SENTINEL, canonical  # noqa: E402
 from kimi_ops.ops import oproj as oproj_ops  # noqa: E402
-from kimi_ops.ops.attn_res import READY_PER_TOKEN  # noqa: E402
 from benchmarks import bench_projection as bench  # noqa: E402  (the variants it times compile)
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
@@ -64,12 +63,11 @@ def test_gate_up_situ_compiles(tp, tokens, clean_ptxas):
     clean_ptxas()
 
 
-@pytest.mark.parametrize("tp, tokens, counted", [(tp, tokens, False) for tp in TPS for tokens in (8, 64)]
-                         + [(8, 8, True)])
-def test_shared_expert_compiles(tp, tokens, counted, clean_ptxas):
-    """The fused shared expert (gate/up, situ, the grid barrier, the down and its push);
-    ``counted``: x's copier waits for x's ready count."""
-    assert gemm.compile_shared.build(12288 // tp, 7168, 7168, tokens, tp, (1.0, 0.0), counted) is not None
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_shared_expert_compiles(tp, tokens, clean_ptxas):
+    """The fused shared expert (gate/up, situ, the grid barrier, the down and its push)."""
+    assert gemm.compile_shared.build(12288 // tp, 7168, 7168, tokens, tp, (1.0, 0.0)) is not None
     clean_ptxas()
 
 
@@ -393,17 +391,15 @@ def test_oproj_push_stores_each_shard_in_its_owners_box(tp, batch):
 
 
 @on_hopper
-@pytest.mark.parametrize("tp, counted", [(1, False), (8, False), (8, True)])
-def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp, counted):
+@pytest.mark.parametrize("tp", [1, 8])
+def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp):
     """One launch, the two ops' bits: act[:B] the gate/up kernel's activations (rows past B
     untouched), the boxes the push kernel's where its plan also takes the whole K in one CTA
     (else within 1 ulp at the sum's scale, as every GEMM), at every bucket; the counter
-    advances by whole grids and no error is set (``counted``: x's ready count in before
-    the call, and zeroed by it)."""
+    advances by whole grids and no error is set."""
     inner, n, rank, parity = 6144 // tp, 7168, tp - 1, 2
     ticket = torch.zeros(1, dtype=torch.int64, device="cuda")
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
-    ready = torch.zeros(2, dtype=torch.int64, device="cuda") if counted else None
     for batch in (1, 5, 8, 13, 64):
         gen = torch.Generator().manual_seed(tp * 100 + batch)
         x = torch.randn(batch, 7168, generator=gen).bfloat16().cuda()
@@ -411,12 +407,10 @@ def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp, counted):
         w_down = (torch.randn(n, inner, generator=gen) * inner**-0.5).bfloat16().cuda()
         act = torch.full((64, inner), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
         boxes = [armed_box(3, tp, 64, n // tp) for _ in range(tp)]
-        call = (x, w_gate_up, w_down, 1.0, 0.0, act, ticket, boxes, parity, rank, error, ready)
+        call = (x, w_gate_up, w_down, 1.0, 0.0, act, ticket, boxes, parity, rank, error)
         if why := gemm.SharedExpertKernel().unsupported(*call):
             pytest.skip(f"the fused shared expert does not take TP{tp}'s shapes: {why}")
         before = int(ticket[0])
-        if counted:
-            ready[0] = READY_PER_TOKEN * batch
         kimi.shared_expert_push(*call)
         activations = kimi.gate_up_situ(x, w_gate_up, 1.0, 0.0)
         want = [armed_box(3, tp, 64, n // tp) for _ in range(tp)]
@@ -435,48 +429,6 @@ def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp, counted):
                 rest_got[parity, rank, :batch] = rest_ref[parity, rank, :batch] = 0
                 assert torch.equal(rest_got, rest_ref), batch
         assert int(error[0]) == 0 and int(ticket[0]) - before == gemm.shared_plan(2 * inner, 7168, n, tokens).grid
-        assert not counted or ready.tolist() == [0, 0]
-
-
-@on_hopper
-def test_shared_expert_waits_for_its_inputs_count_from_the_take():
-    """x written by attn_res_take_into, counted into ``ready``; the shared expert, launched
-    next, reads x after that count instead of the take's end: act and the boxes as the two
-    ops' on the take's h_normed, at every bucket; a count one short instead: bounded, the
-    error word gets SHARED_INPUT."""
-    hidden, inner, n, tp = 7168, 768, 7168, 8
-    ticket = torch.zeros(1, dtype=torch.int64, device="cuda")
-    error = torch.zeros(1, dtype=torch.int32, device="cuda")
-    ready = torch.zeros(2, dtype=torch.int64, device="cuda")
-    moe_input = torch.full((64, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gen = torch.Generator().manual_seed(77)
-    w_gate_up = oproj_ops.interleave_gate_up(torch.randn(2 * inner, hidden, generator=gen) * hidden**-0.5)
-    w_gate_up = w_gate_up.bfloat16().cuda()
-    w_down = (torch.randn(n, inner, generator=gen) * inner**-0.5).bfloat16().cuda()
-    weights = [(torch.randn(hidden, generator=gen) * scale + mean).bfloat16().cuda()
-               for scale, mean in ((0.01, 0), (0.1, 1), (0.1, 1))]  # query, key_norm_w, out_norm_w
-    for batch in (1, 5, 8, 13, 64):
-        box = armed_box(1, tp, 64, hidden)
-        rows = torch.randn(tp, batch, hidden, generator=gen).bfloat16().cuda()
-        box[0, :, :batch] = canonical(rows)
-        partial = torch.randn(batch, hidden, generator=gen).bfloat16().cuda()
-        blocks = partial.new_empty((0, batch, hidden))
-        act = torch.full((64, inner), float("nan"), dtype=torch.bfloat16, device="cuda")
-        boxes = [armed_box(3, 1, 64, n)]
-        kimi.attn_res_take_into(box, 0, batch, error, blocks, partial, *weights, 1e-6, moe_input, ready)
-        kimi.shared_expert_push(moe_input[:batch], w_gate_up, w_down, 1.0, 0.0, act, ticket, boxes, 0, 0, error, ready)
-        h_normed = kimi.attn_res(blocks, partial, canonical(rows), *weights, 1e-6)[2]
-        activations = kimi.gate_up_situ(h_normed, w_gate_up, 1.0, 0.0)
-        want = [armed_box(3, 1, 64, n)]
-        kimi.oproj_push(activations, w_down, want, 0, 0)
-        assert torch.equal(act[:batch], activations) and torch.equal(boxes[0], want[0]), batch
-        assert int(error[0]) == 0 and ready.tolist() == [0, 0], batch
-    ready[0] = READY_PER_TOKEN * 8 - 1
-    kimi.shared_expert_push(moe_input[:8], w_gate_up, w_down, 1.0, 0.0, act, ticket, boxes, 0, 0, error, ready)
-    torch.cuda.synchronize()  # returns: the wait is bounded
-    assert int(error[0]) == SHARED_INPUT and ready.tolist() == [0, 0]
-    with pytest.raises(KimiMailboxError, match="shared expert's wait for its input"):
-        raise_if_error(error)
 
 
 @box_cases

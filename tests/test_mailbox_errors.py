@@ -152,15 +152,6 @@ CASES = [
     ("routed_experts_counted", lambda a: put(a, 6, meta(a[6])), ["'ready'", "meta"]),
     ("routed_experts_counted", lambda a: put(a, 7, a[6][:1].view(torch.int32)[:1]), ["'error'", "the same memory"]),
     ("routed_experts_counted", lambda a: put(a, 5, 3), ["kimi::routed_experts_counted", "'tp'"]),
-    # the MoE input's ready counter: attn_res_take_into counts, the fused shared expert waits
-    ("attn_res_take_into", lambda a: put(a, 11, a[11].int()), ["'ready'", "torch.int64"]),
-    ("attn_res_take_into", lambda a: put(a, 11, torch.zeros(1, dtype=torch.int64)), ["'ready'", "[2]"]),
-    ("attn_res_take_into", lambda a: put(a, 11, meta(a[11])), ["'ready'", "meta"]),
-    ("attn_res_take_into", lambda a: put(a, 11, a[10].view(-1)[:8].view(torch.int64)), ["'ready'", "own"]),
-    ("shared_expert_push", lambda a: put(a, 11, a[11].int()), ["'ready'", "torch.int64"]),
-    ("shared_expert_push", lambda a: put(a, 11, torch.zeros(2, 1, dtype=torch.int64)), ["'ready'", "[2]"]),
-    ("shared_expert_push", lambda a: put(a, 11, meta(a[11])), ["'ready'", "meta"]),
-    ("shared_expert_push", lambda a: put(a, 11, a[5].view(-1)[:8].view(torch.int64)), ["'ready'", "own"]),
     # 7. eps finite and > 0
     *[(name, lambda a, i=i, eps=eps: put(a, i, eps), ["'eps'", "finite and > 0"])
       for name, i in (("moe_tail", 5), ("attn_res", 6), ("dsa_index_front", 4), ("dsa_index_key_insert", 3),

@@ -8,10 +8,7 @@ from kimi_ops import KimiArgumentError, backend
 from kimi_ops.numerics import ordered_key
 from kimi_ops.ops import oproj as oproj_ops
 from kimi_ops.config import INDEX_DIM, INDEX_HEADS
-from kimi_ops.mailbox import SHARED_INPUT
-from kimi_ops.ops.attn_res import READY_PER_TOKEN
 from conftest import BATCHES, DEVICES, HOPPER, assert_bf16_close, assert_tail_close, randn
-from samples import sample_args
 
 kimi = torch.ops.kimi
 
@@ -170,30 +167,6 @@ def test_shared_expert_push_is_gate_up_situ_then_the_push(gen, tp, batch):
     assert torch.equal(act[:batch], activations) and bool((act[batch:] == 7.0).all())
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not torch.equal(got[0][2, tp - 1, :batch], torch.full_like(got[0][2, tp - 1, :batch], 7.0))
-
-
-@pytest.mark.parametrize("batch", [1, 5])
-def test_the_moe_inputs_ready_count_from_the_take_to_the_shared_expert(gen, batch):
-    """attn_res_take_into adds READY_PER_TOKEN a token to ``ready[0]`` once h_normed is
-    written, its values those of the uncounted call. The fused shared expert's reference
-    passes a full count (zeroing the counter, the error word untouched) and flags a short
-    one (SHARED_INPUT, zeroed too), its outputs the uncounted call's either way."""
-    args = sample_args("attn_res_take_into", batch, gen)
-    ready = torch.tensor([3, 0])
-    plain = [a.clone() if isinstance(a, torch.Tensor) else a for a in args[:11]]
-    counted = kimi.attn_res_take_into(*args[:11], ready)
-    uncounted = kimi.attn_res_take_into(*plain)
-    assert ready.tolist() == [3 + READY_PER_TOKEN * batch, 0]
-    assert all(torch.equal(a, b) for a, b in zip(counted, uncounted)) and torch.equal(args[10], plain[10])
-    for arrived, flagged in ((READY_PER_TOKEN * batch, 0), (READY_PER_TOKEN * batch - 1, SHARED_INPUT)):
-        call = list(sample_args("shared_expert_push", batch, torch.Generator().manual_seed(batch)))
-        plain = [a.clone() if isinstance(a, torch.Tensor) else [b.clone() for b in a] if isinstance(a, list) else a
-                 for a in call[:11]]
-        ready = torch.tensor([arrived, 0])
-        kimi.shared_expert_push(*call[:11], ready)
-        kimi.shared_expert_push(*plain)
-        assert ready.tolist() == [0, 0] and int(call[10]) == flagged and int(plain[10]) == 0
-        assert torch.equal(call[5], plain[5]) and all(torch.equal(a, b) for a, b in zip(call[7], plain[7]))
 
 
 def tail_inputs(gen, batch, hidden, latent, device):

@@ -37,10 +37,10 @@ kimi::mailbox_arm(Tensor(a!) box) -> ()
 kimi::mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()
 kimi::mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor
 kimi::attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)
-kimi::attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed, Tensor(d!)? ready=None) -> (Tensor new_partial, Tensor h)
+kimi::attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed) -> (Tensor new_partial, Tensor h)
 kimi::oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()
 kimi::oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()
-kimi::shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act, Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error, Tensor(e!)? ready=None) -> ()
+kimi::shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act, Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()
 kimi::moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity, int rank) -> ()
 kimi::moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error, Tensor(c!)? ready=None) -> (Tensor ids, Tensor weights, Tensor latent)
 kimi::routed_experts_counted(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int rank, int tp, Tensor(a!) ready, Tensor(b!) error) -> Tensor

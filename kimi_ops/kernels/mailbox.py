@@ -164,43 +164,37 @@ def arrived(words):
 
 
 @cute.jit
-def count_arrival(counter: cute.Tensor, amount: cutlass.Constexpr[int] = 1):
-    """This CTA's outputs stored (every thread's): ``amount`` arrivals on ``counter[0]``
-    (release, GPU scope), for a consumer that waits for the count instead of our end
+def count_arrival(counter: cute.Tensor):
+    """This CTA's outputs stored (every thread's): one arrival on ``counter[0]`` (release,
+    GPU scope), for a consumer that waits for the count instead of our end
     (:func:`await_arrivals`)."""
     cute.arch.sync_threads()
     tid, _, _ = cute.arch.thread_idx()
     if tid == 0:
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.atomic_add(counter.iterator, Int64(amount), sem="release", scope="gpu")
+        cute.arch.atomic_add(counter.iterator, Int64(1), sem="release", scope="gpu")
 
 
 @cute.jit
 def await_arrivals(counter: cute.Tensor, goal, ctas, error: cute.Tensor, code: cutlass.Constexpr[int]):
-    """Thread 0 passes the count (:func:`pass_arrivals`); every thread then waits at the CTA
-    barrier, so the producer's stores are visible to all."""
-    tid, _, _ = cute.arch.thread_idx()
-    if tid == 0:
-        pass_arrivals(counter, goal, ctas, error, code)
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def pass_arrivals(counter: cute.Tensor, goal, ctas, error: cute.Tensor, code: cutlass.Constexpr[int]):
-    """One thread of the CTA waits until ``counter[0]`` reaches ``goal`` (acquire; bounded as
+    """Thread 0 waits until ``counter[0]`` reaches ``goal`` (acquire; bounded as
     :func:`poll_all`: past POLL_TIMEOUT_NS ``code`` goes into the error word), then counts
     its CTA on ``counter[1]``; the last of the grid's ``ctas`` zeroes both words for the
-    next call (whose producer starts after this grid ended)."""
-    start = cute.arch.globaltimer()
-    faulted = error[0] != cutlass.Int32(0)
-    waiting = cute.arch.load(counter.iterator, Int64, sem="acquire", scope="gpu") < goal
-    while waiting:
-        nap()
+    next call (whose producer starts after this grid ended). Every thread then waits at
+    the CTA barrier, so the producer's stores are visible to all."""
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+        start = cute.arch.globaltimer()
+        faulted = error[0] != cutlass.Int32(0)
         waiting = cute.arch.load(counter.iterator, Int64, sem="acquire", scope="gpu") < goal
-        if waiting & (faulted | (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS)):
-            cute.arch.atomic_or(error.iterator, cutlass.Int32(code))
-            waiting = cutlass.Boolean(False)
-    passed = cute.arch.atomic_add(counter.iterator + 1, Int64(1), sem="relaxed", scope="gpu")
-    if passed == Int64(ctas) - Int64(1):
-        counter[0] = Int64(0)
-        counter[1] = Int64(0)
+        while waiting:
+            nap()
+            waiting = cute.arch.load(counter.iterator, Int64, sem="acquire", scope="gpu") < goal
+            if waiting & (faulted | (cute.arch.globaltimer() - start > POLL_TIMEOUT_NS)):
+                cute.arch.atomic_or(error.iterator, cutlass.Int32(code))
+                waiting = cutlass.Boolean(False)
+        passed = cute.arch.atomic_add(counter.iterator + 1, Int64(1), sem="relaxed", scope="gpu")
+        if passed == Int64(ctas) - Int64(1):
+            counter[0] = Int64(0)
+            counter[1] = Int64(0)
+    cute.arch.sync_threads()

@@ -9,7 +9,7 @@ from ..mailbox import (
     flag_missing,
 )
 from ..numerics import bf16, f32, rank_sum, rms_norm, sum_f32
-from .boxes import check_box, check_error, check_ready
+from .boxes import check_box, check_error
 
 
 def check_attn_res(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, eps, op="attn_res"):
@@ -58,9 +58,8 @@ def attn_res_fake(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, 
 
 
 def check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                        h_normed=None, op="attn_res_take", ready=None) -> int:
-    """Returns H. ``h_normed`` (attn_res_take_into): the buffer whose rows [:batch] it
-    writes; ``ready``: its ready counter, if any."""
+                        h_normed=None, op="attn_res_take") -> int:
+    """Returns H. ``h_normed`` (attn_res_take_into): the buffer whose rows [:batch] it writes."""
     check_box(op, "box", box, parity, batch)
     check_error(op, error)
     hidden = box.shape[3]
@@ -72,9 +71,6 @@ def check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_n
         if h_normed.shape[0] < batch:
             fail(op, "h_normed", f"a buffer of at least batch = {batch} rows", list(h_normed.shape))
         written["h_normed"] = h_normed
-    if ready is not None:
-        check_ready(op, ready)
-        written["ready"] = ready
     check_placement(op, written, dict(blocks=blocks, partial=partial, query=query,
                                       key_norm_w=key_norm_w, out_norm_w=out_norm_w))
     return hidden
@@ -98,38 +94,24 @@ def attn_res_take_fake(box, parity, batch, error, blocks, partial, query, key_no
 
 
 def check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                             h_normed, ready=None) -> int:
+                             h_normed) -> int:
     return check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                               h_normed, "attn_res_take_into", ready)
-
-
-# A consumer of attn_res_take_into's rows that waits for its ready count waits for this much a token
-# (on the GPU each of a token's CTAs adds 8 / CTAs a token: the count does not depend on the plan).
-READY_PER_TOKEN = 8
+                               h_normed, "attn_res_take_into")
 
 
 def attn_res_take_into(box, parity: int, batch: int, error, blocks, partial, query, key_norm_w, out_norm_w,
-                       eps: float, h_normed, ready=None):
+                       eps: float, h_normed):
     """:func:`attn_res_take` with h_normed written into rows [:batch] of a buffer the
     caller owns (the decoder's MoE input: the fused shared expert may still read it while
-    kernels launched after it allocate). Returns (new_partial, h).
-
-    ``ready`` ([2] int64, :func:`~kimi_ops.ops.boxes.check_ready`): once h_normed is stored
-    the kernel adds READY_PER_TOKEN · B to ``ready[0]``, the count
-    ``kimi::shared_expert_push`` waits for instead of the end of the kernel launched before
-    it. The values are the same either way."""
-    check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
-                             ready)
+    kernels launched after it allocate). Returns (new_partial, h)."""
+    check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed)
     new_partial, h, normed = attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w,
                                            eps)
     h_normed[:batch].copy_(normed)
-    if ready is not None:
-        ready[0] += READY_PER_TOKEN * batch
     return new_partial, h
 
 
-def attn_res_take_into_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
-                            ready=None):
+def attn_res_take_into_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
     hidden = check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                                      h_normed, ready)
+                                      h_normed)
     return tuple(partial.new_empty((batch, hidden)) for _ in range(2))

@@ -69,10 +69,8 @@ def check_error(op, error) -> None:
 
 
 def check_ready(op, ready) -> None:
-    """A ready counter, for a consumer that waits for its producer's count instead of its
-    end (the route poll's for the routed experts, attn_res_take_into's for the fused shared
-    expert): [producer's arrivals, consumer CTAs past the wait], int64, zeroed by the
-    consumer."""
+    """The route poll's ready counter for routed experts that wait for it: [producer CTAs
+    arrived, consumer CTAs past the wait], int64, zeroed by the consumer."""
     check_tensor(op, "ready", ready, torch.int64, (2,))
 
 

@@ -8,12 +8,10 @@ import torch
 
 from ..checks import check_placement, check_same_device, check_tensor, fail
 from ..mailbox import (
-    SHARED_INPUT,
     canonical,
 )
 from ..numerics import bf16, matmul_f32
-from .attn_res import READY_PER_TOKEN
-from .boxes import check_boxes, check_error, check_ready, store_shards
+from .boxes import check_boxes, check_error, store_shards
 from .route import situ
 
 PAIRED = 8  # gate/up rows interleaved in packets: 8 gate rows, then the same 8 up rows
@@ -118,11 +116,9 @@ def gate_up_situ_fake(x, w, beta, linear_beta):
     return x.new_empty(check_gate_up_situ(x, w, beta, linear_beta), dtype=torch.bfloat16)
 
 
-def check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error,
-                             ready=None) -> int:
+def check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error) -> int:
     """Returns B. ``act``: a model-owned [CAP, I] workspace (CAP >= B) that the down reads;
-    ``ticket``: the grid barrier's int64 counter [1] (DecodeBoxes.shared_ticket); ``ready``:
-    x's ready counter, if any (DecodeBoxes.moe_input_ready)."""
+    ``ticket``: the grid barrier's int64 counter [1] (DecodeBoxes.shared_ticket)."""
     op = "shared_expert_push"
     batch, inner = check_gate_up_situ(x, w_gate_up, beta, linear_beta, op, "w_gate_up")
     check_tensor(op, "w_down", w_down, torch.bfloat16, (None, inner))
@@ -132,33 +128,20 @@ def check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticke
         fail(op, "act", f"at least x.shape[0] = {batch} rows", list(act.shape))
     check_tensor(op, "ticket", ticket, torch.int64, (1,))
     check_error(op, error)
-    if ready is not None:
-        check_ready(op, ready)
-    check_placement(op, dict(act=act, ticket=ticket, rs_boxes=rs_boxes, error=error, ready=ready),
+    check_placement(op, dict(act=act, ticket=ticket, rs_boxes=rs_boxes, error=error),
                     dict(x=x, w_gate_up=w_gate_up, w_down=w_down))
     return batch
 
 
 def shared_expert_push(x, w_gate_up, w_down, beta: float, linear_beta: float, act, ticket, rs_boxes, parity: int,
-                       rank: int, error, ready=None) -> None:
+                       rank: int, error) -> None:
     """``kimi::oproj_push(kimi::gate_up_situ(x, w_gate_up, beta, linear_beta), w_down, ...)``
     in one op: the activations land in ``act[:B]`` (the down reads them there), the down's
     column shards in the reduce-scatter boxes. On the GPU one launch: a grid barrier on
     ``ticket`` (monotonic, restarted by ``DecodeBoxes.reset``; its timeout sets ``error``)
     parts the gate/up from the down, whose weights stream in before it. The reference
-    leaves ``ticket`` as it is.
-
-    ``ready`` ([2] int64, :func:`~kimi_ops.ops.boxes.check_ready`): x's writer
-    (``kimi::attn_res_take_into``) counted READY_PER_TOKEN a token into ``ready[0]``. The
-    kernel's x copier waits for that count (bounded: past it the error word gets
-    SHARED_INPUT) instead of for the end of the kernel launched before it, so the gate/up
-    runs beside that kernel; its stores still wait for that end. For a caller whose x
-    writer waited for every kernel before it (the decoder: its MoE input). The reference
-    checks the count the same way and zeroes it; the values are the same either way."""
+    leaves ``ticket`` and ``error`` as they are."""
     batch = check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank,
-                                     error, ready)
-    if ready is not None:
-        error.bitwise_or_((ready[0] < READY_PER_TOKEN * batch).to(torch.int32) * SHARED_INPUT)
-        ready.zero_()
+                                     error)
     act[:batch].copy_(gate_up_situ(x, w_gate_up, beta, linear_beta))
     oproj_push(act[:batch], w_down, rs_boxes, parity, rank)

@@ -53,9 +53,6 @@ class DecodeBoxes(nn.Module):
     - ``moe_input`` [CAP, H] BF16 per rank: the MoE sublayer's input h_normed
       (``kimi::attn_res_take_into``), owned here because the fused shared expert may
       still read it while later kernels run and allocate (PreparedFront.run);
-    - ``moe_input_ready`` [2] int64 per rank: the take's CTAs counted once ``moe_input`` is
-      stored, and the fused shared expert's CTAs past their wait for that count (the last
-      zeroes both), where the shared expert is fused;
     - ``routed_ready`` [2] int64 per rank: the route poll's CTAs counted once their
       outputs are stored, and the routed experts' CTAs past their wait for that count
       (the last zeroes both), where the experts run beside the fused shared expert.
@@ -102,8 +99,6 @@ class DecodeBoxes(nn.Module):
             self.register_buffer(f"shared_ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
             self.register_buffer(f"moe_input_{rank}", static(torch.zeros(cap, h, dtype=torch.bfloat16, device=device)))
             self.register_buffer(f"routed_ready_{rank}", static(torch.zeros(2, dtype=torch.int64, device=device)))
-            self.register_buffer(f"moe_input_ready_{rank}",
-                                 static(torch.zeros(2, dtype=torch.int64, device=device)))
 
     def two_shot(self, batch: int) -> bool:
         return two_shot(self.tp, self.latent, batch)
@@ -135,10 +130,6 @@ class DecodeBoxes(nn.Module):
         """The route poll's ready counter that the routed experts wait for (ops/boxes.check_ready)."""
         return getattr(self, f"routed_ready_{rank}")
 
-    def moe_input_ready(self, rank: int) -> torch.Tensor:
-        """``moe_input``'s ready counter, the fused shared expert's wait (ops/boxes.check_ready)."""
-        return getattr(self, f"moe_input_ready_{rank}")
-
     def reset(self) -> None:
         """Re-arm every box this process owns, clear its error words and restart its
         barrier tickets, the shared expert's too (in place: the addresses peers and captured
@@ -150,4 +141,3 @@ class DecodeBoxes(nn.Module):
             self.ticket(rank).zero_()
             self.shared(rank)[1].zero_()
             self.routed_ready(rank).zero_()
-            self.moe_input_ready(rank).zero_()

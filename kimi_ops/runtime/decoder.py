@@ -114,16 +114,13 @@ class RankLayer(nn.Module):
         return None
 
 
-def prepare_residuals(config: KimiConfig, num_layers: int, tp: int, batches, counted: bool) -> None:
+def prepare_residuals(config: KimiConfig, num_layers: int, tp: int, batches) -> None:
     """The AttnRes kernels of a decoder of ``num_layers`` layers: the embedding's, and after
     each sublayer the o-proj rows (TP sources) and the tail's rows, for every count of
-    completed blocks a residual sees; ``counted``: the o-proj rows' take counts the MoE
-    input (PreparedFront.input_ready)."""
+    completed blocks a residual sees."""
     counts = range((num_layers - 1) // config.attn_res_block + 1)
     backend.prepare("attn_res", config.hidden, (1,), counts, batches)
     backend.prepare("attn_res_take", config.hidden, (tp, 1), counts, batches)
-    if counted:
-        backend.prepare("attn_res_take_into", config.hidden, (tp,), counts, batches, True)
 
 
 class KimiDecoder(nn.Module):
@@ -230,15 +227,10 @@ class KimiDecoder(nn.Module):
             for part in layer:
                 for prepared in (part.index, part.oproj, part.front, part.tail):
                     prepared.prepare(batches, boxes)
-        prepare_residuals(self.config, self.num_layers, tp, batches, self.counts_moe_input())
+        prepare_residuals(self.config, self.num_layers, tp, batches)
         if self.group.barrier:
             backend.prepare("group_barrier", tp, [boxes.peers("sync", r) for r in self.group.ranks],
                             getattr(self.group, "pulses", 0))
-
-    def counts_moe_input(self) -> bool:
-        """Whether the o-proj rows' take counts the MoE input for the fused shared expert
-        (every layer alike: the same shapes)."""
-        return self.layers[0][0].front.input_ready(self.boxes) is not None
 
     @staticmethod
     def res_buffers(weights: AttnResWeights) -> nn.Module:
@@ -250,14 +242,13 @@ class KimiDecoder(nn.Module):
     def residual(self, res, blocks, partial, rows):
         return kimi.attn_res(blocks, partial, rows, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
 
-    def residual_take(self, res, box, blocks, partial, batch, error, into=None, ready=None):
+    def residual_take(self, res, box, blocks, partial, batch, error, into=None):
         """AttnRes over the sublayer's rows taken from ``box`` (parity 0): polled, re-armed;
-        h_normed into the rows of the buffer ``into`` where given (a view of them returned),
-        counted into ``ready`` where given."""
+        h_normed into the rows of the buffer ``into`` where given (a view of them returned)."""
         args = (box, 0, batch, error, blocks, partial, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
         if into is None:
             return kimi.attn_res_take(*args)
-        new_partial, h = kimi.attn_res_take_into(*args, into, ready)
+        new_partial, h = kimi.attn_res_take_into(*args, into)
         return new_partial, h, into[:batch]
 
     def check_inputs(self, hidden, slots) -> None:
@@ -302,8 +293,7 @@ class KimiDecoder(nn.Module):
             self.barrier()
             for r, part in zip(ranks, layer):
                 partial[r], h[r], x[r] = self.residual_take(attn_res, boxes.own("attn", r), blocks[r], partial[r],
-                                                            batch, boxes.error(r), boxes.moe_input(r),
-                                                            part.front.input_ready(boxes))
+                                                            batch, boxes.error(r), boxes.moe_input(r))
                 part.front_publish(x[r], boxes)
             self.barrier()
             rows = {r: part.experts(x[r], boxes, self.serving) for r, part in zip(ranks, layer)}

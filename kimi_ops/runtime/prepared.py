@@ -119,9 +119,9 @@ class PreparedFront(Prepared):
         backend.prepare("moe_route_poll", config.experts, config.latent, config.renorm, (counted,))
         backend.prepare("gate_up_situ", *self.shared_gate_up.shape, 1.0, 0.0, batches)
         backend.prepare("oproj_push", *self.shared_down.shape, tp, batches, [boxes.peers("rs", rank)])
-        if self.fused_shared:  # x's ready count: the decoder's take counts its MoE input (input_ready)
+        if self.fused_shared:
             backend.prepare("shared_expert_push", *self.shared_gate_up.shape, self.shared_down.shape[0], 1.0, 0.0, tp,
-                            batches, [boxes.peers("rs", rank)], True)
+                            batches, [boxes.peers("rs", rank)])
         backend.prepare("routed_experts_counted" if counted else "routed_experts", config.latent,
                         self.expert_down.shape[2])
 
@@ -154,12 +154,6 @@ class PreparedFront(Prepared):
     def leads_with_shared(self) -> bool:
         return self.fused_shared and self.shared_first
 
-    def input_ready(self, boxes: DecodeBoxes) -> torch.Tensor | None:
-        """The MoE input's ready counter where the fused shared expert waits for it (its
-        writer, the decoder's take, counts into it): its gate/up then runs beside the front
-        publish, whose end it need not wait for (kernels/gemm/shared.py)."""
-        return boxes.moe_input_ready(self.rank) if self.fused_shared else None
-
     def route_experts(self, batch, boxes: DecodeBoxes, counted: bool):
         """``counted``: the experts wait for the route poll's ready count, not its end."""
         config, rank = self.config, self.rank
@@ -177,8 +171,7 @@ class PreparedFront(Prepared):
         rank = self.rank
         if self.fused_shared:
             kimi.shared_expert_push(x, self.shared_gate_up, self.shared_down, 1.0, 0.0, *boxes.shared(rank),
-                                    boxes.peers("rs", rank), self.parity, rank, boxes.error(rank),
-                                    self.input_ready(boxes))
+                                    boxes.peers("rs", rank), self.parity, rank, boxes.error(rank))
         else:
             act = kimi.gate_up_situ(x, self.shared_gate_up, 1.0, 0.0)
             kimi.oproj_push(act, self.shared_down, boxes.peers("rs", rank), self.parity, rank)

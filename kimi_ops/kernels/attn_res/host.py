@@ -4,13 +4,12 @@ and ``kimi::attn_res_take``."""
 import functools
 
 import cutlass.cute as cute
-import torch
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32
 
 from ... import backend
 from ...mailbox import box_row as host_box_row
 from ...ops import attn_res as attn_res_op
-from ..arguments import aligned, placeholder
+from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import MARK_WORDS, MARKS, SMEM_BYTES
 from ..variant import Unsupported, Variant, prepare_all, reason, single
@@ -27,15 +26,14 @@ from .plan import (
 
 
 @compiled
-def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool = False, counted: bool = False):
-    """AttnRes, or ``polled`` AttnResTake (the box, the error word and the ready counter
-    after ``sublayer``'s place, the box's first row and CAP after ``count``); ``counted``:
-    h_normed counted into the ready counter."""
+def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool = False):
+    """AttnRes, or ``polled`` AttnResTake (the box and the error word after ``sublayer``'s
+    place, the box's first row and CAP after ``count``)."""
     batch, block_rows, source_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
     vectors = [fake(BFloat16, (hidden,)) for _ in range(3)]
     token_rows = [fake(BFloat16, (batch, hidden)) for _ in range(4)]
-    kernel = AttnResTake(hidden, tp, cluster, rows, counted) if polled else AttnRes(hidden, tp, cluster, rows)
-    box = [fake(BFloat16, (source_rows, hidden))] + [fake(Int32, (1,), align=4), fake(Int64, (2,), align=8)] * polled
+    kernel = (AttnResTake if polled else AttnRes)(hidden, tp, cluster, rows)
+    box = [fake(BFloat16, (source_rows, hidden))] + [fake(Int32, (1,), align=4)] * polled
     return cute.compile(
         kernel, fake(BFloat16, (block_rows, hidden)), token_rows[0], *box, *vectors, *token_rows[1:], Int32(0),
         *[Int32(0), Int32(1)] * polled, Float32(1e-6), fake_stream(), options=compile_options(),
@@ -56,16 +54,16 @@ def unsupported_shape(hidden: int, tp: int, count: int, batch: int = 1) -> str |
 
 
 @functools.cache  # asked by unsupported and the call: built once a shape
-def attn_res_variant(hidden: int, tp: int, count: int, polled: bool, batch: int, counted: bool = False) -> Variant:
+def attn_res_variant(hidden: int, tp: int, count: int, polled: bool, batch: int) -> Variant:
     """A call's variant: H, the sources, N's stash bucket, the batch (its plan: (cluster,
-    stash rows)), ``counted`` (a take's ready counter); the kernel takes the adapter's
-    arguments as they are. Unsupported (why) where no variant takes the shape."""
+    stash rows)); the kernel takes the adapter's arguments as they are. Unsupported (why)
+    where no variant takes the shape."""
     why = unsupported_shape(hidden, tp, count, batch)
     if why:
         raise Unsupported(why)
     rows = stash_rows(count)
     cluster = cluster_for(hidden, batch, rows)
-    return single(lambda: compile_attn_res(hidden, tp, cluster, rows, polled, counted), (cluster, rows))
+    return single(lambda: compile_attn_res(hidden, tp, cluster, rows, polled), (cluster, rows))
 
 
 class AttnResKernel:
@@ -74,12 +72,11 @@ class AttnResKernel:
     check = staticmethod(attn_res_op.check_attn_res)
     polled = False
 
-    def prepare(self, hidden: int, tps, counts, batches=(1,), counted: bool = False) -> None:
+    def prepare(self, hidden: int, tps, counts, batches=(1,)) -> None:
         """Every variant calls with these source counts (TP, or the box's sources), block
-        counts and batches take; ``counted``: a take's with a ready counter."""
+        counts and batches take."""
         buckets = sorted({stash_rows(count) for count in counts})  # a bucket is its own bucket
-        prepare_all(lambda tp=tp, rows=rows, batch=batch: attn_res_variant(hidden, tp, rows, self.polled, batch,
-                                                                           counted)
+        prepare_all(lambda tp=tp, rows=rows, batch=batch: attn_res_variant(hidden, tp, rows, self.polled, batch)
                     for tp in tps for rows in buckets for batch in sorted(set(batches)))
 
     def unsupported_call(self, hidden, tp, count, batch, tensors) -> str | None:
@@ -116,19 +113,16 @@ class AttnResTakeKernel(AttnResKernel):
     def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
         return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
 
-    def take(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed=None,
-             ready=None):
-        """(new_partial, h, h_normed): h_normed into the given rows, if any, and counted into
-        ``ready`` if given."""
+    def take(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed=None):
+        """(new_partial, h, h_normed): h_normed into the given rows, if any."""
         hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
         if MARKS and error.untyped_storage().nbytes() // 4 - error.storage_offset() < MARK_WORDS:
             raise ValueError(f"attn_res_take: with KIMI_OPS_MARKS=1 the kernel records its marks after the error "
                              f"word: error must be the first of {MARK_WORDS} int32 words (DecodeBoxes.marks)")
         outputs = [partial.new_empty((batch, hidden)) for _ in range(2)]
         outputs.append(partial.new_empty((batch, hidden)) if h_normed is None else h_normed)
-        counter = placeholder(partial, torch.int64, elements=2) if ready is None else ready
-        attn_res_variant(hidden, tp, blocks.shape[0], True, batch, ready is not None).run(
-            block_rows(blocks, partial), partial, box.view(-1, hidden), error, counter, query, key_norm_w, out_norm_w,
+        attn_res_variant(hidden, tp, blocks.shape[0], True, batch).run(
+            block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
             *outputs, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
         return tuple(outputs)
 
@@ -138,15 +132,13 @@ class AttnResTakeIntoKernel(AttnResTakeKernel):
 
     check = staticmethod(attn_res_op.check_attn_res_take_into)
 
-    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
-                    ready=None):
+    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
         return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0], batch,
                                      (box, blocks, partial, query, key_norm_w, out_norm_w, h_normed))
 
-    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
-                 ready=None):
+    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
         return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                         h_normed[:batch], ready)[:2]
+                         h_normed[:batch])[:2]
 
 
 def block_rows(blocks, partial):

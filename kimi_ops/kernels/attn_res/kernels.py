@@ -36,9 +36,7 @@ queues the next kernel's prefetch fills (benchmarks/NOTES.md, nineteenth session
 
 ``AttnResTake`` (``kimi::attn_res_take``, ``mailbox_take`` fused): the same kernel, the
 sublayer's rows polled from the box after step 1 (bounded, into the error word), re-armed,
-and only then the wait (for ``partial`` and the outputs). ``counted`` (attn_res_take_into's
-ready counter): once h_normed is stored each CTA adds 8 / ``cluster`` to the counter, 8 a
-token, which the fused shared expert waits for instead of our end.
+and only then the wait (for ``partial`` and the outputs).
 
 Shared memory a CTA: the stash (H = 7168: 1.75 KB a row), 8 bytes a slot per warp and per
 CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 CTAs an
@@ -57,7 +55,7 @@ from cutlass.memory import SmemAllocator
 
 from ...mailbox import TAKE_POLL
 from ..launch import MARKS, PDL
-from ..mailbox import box_row, count_arrival, poll_all, rearm, release_consumed
+from ..mailbox import box_row, poll_all, rearm, release_consumed
 from ..packets import (
     butterfly,
     butterfly_sum,
@@ -377,27 +375,21 @@ class AttnResTake(AttnRes):
     re-arms it; only then does it release its dependents (mailbox.release_consumed) and
     wait for the previous grid, before it reads ``partial`` (the previous AttnRes's) and
     writes the outputs. A thread past its CTA's packets polls
-    nothing: its clamped packet is another thread's, which re-arms it. ``counted``: h_normed's
-    rows counted into ``ready`` once stored (the module doc)."""
-
-    def __init__(self, hidden: int, tp: int, cluster: int, rows: int, counted: bool = False):
-        super().__init__(hidden, tp, cluster, rows)
-        self.counted = counted
+    nothing: its clamped packet is another thread's, which re-arms it."""
 
     @cute.jit
     def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, box: cute.Tensor, error: cute.Tensor,
-                 ready: cute.Tensor, query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor,
-                 new_partial: cute.Tensor, h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32,
-                 capacity: Int32, eps: Float32, stream):
+                 query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor,
+                 h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32,
+                 stream):
         """``box`` [parities · TP · CAP, H]: source s of token b at row first_row + s · CAP + b."""
-        self.launch(self.kernel(blocks, partial, box, error, ready, query, key_norm_w, out_norm_w, new_partial, h,
-                                h_normed, count, first_row, capacity, eps), partial, stream)
+        self.launch(self.kernel(blocks, partial, box, error, query, key_norm_w, out_norm_w, new_partial, h, h_normed,
+                                count, first_row, capacity, eps), partial, stream)
 
     @cute.kernel
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, box: cute.Tensor, error: cute.Tensor,
-               ready: cute.Tensor, query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor,
-               new_partial: cute.Tensor, h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32,
-               capacity: Int32, eps: Float32):
+               query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor,
+               h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32):
         marks = Marks(TAKE_MARKS, MARKS)
         marks.at()
         at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
@@ -421,8 +413,6 @@ class AttnResTake(AttnRes):
         rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
                 + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
         self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks)
-        if cutlass.const_expr(self.counted):
-            count_arrival(ready, 8 // self.cluster)
         marks.store(error)
 
 

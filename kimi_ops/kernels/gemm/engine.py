@@ -145,20 +145,16 @@ class Outputs:
 
 class DecodeGemm:
     """One variant of the engine: a :class:`GemmPlan` and its :class:`Outputs`. A kernel that
-    runs two plans (kernels/gemm/shared.py) gives ``cluster``, its launch's CTAs per cluster
-    (a K group is then ``split`` consecutive CTAs of it), and for a plan whose x does not
-    come from our predecessor's end a ``waiter``: its ``wait(*inputs)`` stands for the PDL
-    wait in x's copier (x is then in). A waiter ``after_predecessor`` waits for that end
-    too and releases the dependents itself; otherwise x comes first, the consumers' PDL wait
-    moves after their MMAs (before their stores) and the producers' idle warps wait and
-    release. Without a waiter, ``release_waited``: the consumers release the dependents once
-    the PDL wait is over."""
+    runs this plan after another one (kernels/gemm/shared.py) gives ``cluster``, its launch's
+    CTAs per cluster (a K group is then ``split`` consecutive CTAs of it), and ``waiter``,
+    whose ``wait(*inputs)`` stands for the PDL wait (x is then in) and releases the
+    dependents itself; the plan before it gives ``release_waited``: its consumers release
+    the dependents once the PDL wait is over."""
 
     def __init__(self, plan: GemmPlan, outputs: Outputs, cluster: int | None = None, waiter=None,
                  release_waited: bool = False):
         self.plan, self.outputs = plan, outputs
         self.cluster, self.waiter, self.release_waited = cluster or plan.split, waiter, release_waited
-        self.early = waiter is not None and not waiter.after_predecessor  # x before our predecessor's end
         assert self.cluster % plan.split == 0, "a K group is split consecutive CTAs of a cluster"
 
     @cute.jit
@@ -241,13 +237,10 @@ class DecodeGemm:
         else:
             if cutlass.const_expr(norm is not None):
                 cute.arch.cluster_wait()
-            if cutlass.const_expr(not self.early):
-                cute.arch.griddepcontrol_wait()  # before our stores (x arrives after the producers')
-                if cutlass.const_expr(self.release_waited):
-                    cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()  # before our stores (x arrives after the producers')
+            if cutlass.const_expr(self.release_waited):
+                cute.arch.griddepcontrol_launch_dependents()
             acc = self.consume(ring, full, empty, warp, lane)
-            if cutlass.const_expr(self.early):
-                cute.arch.griddepcontrol_wait()  # our stores still follow our predecessor's end
             prefetched = self.prefetched(outs, block, part)
             cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer
             cute.arch.cluster_wait()
@@ -298,10 +291,6 @@ class DecodeGemm:
             cute.arch.griddepcontrol_wait()
         elif copier:  # the one warp that reads x
             self.waiter.wait(*inputs)
-        elif cutlass.const_expr(self.early):
-            if producer >= 64:  # the warps with no copies: the dependents' release after our predecessor's end
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
         if producer < 64:  # the other two warps have no copies to issue
             for i in cutlass.range(plan.chunks, unroll=1):
                 slot = i % plan.depth

@@ -249,18 +249,17 @@ class FrontPublishKernel(GemmKernel):
 
 
 # The fused shared expert (kernels/gemm/shared.py): its plans and grid, one compile per
-# (gate/up N, K, down N, T, TP, situ, counted).
+# (gate/up N, K, down N, T, TP, situ).
 
 
 @compiled
-def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, situ: tuple, counted: bool = False):
+def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, situ: tuple):
     batch, inner = cute.sym_int(), n_gate_up // 2
     return cute.compile(
-        SharedExpert(shared_plan(n_gate_up, k, n_down, tokens), situ, tp, counted),
+        SharedExpert(shared_plan(n_gate_up, k, n_down, tokens), situ, tp),
         fake(BFloat16, (batch, k)), fake(BFloat16, (n_gate_up, k)), fake(BFloat16, (batch, inner)),
         fake(BFloat16, (n_down, inner)), fake(Float32, (1, 1)), fake(Int64, (tp,), align=8),
-        fake(Int64, (1,), align=8), fake(Int32, (1,), align=4), fake(Int64, (2,), align=8), Int32(0), fake_stream(),
-        options=compile_options(),
+        fake(Int64, (1,), align=8), fake(Int32, (1,), align=4), Int32(0), fake_stream(), options=compile_options(),
     )
 
 
@@ -289,8 +288,7 @@ def shared_plan(n_gate_up: int, k: int, n_down: int, tokens: int) -> SharedPlan:
 
 
 @functools.cache  # asked by unsupported and the call, as gemm_variant
-def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, situ: tuple,
-                   counted: bool = False) -> Variant:
+def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, situ: tuple) -> Variant:
     why = unsupported_shape(n_gate_up, k, batch, 0, owned_rows(situ)) or unsupported_shape(n_down, n_gate_up // 2, batch)
     if why:
         raise Unsupported(why)
@@ -299,7 +297,7 @@ def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, sit
     if (n_down // tp) % TILE:
         raise Unsupported(f"the fused shared expert's down stores a CTA's {TILE} rows into one owner: N/TP must be a "
                           f"multiple of them (N={n_down}, TP={tp})")
-    return engine_variant(lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ, counted), plan)
+    return engine_variant(lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ), plan)
 
 
 class SharedExpertKernel(GemmKernel):
@@ -309,9 +307,9 @@ class SharedExpertKernel(GemmKernel):
     check = staticmethod(oproj_op.check_shared_expert_push)
     writes = "stores 16-byte packets: x, the weights, act and the boxes must be"
 
-    def variant(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error, ready=None):
+    def variant(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
         return shared_variant(w_gate_up.shape[0], w_gate_up.shape[1], w_down.shape[0], x.shape[0], len(rs_boxes),
-                              (float(beta), float(linear_beta)), ready is not None)
+                              (float(beta), float(linear_beta)))
 
     def unsupported(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, *rest):
         if not aligned(x, w_gate_up, w_down, act, *rs_boxes):
@@ -332,20 +330,17 @@ class SharedExpertKernel(GemmKernel):
             for tokens in TOKEN_TILES)
 
     def prepare(self, n_gate_up: int, k: int, n_down: int, beta: float, linear_beta: float, tp: int, batches=None,
-                peer_lists=(), counted: bool = False) -> None:
-        """``counted``: the calls with x's ready counter."""
+                peer_lists=()) -> None:
         prepare_all(lambda tokens=tokens: shared_variant(n_gate_up, k, n_down, tokens, tp,
-                                                         (float(beta), float(linear_beta)), counted)
+                                                         (float(beta), float(linear_beta)))
                     for tokens in tokens_of(batches))
         register_addresses(peer_lists)
 
-    def __call__(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error,
-                 ready=None):
+    def __call__(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
         batch = x.shape[0]
-        counter = placeholder(x, torch.int64, elements=2) if ready is None else ready
-        self.variant(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error, ready).run(
+        self.variant(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error).run(
             x, w_gate_up, tma_rows(act[:batch]), w_down, placeholder(x, torch.float32, 2), addresses(rs_boxes),
-            ticket, error, counter, box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]),
+            ticket, error, box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]),
         )
 
 

@@ -30,15 +30,6 @@ the barrier's waiters), not at entry: a dependent that does not wait for our end
 decoder's route poll, runtime/prepared.py) then starts after our predecessor ended, as if
 it followed it. A dependent launches only once every CTA of ours has released it, so the
 whole grid is resident by then and the barrier cannot starve.
-
-``counted`` (x's ready counter, :class:`InputReady`): x's writer, attn_res_take_into, counts
-h_normed's rows once stored, and x's copier waits for that count instead of the PDL wait,
-so the gate/up's MMAs run beside our predecessor (the decoder's front publish, which reads
-the same x): on the H100 timeline that predecessor ended 5.6 µs after x was in
-(benchmarks/NOTES.md, nineteenth session). The consumers' PDL wait then comes after their
-MMAs, before their stores, and the producers' two idle warps wait and release instead.
-The count is safe where x's writer itself waited for every kernel before it (the decoder's
-take does): then nothing we write is still read.
 """
 
 import cutlass
@@ -46,10 +37,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ...mailbox import SHARED_BARRIER, SHARED_INPUT
+from ...mailbox import SHARED_BARRIER
 from ..launch import PDL
-from ...ops.attn_res import READY_PER_TOKEN
-from ..mailbox import POLL_TIMEOUT_NS, pass_arrivals
+from ..mailbox import POLL_TIMEOUT_NS
 from ..ptx import nap
 from .engine import DecodeGemm, Outputs
 from .plan import THREADS, GemmPlan
@@ -70,8 +60,6 @@ class GridBarrier:
     ``ticket`` the counter, ``target`` a shared word that :meth:`arrive` fills for
     :meth:`wait` (arguments: an ``if`` of the DSL carries no object that holds tensors).
     The down's :class:`DecodeGemm` holds it as its ``waiter``."""
-
-    after_predecessor = True  # wait() waits for our predecessor's end and releases the dependents
 
     def __init__(self, grid: int):
         self.grid = grid
@@ -109,50 +97,26 @@ class GridBarrier:
         cute.arch.fence_proxy("async.global")
 
 
-class InputReady:
-    """The gate/up's wait for x's ready count (``counted``, the module doc): READY_PER_TOKEN
-    a token, passed by each of the ``ctas`` gate/up CTAs' x copier warp (its lane 0, bounded:
-    SHARED_INPUT into the error word), the last zeroing the counter. The gate/up's
-    :class:`DecodeGemm` holds it as its ``waiter``."""
-
-    after_predecessor = False  # x is in before our predecessor's end
-
-    def __init__(self, ctas: int):
-        self.ctas = ctas
-
-    @cute.jit
-    def wait(self, ready: cute.Tensor, error: cute.Tensor, batch):
-        if cute.arch.lane_idx() == 0:
-            pass_arrivals(ready, Int64(READY_PER_TOKEN) * Int64(batch), self.ctas, error, SHARED_INPUT)
-        cute.arch.sync_warp()
-        cute.arch.fence_proxy("async.global")  # then our TMA reads of x
-
-
 class SharedExpert:
     """The kernel of one :class:`SharedPlan`: ``situ`` (beta, linear_beta), the down's
-    reduce-scatter over ``tp`` boxes; ``counted``: x's copier waits for x's ready count (the
-    module doc)."""
+    reduce-scatter over ``tp`` boxes."""
 
-    def __init__(self, plan: SharedPlan, situ: tuple, tp: int, counted: bool = False):
-        self.plan, self.counted = plan, counted
+    def __init__(self, plan: SharedPlan, situ: tuple, tp: int):
+        self.plan = plan
         cluster = plan.gate_up.split
-        gate_up_outputs = Outputs(plan.gate_up.n, situ=situ)
-        if counted:
-            self.gate_up = DecodeGemm(plan.gate_up, gate_up_outputs, waiter=InputReady(plan.gate_up.ctas))
-        else:
-            self.gate_up = DecodeGemm(plan.gate_up, gate_up_outputs, release_waited=True)
+        self.gate_up = DecodeGemm(plan.gate_up, Outputs(plan.gate_up.n, situ=situ), release_waited=True)
         self.down = DecodeGemm(plan.down, Outputs(plan.down.n, tp=tp, scatter=True), cluster, GridBarrier(plan.grid))
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w_gate_up: cute.Tensor, act: cute.Tensor, w_down: cute.Tensor,
-                 second: cute.Tensor, peers: cute.Tensor, ticket: cute.Tensor, error: cute.Tensor, ready: cute.Tensor,
-                 row0: Int32, stream):
+                 second: cute.Tensor, peers: cute.Tensor, ticket: cute.Tensor, error: cute.Tensor, row0: Int32,
+                 stream):
         gate_up_copy, gate_up_boxes = self.gate_up.weight_copy(w_gate_up)
         x_copy, x_boxes = self.gate_up.x_copy(x)
         down_copy, down_boxes = self.down.weight_copy(w_down)
         act_copy, act_boxes = self.down.x_copy(act)
         self.kernel(gate_up_copy, gate_up_boxes, x_copy, x_boxes, down_copy, down_boxes, act_copy, act_boxes, x, act,
-                    second, peers, ticket, error, ready, row0).launch(
+                    second, peers, ticket, error, row0).launch(
             grid=[self.plan.grid, 1, 1], block=[THREADS, 1, 1], cluster=[self.plan.gate_up.split, 1, 1],
             stream=stream, use_pdl=PDL, min_blocks_per_mp=1)
 
@@ -160,7 +124,7 @@ class SharedExpert:
     def kernel(self, gate_up_copy: cute.CopyAtom, gate_up_boxes: cute.Tensor, x_copy: cute.CopyAtom,
                x_boxes: cute.Tensor, down_copy: cute.CopyAtom, down_boxes: cute.Tensor, act_copy: cute.CopyAtom,
                act_boxes: cute.Tensor, x: cute.Tensor, act: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
-               ticket: cute.Tensor, error: cute.Tensor, ready: cute.Tensor, row0: Int32):
+               ticket: cute.Tensor, error: cute.Tensor, row0: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -169,7 +133,7 @@ class SharedExpert:
         # (a plan's CTAs are whole clusters: a cluster past one plan's CTAs skips it whole)
         if cta < plan.gate_up.ctas:
             self.gate_up.body(gate_up_copy, gate_up_boxes, (x_copy, x_boxes), x, (act, second, peers, 0, 0, 0),
-                              storage=(full, ring), inputs=(ready, error, x.shape[0]))
+                              storage=(full, ring))
         self.down.waiter.arrive(tid, ticket, target)
         cute.arch.fence_proxy("async.shared", space="cta")  # the epilogue's reads of the ring, then TMA's writes
         if cta < plan.down.ctas:
