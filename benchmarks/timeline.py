@@ -16,7 +16,10 @@ matplotlib is installed, a Gantt PNG.
 
 ``--marks`` (with KIMI_OPS_MARKS=1, compiled in: kernels/launch.py) adds what CUPTI cannot
 see: for each marked kernel of the step (AttnResTake), CTA 0's phases, µs after its start
-(the median replay of each), and the µs from its last mark to the grid's end (CUPTI's).
+(the median replay of each), and the µs from its last mark to the grid's end (CUPTI's); and
+for the fused shared expert's last launch (the last layer's, last replay), every CTA's
+phases: how many CTAs stamped each, and the min / median / max µs after its first CTA's
+start (where a CTA waited for an SM, for x, for the barrier).
 
     python -m benchmarks.timeline [--tp8-rank] [--batches 1 8 64] [--out DIR] [--marks]
 """
@@ -31,7 +34,7 @@ import torch
 import kimi_ops  # noqa: F401
 from kimi_ops import KimiDecoder
 from kimi_ops.debug import KimiOpMode, tensors, weight_labels
-from kimi_ops.kernels.launch import MARK_COUNT, MARK_FIRST, MARK_RECORD, MARK_RECORDS, MARKS
+from kimi_ops.kernels.launch import MARK_COUNT, MARK_FIRST, MARK_RECORD, MARK_RECORDS, MARKS, STAMP_CTAS, STAMP_FIRST
 
 from .bench_layer import (
     LAYERS,
@@ -125,6 +128,7 @@ def replayed(decoder, hidden, slots, marks=None) -> list[list[dict]]:
         graph, _ = capture(lambda: decoder(hidden, slots), warmups=1)
     if marks is not None:
         marks[MARK_COUNT] = 0
+        marks[STAMP_FIRST:] = 0
     flush = torch.empty(int(2 * L2_BYTES), dtype=torch.uint8, device=hidden.device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -204,6 +208,25 @@ def marks_table(words: torch.Tensor, rows: list[dict], replays: int) -> list[dic
         row = marked[i] if i < len(marked) else {"op": kernel, "where": "?", "busy": float("nan")}
         out.append({"op": row["op"], "where": row["where"], "phases": dict(zip(phases, median)),
                     "to_grid_end": row["busy"] - median[-1]})
+    return out
+
+
+def stamps_table(words: torch.Tensor, phases: tuple) -> list[dict]:
+    """The Stamps (kernels.values) of the last launch that stamped ``phases`` from
+    STAMP_FIRST on: per phase, the CTAs that stamped it and the min / median / max µs after
+    the first CTA's start (phase 0)."""
+    pairs = words[STAMP_FIRST:STAMP_FIRST + STAMP_CTAS * len(phases) * 4].cpu().view(torch.int64)
+    times = pairs.view(STAMP_CTAS, len(phases), 2)[:, :, 0].tolist()  # (%globaltimer, %clock64) pairs
+    ctas = [row for row in times if row[0]]
+    if not ctas:
+        return []
+    first = min(row[0] for row in ctas)
+    out = []
+    for k, phase in enumerate(phases):
+        values = sorted((row[k] - first) / 1e3 for row in ctas if row[k])
+        if values:
+            out.append({"phase": phase, "ctas": len(values), "min": values[0], "median": statistics.median(values),
+                        "max": values[-1]})
     return out
 
 
@@ -303,6 +326,11 @@ def main(argv=None) -> dict:
         if args.marks:
             result["marks"] = marks_table(words, result["rows"], REPLAYS)
             print_marks(result["marks"])
+            from kimi_ops.kernels.gemm.shared import SHARED_PHASES  # CuTe DSL: only where the kernels run
+
+            result["shared_stamps"] = stamps_table(words, SHARED_PHASES)
+            print_table([(s["phase"], s["ctas"], s["min"], s["median"], s["max"]) for s in result["shared_stamps"]],
+                        ("shared expert, last launch", "CTAs", "min", "median", "max"))
         png = os.path.join(args.out, f"timeline_{name}{'_' * bool(suffix)}{suffix}_B{batch}.png")
         if gantt(result, title, png):
             print("wrote", png)

@@ -14,6 +14,7 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 from kimi_ops.kernels.attn_res import host as attn_res  # noqa: E402
 from kimi_ops.kernels.attn_res import kernels as attn_res_kernels  # noqa: E402
 from kimi_ops.kernels.attn_res import plan as attn_res_plan  # noqa: E402
+from kimi_ops.kernels import launch  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, TAKE_POLL, KimiMailboxError, canonical, raise_if_error  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
@@ -51,7 +52,7 @@ def test_the_take_compiles_with_marks(monkeypatch, clean_ptxas):
 def test_marks_need_their_words_after_the_error_word(monkeypatch):
     """KIMI_OPS_MARKS: a take whose error word has no marks' words behind it is refused
     before any launch (its records would land past the word)."""
-    monkeypatch.setattr(attn_res, "MARKS", True)
+    monkeypatch.setattr(launch, "MARKS", True)
     box, partial = torch.zeros(1, 1, 4, TINY, dtype=torch.bfloat16), torch.zeros(1, TINY, dtype=torch.bfloat16)
     weights = [torch.ones(TINY, dtype=torch.bfloat16)] * 3
     with pytest.raises(ValueError, match="error must be the first of .* int32 words"):

@@ -71,6 +71,26 @@ def test_shared_expert_compiles(tp, tokens, clean_ptxas):
     clean_ptxas()
 
 
+def test_shared_expert_compiles_with_stamps(monkeypatch, clean_ptxas):
+    """KIMI_OPS_MARKS (kernels.values.Stamps): every CTA's phases compiled in, a 16-byte store
+    each (the build is not cached: the setting is read at import, and the cache's key holds it)."""
+    from kimi_ops.kernels.gemm import shared
+
+    monkeypatch.setattr(shared, "MARKS", True)
+    assert gemm.compile_shared.build(1536, 7168, 7168, 8, 1, (1.0, 0.0)) is not None
+    clean_ptxas()
+
+
+def test_the_shared_expert_needs_the_marks_words_with_marks(monkeypatch):
+    """KIMI_OPS_MARKS: a shared expert whose error word has no marks' words behind it is
+    refused before any launch (its stamps would land past the word)."""
+    from kimi_ops.kernels import launch
+
+    monkeypatch.setattr(launch, "MARKS", True)
+    with pytest.raises(ValueError, match="shared_expert_push: .* error must be the first of .* int32 words"):
+        gemm.SharedExpertKernel()(*[None] * 10, torch.zeros(1, dtype=torch.int32))
+
+
 def test_shared_expert_grid_is_one_size_and_resident():
     """The fused grid: every bucket's, whole clusters, resident at once, room for both plans."""
     for tp in (2, 8):

@@ -85,3 +85,31 @@ def test_the_marks_table_takes_each_launchs_median_phases():
     with pytest.raises(RuntimeError, match="overran"):
         timeline.marks_table(words, rows, replays=2)
 
+
+
+def test_the_stamps_table_takes_every_ctas_phases():
+    """The fused shared expert's Stamps (kernels.values: per CTA, per phase an int64 pair
+    (%globaltimer, %clock64) from STAMP_FIRST on): per phase the CTAs that stamped it and
+    the min / median / max µs after the first CTA's start; a phase no CTA stamped is left out,
+    and so is a CTA that never started (zeros)."""
+    import torch
+
+    from kimi_ops.kernels.launch import MARK_WORDS, STAMP_CTAS, STAMP_FIRST
+
+    phases = ("start", "x in", "never", "stored")
+    words = torch.zeros(MARK_WORDS, dtype=torch.int32)
+    stamps = words[STAMP_FIRST:STAMP_FIRST + STAMP_CTAS * len(phases) * 4]
+    pairs = stamps.view(torch.int64).view(STAMP_CTAS, len(phases), 2)
+    base = 5 * 10**9
+    for cta, (start, x_in, stored) in enumerate(((2000, 3000, 9000), (0, 5000, 8000), (1000, None, 7000))):
+        pairs[cta, 0, 0], pairs[cta, 3, 0] = base + start, base + stored
+        if x_in is not None:
+            pairs[cta, 1, 0] = base + x_in
+        pairs[cta, :, 1] = 12345  # the clock, unread
+    table = {row["phase"]: row for row in timeline.stamps_table(words, phases)}
+    assert list(table) == ["start", "x in", "stored"]
+    assert (table["start"]["ctas"], table["start"]["min"], table["start"]["median"], table["start"]["max"]) == \
+        (3, 0.0, 1.0, 2.0)
+    assert (table["x in"]["ctas"], table["x in"]["min"], table["x in"]["max"]) == (2, 3.0, 5.0)
+    assert table["stored"]["median"] == pytest.approx(8.0)
+    assert timeline.stamps_table(torch.zeros(MARK_WORDS, dtype=torch.int32), phases) == []

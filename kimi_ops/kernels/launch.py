@@ -68,15 +68,27 @@ CARVEOUT = percent_setting("KIMI_OPS_SMEM_CARVEOUT")
 GEMM_ROOM = kb_setting("KIMI_OPS_GEMM_ROOM")
 
 # KIMI_OPS_MARKS=1: kernels that carry marks (AttnResTake) record %globaltimer at each phase
-# of CTA 0 into the words after their rank's error word (kernels.values.Marks;
-# benchmarks/timeline.py --marks prints them): the CTA-level view CUPTI's kernel records
-# lack. Off: compiled out, and the error word is one word. Part of the cache key.
+# of CTA 0 into the words after their rank's error word (kernels.values.Marks), and the
+# fused shared expert every CTA's phases (kernels.values.Stamps; benchmarks/timeline.py
+# --marks prints both): the CTA-level view CUPTI's kernel records lack. Off: compiled out,
+# and the error word is one word. Part of the cache key.
 MARKS = flag_setting("KIMI_OPS_MARKS")
 # The marks' words (int32) after the error word: word MARK_COUNT counts the records taken,
 # records of MARK_RECORD words (the kind, then each phase's time, int64) from word
-# MARK_FIRST on, MARK_RECORDS of them (a power of 2: the count wraps into them)
+# MARK_FIRST on, MARK_RECORDS of them (a power of 2: the count wraps into them); then from
+# word STAMP_FIRST the stamps, up to STAMP_CTAS CTAs × STAMP_PHASES phases of int64 pairs
+# (%globaltimer, %clock64), each launch's over the last's
 MARK_COUNT, MARK_FIRST, MARK_RECORD, MARK_RECORDS = 1, 16, 32, 4096
-MARK_WORDS = MARK_FIRST + MARK_RECORD * MARK_RECORDS
+STAMP_FIRST, STAMP_CTAS, STAMP_PHASES = MARK_FIRST + MARK_RECORD * MARK_RECORDS, 256, 8
+MARK_WORDS = STAMP_FIRST + STAMP_CTAS * STAMP_PHASES * 4
+
+
+def check_marks_room(op: str, error) -> None:
+    """With MARKS, a marked kernel writes after its error word: ``error`` must be the first
+    of MARK_WORDS int32 words (DecodeBoxes.marks)."""
+    if MARKS and error.untyped_storage().nbytes() // 4 - error.storage_offset() < MARK_WORDS:
+        raise ValueError(f"{op}: with KIMI_OPS_MARKS=1 the kernel records its marks after the error word: error "
+                         f"must be the first of {MARK_WORDS} int32 words (DecodeBoxes.marks)")
 
 
 def launch(kernel, grid, stream, min_blocks_per_mp: int = 0) -> None:

@@ -39,6 +39,10 @@ class Stamps(Values):
     def __init__(self, phases: tuple, on: bool, buffer: cute.Tensor, cta, tid, first: int = 0):
         self.phases, self.on, self.buffer, self.cta, self.tid, self.first = phases, on, buffer, cta, tid, first
 
+    def by(self, thread) -> "Stamps":
+        """The same clock, stamped where ``thread`` is 0 (a warp's lane) instead of thread 0."""
+        return Stamps(self.phases, self.on, self.buffer, self.cta, thread, self.first)
+
     @cute.jit
     def at(self, phase: cutlass.Constexpr):
         if cutlass.const_expr(self.on):

@@ -45,7 +45,8 @@ class DecodeBoxes(nn.Module):
     - ``sync`` [1, TP, 1, 8]: the group barrier's tickets, a packet per rank
       (``kimi::group_barrier``; multi-process groups only call it);
     - ``error`` [1] int32 per rank: bits of the polls that found nothing; with KIMI_OPS_MARKS,
-      the first word of ``marks`` [MARK_WORDS] (kernels.values.Marks' records follow it);
+      the first word of ``marks`` [MARK_WORDS] (kernels.values.Marks' records and the fused
+      shared expert's Stamps follow it);
     - ``ticket`` [1] int64 per rank: the group barrier's monotonic counter;
     - ``shared_act`` [CAP, S/TP] BF16 and ``shared_ticket`` [1] int64 per rank: the fused
       shared expert's activations (its down reads them) and its grid barrier's counter

@@ -11,7 +11,7 @@ from ...mailbox import box_row as host_box_row
 from ...ops import attn_res as attn_res_op
 from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
-from ..launch import MARK_WORDS, MARKS, SMEM_BYTES
+from ..launch import SMEM_BYTES, check_marks_room
 from ..variant import Unsupported, Variant, prepare_all, reason, single
 from .kernels import (
     AttnRes,
@@ -116,9 +116,7 @@ class AttnResTakeKernel(AttnResKernel):
     def take(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed=None):
         """(new_partial, h, h_normed): h_normed into the given rows, if any."""
         hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
-        if MARKS and error.untyped_storage().nbytes() // 4 - error.storage_offset() < MARK_WORDS:
-            raise ValueError(f"attn_res_take: with KIMI_OPS_MARKS=1 the kernel records its marks after the error "
-                             f"word: error must be the first of {MARK_WORDS} int32 words (DecodeBoxes.marks)")
+        check_marks_room("attn_res_take", error)
         outputs = [partial.new_empty((batch, hidden)) for _ in range(2)]
         outputs.append(partial.new_empty((batch, hidden)) if h_normed is None else h_normed)
         attn_res_variant(hidden, tp, blocks.shape[0], True, batch).run(

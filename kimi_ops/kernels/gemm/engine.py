@@ -192,13 +192,15 @@ class DecodeGemm:
         self.body(w_copy, w_boxes, (x_copy, x_boxes), x, (first, second, peers, row0, col0, col1))
 
     @cute.jit
-    def body(self, w_copy, w_boxes, x_load, x, outs, norm=None, storage=None, inputs=None):
+    def body(self, w_copy, w_boxes, x_load, x, outs, norm=None, storage=None, inputs=None, stamped=None):
         """The engine, whatever the epilogue: ``x_load`` x's TMA descriptor and boxes;
         ``outs`` :meth:`finish`'s arguments; ``norm`` (gamma, eps): x holds raw rows,
         RMS-normalized on their way into shared memory by the producers' loads
         (:meth:`produce_normalized`; ``x_load`` unused). A kernel that runs two plans
         (kernels/gemm/shared.py) gives ``storage``, the barriers and the ring sized for
-        both, and for the second ``inputs``, the waiter's arguments."""
+        both, and for the second ``inputs``, the waiter's arguments; ``stamped`` (its
+        :class:`~..values.Stamps`, the names of three phases): x in (the waiter's copier),
+        the MMAs done and the stores issued (the consumers' thread 0)."""
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -230,7 +232,7 @@ class DecodeGemm:
             if cutlass.const_expr(norm is not None):
                 self.produce_normalized(w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, *norm)
             else:
-                self.produce(w_copy, w_boxes, x_load, ring, full, empty, block, part, producer, inputs)
+                self.produce(w_copy, w_boxes, x_load, ring, full, empty, block, part, producer, inputs, stamped)
             for _ in cutlass.range_constexpr(2):  # the consumers' two cluster barriers
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -241,6 +243,8 @@ class DecodeGemm:
             if cutlass.const_expr(self.release_waited):
                 cute.arch.griddepcontrol_launch_dependents()
             acc = self.consume(ring, full, empty, warp, lane)
+            if cutlass.const_expr(stamped is not None):
+                stamped[0].at(stamped[1][1])
             prefetched = self.prefetched(outs, block, part)
             cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer
             cute.arch.cluster_wait()
@@ -249,6 +253,8 @@ class DecodeGemm:
             cute.arch.cluster_wait()
             self.finish(cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(plan.receive_bytes // 4)),
                         x.shape[0], block, part, tid, *prefetched)
+            if cutlass.const_expr(stamped is not None):
+                stamped[0].at(stamped[1][2])
 
     @staticmethod
     def allocate(depth: int, ring_bytes: int):
@@ -266,7 +272,7 @@ class DecodeGemm:
         return cute.arch.block_idx_in_cluster() - part
 
     @cute.jit
-    def produce(self, w_copy, w_boxes, x_load, ring, full, empty, block, part, producer, inputs=None):
+    def produce(self, w_copy, w_boxes, x_load, ring, full, empty, block, part, producer, inputs=None, stamped=None):
         """Producer thread ``producer`` of the warpgroup. Warp 0 streams the CTA's weight
         chunks by TMA: the plan's ``pace`` before the PDL wait, then ``paced`` until x's first chunk is in
         (a full ring queued ahead of x would hold x's loads behind it), then as the
@@ -291,6 +297,9 @@ class DecodeGemm:
             cute.arch.griddepcontrol_wait()
         elif copier:  # the one warp that reads x
             self.waiter.wait(*inputs)
+        if cutlass.const_expr(stamped is not None):
+            if copier:
+                stamped[0].by(lane).at(stamped[1][0])
         if producer < 64:  # the other two warps have no copies to issue
             for i in cutlass.range(plan.chunks, unroll=1):
                 slot = i % plan.depth

@@ -17,6 +17,7 @@ from ...ops import oproj as oproj_op
 from ...ops.oproj import PAIRED
 from ..arguments import addresses, aligned, placeholder, register_addresses, tma_rows
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from ..launch import check_marks_room
 from ..ring import CHUNK
 from ..variant import Unsupported, Variant, prepare_all, reason
 from .engine import DecodeGemm, Outputs
@@ -337,6 +338,7 @@ class SharedExpertKernel(GemmKernel):
         register_addresses(peer_lists)
 
     def __call__(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
+        check_marks_room("shared_expert_push", error)  # MARKS: every CTA's stamps after the error word
         batch = x.shape[0]
         self.variant(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error).run(
             x, w_gate_up, tma_rows(act[:batch]), w_down, placeholder(x, torch.float32, 2), addresses(rs_boxes),

@@ -38,11 +38,18 @@ from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ...mailbox import SHARED_BARRIER
-from ..launch import PDL
+from ..launch import MARKS, PDL, STAMP_FIRST
 from ..mailbox import POLL_TIMEOUT_NS
 from ..ptx import nap
+from ..values import Stamps
 from .engine import DecodeGemm, Outputs
 from .plan import THREADS, GemmPlan
+
+
+# KIMI_OPS_MARKS: every CTA's phases (kernels.values.Stamps after the marks' records;
+# benchmarks/timeline.py --marks): the gate/up's x in (CTAs past its plan stamp none), MMAs
+# done and act stored, the barrier passed, the down's MMAs done and its stores issued
+SHARED_PHASES = ("start", "x in", "gate/up MMAs", "act stored", "barrier passed", "down MMAs", "down stored")
 
 
 class SharedPlan:
@@ -128,14 +135,17 @@ class SharedExpert:
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        stamps = Stamps(SHARED_PHASES, MARKS, error, cta, tid, STAMP_FIRST // 4)
+        stamps.at("start")
         full, ring = DecodeGemm.allocate(plan.depth, plan.ring_bytes)
         target = SmemAllocator().allocate_tensor(Int64, cute.make_layout(1), 8)
         # (a plan's CTAs are whole clusters: a cluster past one plan's CTAs skips it whole)
         if cta < plan.gate_up.ctas:
             self.gate_up.body(gate_up_copy, gate_up_boxes, (x_copy, x_boxes), x, (act, second, peers, 0, 0, 0),
-                              storage=(full, ring))
+                              storage=(full, ring), stamped=(stamps, SHARED_PHASES[1:4]))
         self.down.waiter.arrive(tid, ticket, target)
         cute.arch.fence_proxy("async.shared", space="cta")  # the epilogue's reads of the ring, then TMA's writes
         if cta < plan.down.ctas:
             self.down.body(down_copy, down_boxes, (act_copy, act_boxes), act, (act, second, peers, row0, 0, 0),
-                           storage=(full + 2 * plan.gate_up.depth, ring), inputs=(ticket, target, error))
+                           storage=(full + 2 * plan.gate_up.depth, ring), inputs=(ticket, target, error),
+                           stamped=(stamps, SHARED_PHASES[4:]))
