@@ -38,7 +38,7 @@ from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ...mailbox import SHARED_BARRIER
-from ..launch import MARKS, PDL, STAMP_FIRST
+from ..launch import MARKS, PDL, STAMP_CTAS, STAMP_FIRST, STAMP_PHASES
 from ..mailbox import POLL_TIMEOUT_NS
 from ..ptx import nap
 from ..values import Stamps
@@ -109,6 +109,7 @@ class SharedExpert:
     reduce-scatter over ``tp`` boxes."""
 
     def __init__(self, plan: SharedPlan, situ: tuple, tp: int):
+        assert plan.grid <= STAMP_CTAS and len(SHARED_PHASES) <= STAMP_PHASES, "the stamps fit their words"
         self.plan = plan
         cluster = plan.gate_up.split
         self.gate_up = DecodeGemm(plan.gate_up, Outputs(plan.gate_up.n, situ=situ), release_waited=True)
