@@ -167,9 +167,15 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
     unit("oproj_push shared down", lambda w: kimi.oproj_push(act, w, rs_boxes, front.parity, 0), front.shared_down,
          in_layer=not fused)
     shared_act, shared_ticket = boxes.shared(0)
+    inside = front.fronts_shared()
     unit("shared_expert_push (the two above, one launch)", lambda g, d: kimi.shared_expert_push(
         x, g, d, 1.0, 0.0, shared_act, shared_ticket, rs_boxes, front.parity, 0, error),
-        front.shared_gate_up, front.shared_down, in_layer=fused)
+        front.shared_gate_up, front.shared_down, in_layer=fused and not inside)
+    # in the layer its route poll is timed with the front publish's unit above
+    unit("moe_front_shared_push (the front publish and the shared expert, one launch)",
+         lambda f, g, d: kimi.moe_front_shared_push(x, f, c.experts, front_boxes, g, d, 1.0, 0.0, shared_act,
+                                                    shared_ticket, rs_boxes, front.parity, 0, error),
+         front.front, front.shared_gate_up, front.shared_down, in_layer=inside)
     shared = kimi.oproj(act, front.shared_down)  # the same rows, for the tail chain's push
     unit("moe_tail_push", lambda: kimi.moe_tail_push(shared, rs_boxes, front.parity, 0), in_layer=False)
     expanded = unit("routed experts (stand-in)", lambda g, d: kimi.routed_experts(latent, ids, g, d, 0, 1),
@@ -283,7 +289,8 @@ def replays_equal(decoder, hidden, slots, replays: int) -> int:
 def add_ab_options(parser) -> None:
     """The A/B arms of issue 37's chain: the token groups from which the polled tail runs
     as the wave (PollNormFront + WaveMoeTail) instead of MoeTail, those up to which the
-    wave runs its own front (one launch), and the fused shared expert's place in the chain. The compiled-in arms are settings of the environment
+    wave runs its own front (one launch), the fused shared expert's place in the chain and the front's publish inside it. The
+    compiled-in arms are settings of the environment
     (kimi_ops/kernels/launch.py), named in the title and the JSON: KIMI_OPS_SMEM_CARVEOUT
     (every kernel's preferred shared-memory carveout, %) and KIMI_OPS_GEMM_ROOM (KB every
     decode-GEMM ring leaves its SM)."""
@@ -294,6 +301,9 @@ def add_ab_options(parser) -> None:
     parser.add_argument("--shared-last", action="store_true",
                         help="the fused shared expert after the routed experts, routing waiting for its "
                              "predecessor (the chain before it led)")
+    parser.add_argument("--front-apart", action="store_true",
+                        help="the front's publish in a launch of its own before the fused shared expert "
+                             "(not inside it: kimi::moe_front_shared_push)")
 
 
 def apply_ab_options(args) -> None:
@@ -315,6 +325,7 @@ def apply_chain_options(decoder, args) -> None:
     its first (eager) call, before any capture."""
     for layer in decoder.layers:
         layer[0].front.shared_first &= not args.shared_last
+        layer[0].front.front_inside &= not args.front_apart
 
 
 def ab_label(args) -> str:
@@ -322,7 +333,7 @@ def ab_label(args) -> str:
     return "".join([f" carveout {CARVEOUT}"] * (CARVEOUT is not None) + [f" room {GEMM_ROOM // 1024} KB"] * bool(GEMM_ROOM)
                    + [f" wave from {args.wave_from_groups}"] * bool(args.wave_from_groups)
                    + [f" wave front to {args.wave_front_groups}"] * bool(args.wave_front_groups)
-                   + [" shared last"] * args.shared_last)
+                   + [" shared last"] * args.shared_last + [" front apart"] * args.front_apart)
 
 
 def ab_settings(args) -> dict:
@@ -335,7 +346,7 @@ def ab_arguments(args) -> list[str]:
     """The arm's options, for without_pdl's child (which inherits the environment's)."""
     return (["--wave-from-groups", str(args.wave_from_groups)] * bool(args.wave_from_groups)
             + ["--wave-front-groups", str(args.wave_front_groups)] * bool(args.wave_front_groups)
-            + ["--shared-last"] * args.shared_last)
+            + ["--shared-last"] * args.shared_last + ["--front-apart"] * args.front_apart)
 
 
 def without_pdl(args) -> dict:

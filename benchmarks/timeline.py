@@ -337,7 +337,7 @@ def main(argv=None) -> dict:
     path = os.path.join(args.out, f"timeline_{name}{'_' * bool(suffix)}{suffix}.json")
     with open(path, "w") as f:
         json.dump({"config": name, "layers": LAYERS, "replays": REPLAYS, "device": torch.cuda.get_device_name(),
-                   **ab_settings(args), "shared_last": args.shared_last,
+                   **ab_settings(args), "shared_last": args.shared_last, "front_apart": args.front_apart,
                    "batches": {str(b): r for b, r in results.items()}}, f, indent=1)
     print("wrote", path)
     return results

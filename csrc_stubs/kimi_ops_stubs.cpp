@@ -23,6 +23,7 @@ TORCH_LIBRARY(kimi, m) {
   m.def("oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()");
   m.def("shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act, Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()");
   m.def("moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity, int rank) -> ()");
+  m.def("moe_front_shared_push(Tensor x, Tensor w_front, int n_logits, Tensor(a!)[] front_boxes, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(b!) act, Tensor(c!) ticket, Tensor(d!)[] rs_boxes, int parity, int rank, Tensor(e!) error) -> ()");
   m.def("moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error, Tensor(c!)? ready=None) -> (Tensor ids, Tensor weights, Tensor latent)");
   m.def("routed_experts_counted(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int rank, int tp, Tensor(a!) ready, Tensor(b!) error) -> Tensor");
   m.def("moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()");

@@ -27,7 +27,7 @@ from .ops import OPS
 from .schemas import NAMESPACE
 
 # Boxes whose rows hold FP32 words as BF16 pairs (the front row's logits): compared as bits.
-WORD_BOXES = {("moe_front_publish", "boxes")}
+WORD_BOXES = {("moe_front_publish", "boxes"), ("moe_front_shared_push", "front_boxes")}
 
 
 class KimiOpMode(TorchDispatchMode):

@@ -68,6 +68,11 @@ SCHEMAS: dict[str, str] = {
         "moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity,"
         " int rank) -> ()"
     ),
+    "moe_front_shared_push": (
+        "moe_front_shared_push(Tensor x, Tensor w_front, int n_logits, Tensor(a!)[] front_boxes, Tensor w_gate_up,"
+        " Tensor w_down, float beta, float linear_beta, Tensor(b!) act, Tensor(c!) ticket, Tensor(d!)[] rs_boxes,"
+        " int parity, int rank, Tensor(e!) error) -> ()"
+    ),
     "moe_route_poll": (
         "moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity,"
         " int batch, Tensor(b!) error, Tensor(c!)? ready=None) -> (Tensor ids, Tensor weights, Tensor latent)"

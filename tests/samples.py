@@ -77,6 +77,12 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         )
     if name == "moe_front_publish":  # E = 32, L = 48 over TP2
         return rand(gen, batch, 128), rand(gen, 16 + 24, 128, scale=0.1), 16, boxes(3, 1, CAP, 48 + 64), 2, 1
+    if name == "moe_front_shared_push":  # the front publish's, then a shared expert of I = 16, N = 64 over TP2
+        x, w_front, n_logits, front_boxes, parity, rank = mailbox_sample_args("moe_front_publish", batch, gen)
+        return (
+            x, w_front, n_logits, front_boxes, rand(gen, 32, 128, scale=0.1), rand(gen, 64, 16, scale=0.1), 1.0, 0.0,
+            rand(gen, CAP, 16), torch.zeros(1, dtype=torch.int64), boxes(3, TP, CAP, 32), parity, rank, error,
+        )
     if name == "moe_route_poll":
         box = rand(gen, 3, 1, CAP, 48 + 64)
         box[..., 48:] = rand(gen, 3, 1, CAP, 32, dtype=torch.float32).view(torch.bfloat16)

@@ -72,7 +72,7 @@ def test_smoke_runs_every_path(tmp_path):
         assert SAME_EXPERTS <= row["same_routes"] <= 1 and row["rel_l2_max_same_routes"] <= row["rel_l2_max"]
     for ops in out["breakdown"].values():
         names = [op["op"] for op in ops]
-        assert len(names) == len(set(names)) == 14
+        assert len(names) == len(set(names)) == 15
         assert all(op["floor_us"] >= 0 and op["us"] is None for op in ops)
         assert sum(op["weight_bytes"] > 0 for op in ops) >= 10  # every op that reads a weight counts it
     for row in out["rows"]:  # the layer's ops read the layer's weights (layers differ in their experts)

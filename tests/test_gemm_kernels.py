@@ -71,6 +71,13 @@ def test_shared_expert_compiles(tp, tokens, clean_ptxas):
     clean_ptxas()
 
 
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_front_shared_expert_compiles(tokens, clean_ptxas):
+    """The TP8 rank's front publish beside the fused shared expert's gate/up, in one grid."""
+    assert gemm.compile_shared.build(1536, 7168, 7168, tokens, 1, (1.0, 0.0), 624, 112) is not None
+    clean_ptxas()
+
+
 def test_shared_expert_compiles_with_stamps(monkeypatch, clean_ptxas):
     """KIMI_OPS_MARKS (kernels.values.Stamps): every CTA's phases compiled in, a 16-byte store
     each (the build is not cached: the setting is read at import, and the cache's key holds it)."""
@@ -94,12 +101,37 @@ def test_the_shared_expert_needs_the_marks_words_with_marks(monkeypatch):
 def test_shared_expert_grid_is_one_size_and_resident():
     """The fused grid: every bucket's, whole clusters, resident at once, room for both plans."""
     for tp in (2, 8):
-        plans = [gemm.shared_plan(12288 // tp, 7168, 7168, tokens) for tokens in gemm_plans.TOKEN_TILES]
+        plans = [gemm.shared_plan(12288 // tp, 7168, 7168, tokens, 0) for tokens in gemm_plans.TOKEN_TILES]
         for plan in plans:
             assert plan.grid == plans[0].grid and plan.grid % plan.gate_up.split == 0
             assert plan.grid <= gemm_plans.RESIDENT[plan.gate_up.split]
             assert plan.grid >= max(plan.gate_up.ctas, plan.down.ctas) and plan.down.split == plan.down.tiles == 1
             assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 <= SMEM_BYTES  # barriers, ring, target
+
+
+def test_front_and_gate_up_share_one_resident_grid():
+    """The TP8 rank's front [624, 7168] beside the gate/up [1536, 7168]: alone they take 80 +
+    96 CTAs, more than one wave; together joint_partition gives the gate/up three tiles a CTA
+    (owners of 32 rows, the last two of a cluster none) and the front two, in clusters of 8,
+    the down's 112 tiles the grid, at every bucket."""
+    assert (gemm_plans.partition(624, 7168, 8), gemm_plans.partition(1536, 7168, 8, 16)) == ((1, 8), (2, 8))
+    for tokens in gemm_plans.TOKEN_TILES:
+        plan = gemm.shared_plan(1536, 7168, 7168, tokens, 624)
+        assert (plan.front.tiles, plan.front.split, plan.front.ctas) == (2, 8, 40)
+        assert (plan.gate_up.tiles, plan.gate_up.split, plan.gate_up.ctas, plan.gate_up.owned) == (3, 8, 64, 32)
+        assert plan.grid == 112 and plan.cluster == 8 and plan.grid <= gemm_plans.RESIDENT[8]
+        assert plan.gate_up.owned * (plan.gate_up.split - 2) == plan.gate_up.rows
+        assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 <= SMEM_BYTES
+    assert gemm.SharedExpertKernel().prefers(1536, 7168, 7168, 624)
+    assert not gemm.SharedExpertKernel().prefers(12288, 7168, 7168, 896 + 3584)  # kimi_k3 TP1: no fused shared expert
+
+
+def test_joint_partition_balances_the_slowest_cta():
+    """The slowest CTA's cost first, then the first weight's; None past one wave."""
+    parts = gemm_plans.joint_partition([(624, 8), (1536, 16)], 7168, 8)
+    costs = [gemm_plans.cta_cost(112, tiles, split, 8) for tiles, split in parts]
+    assert parts == [(2, 8), (3, 8)] and costs[0] < costs[1]
+    assert gemm_plans.joint_partition([(16384, 8), (16384, 8)], 7168, 8) is None  # 86 blocks each
 
 
 @pytest.fixture
@@ -133,14 +165,14 @@ def test_rings_leave_the_room_asked(gemm_room):
     def plans():
         return {(n, k, t): gemm.plan_of(n, k, t, situ) for n, k, situ in TP8_RANK_SHAPES for t in gemm_plans.TOKEN_TILES}
 
-    full, shared_full = plans(), [gemm.shared_plan(1536, 7168, 7168, t) for t in gemm_plans.TOKEN_TILES]
+    full, shared_full = plans(), [gemm.shared_plan(1536, 7168, 7168, t, 0) for t in gemm_plans.TOKEN_TILES]
     gemm_room(room // 1024)
     for key, roomy in plans().items():
         assert (roomy.tiles, roomy.split, roomy.ctas) == (full[key].tiles, full[key].split, full[key].ctas), key
         assert roomy.room == room and roomy.depth * (roomy.w_slot + roomy.x_slot) + 2048 + room <= SMEM_BYTES, key
         assert 1 <= roomy.sets <= roomy.depth <= full[key].depth and roomy.chunks % roomy.sets == 0, key
     for tokens, before in zip(gemm_plans.TOKEN_TILES, shared_full):
-        roomy = gemm.shared_plan(1536, 7168, 7168, tokens)
+        roomy = gemm.shared_plan(1536, 7168, 7168, tokens, 0)
         assert (roomy.grid, roomy.gate_up.ctas, roomy.down.ctas) == (before.grid, before.gate_up.ctas, before.down.ctas)
         assert 1024 + roomy.ring_bytes + 8 + room <= SMEM_BYTES < 1024 + before.ring_bytes + 8 + room
         assert gemm.shared_variant(1536, 7168, 7168, tokens, 1, (1.0, 0.0)).plan is roomy  # the compile's plan
@@ -448,7 +480,39 @@ def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp):
                 rest_got, rest_ref = got.view(torch.int16).clone(), ref.view(torch.int16).clone()
                 rest_got[parity, rank, :batch] = rest_ref[parity, rank, :batch] = 0
                 assert torch.equal(rest_got, rest_ref), batch
-        assert int(error[0]) == 0 and int(ticket[0]) - before == gemm.shared_plan(2 * inner, 7168, n, tokens).grid
+        assert int(error[0]) == 0 and int(ticket[0]) - before == gemm.shared_plan(2 * inner, 7168, n, tokens, 0).grid
+
+
+@on_hopper
+def test_front_shared_push_equals_the_front_publish_and_the_shared_expert():
+    """The TP8 rank's front beside the fused shared expert, one launch: the front boxes, act
+    and the reduce-scatter boxes hold the front publish kernel's and the fused shared
+    expert's bits (the same K split: the same chunk sums in the same order), at every
+    bucket, on poisoned act and armed boxes; the counter advances by one grid, no error."""
+    n_logits, n_front, inner, n, parity = 112, 624, 768, 7168, 1
+    ticket = torch.zeros(1, dtype=torch.int64, device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for batch in (1, 5, 8, 13, 64):
+        gen = torch.Generator().manual_seed(900 + batch)
+        x = torch.randn(batch, 7168, generator=gen).bfloat16().cuda()
+        w_front = (torch.randn(n_front, 7168, generator=gen) * 7168**-0.5).bfloat16().cuda()
+        w_gate_up = (torch.randn(2 * inner, 7168, generator=gen) * 7168**-0.5).bfloat16().cuda()
+        w_down = (torch.randn(n, inner, generator=gen) * inner**-0.5).bfloat16().cuda()
+        outputs = lambda: ([armed_box(3, 1, 64, n_front + n_logits)],  # noqa: E731
+                           torch.full((64, inner), float("nan"), dtype=torch.bfloat16, device="cuda"),
+                           [armed_box(3, 1, 64, n)])
+        (front_boxes, act, boxes), (want_front, want_act, want) = outputs(), outputs()
+        call = (x, w_front, n_logits, front_boxes, w_gate_up, w_down, 1.0, 0.0, act, ticket, boxes, parity, 0, error)
+        assert gemm.FrontSharedKernel().unsupported(*call) is None
+        before = int(ticket[0])
+        kimi.moe_front_shared_push(*call)
+        assert int(error[0]) == 0 and int(ticket[0]) - before == 112, batch
+        kimi.moe_front_publish(x, w_front, n_logits, want_front, parity, 0)
+        kimi.shared_expert_push(x, w_gate_up, w_down, 1.0, 0.0, want_act, ticket, want, parity, 0, error)
+        assert not armed(front_boxes[0][parity, 0, :batch]) and armed(front_boxes[0][parity, 0, batch:]), batch
+        assert torch.equal(front_boxes[0].view(torch.int16), want_front[0].view(torch.int16)), batch  # logit words
+        assert torch.equal(act[:batch], want_act[:batch]) and bool(torch.isnan(act[batch:]).all()), batch
+        assert torch.equal(boxes[0], want[0]), batch
 
 
 @box_cases

@@ -52,12 +52,13 @@ def test_decoder_serving_tail_equals_the_split_tail():
 
 
 def test_decoder_fused_shared_expert_equals_the_two_ops():
-    """TP1's shared expert in one launch (the decoder's default there) gives the two ops'
-    bits, eager at 1, 5 and 13 tokens and in 20 CUDA-graph replays (its barrier's counter
+    """TP1's shared expert in one launch, the front's publish inside it (the decoder's default
+    there) gives the two ops' (and the front publish's) bits, eager at 1, 5 and 13 tokens and in 20 CUDA-graph replays (its barrier's counter
     moving on every replay: the kernel ran, not the reference); reset() restarts the counter."""
     fused = KimiDecoder(CONFIG, 3, tp=1, seed=17, device="cuda")
     two = KimiDecoder(CONFIG, 3, tp=1, seed=17, device="cuda")
     assert all(layer[0].front.fused_shared for layer in fused.layers)
+    assert all(layer[0].front.fronts_shared() for layer in fused.layers)  # the front's publish in its launch
     for layer in two.layers:
         layer[0].front.fused_shared = False
     for batch in (1, 5, 13):

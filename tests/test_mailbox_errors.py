@@ -110,6 +110,18 @@ CASES = [
     ("shared_expert_push", lambda a: put(a, 1, torch.randn(24, 64).bfloat16()), ["'w_gate_up'", "multiple of 16"]),
     ("shared_expert_push", lambda a: put(a, 8, 3), ["'parity'"]),
     ("shared_expert_push", lambda a: put(a, 10, torch.zeros(2, dtype=torch.int32)), ["'error'"]),
+    # the front inside it: each op's checks in the fused op's name, its two box lists apart
+    ("moe_front_shared_push", lambda a: put(a, 1, a[1][:-4].contiguous()), ["'w_front'", "multiple of 8 latent rows"]),
+    ("moe_front_shared_push", lambda a: put_member(a, 3, 1, a[3][0]), ["'front_boxes[1]'", "own"]),
+    ("moe_front_shared_push", lambda a: put(a, 3, [torch.randn(3, 1, 8, 104).bfloat16() for _ in range(2)]),
+     ["'front_boxes'", "L + 2E = 112"]),
+    ("moe_front_shared_push", lambda a: put(a, 4, torch.randn(32, 64).bfloat16()), ["'w_gate_up'", "[*, 128]"]),
+    ("moe_front_shared_push", lambda a: put(a, 8, a[8][:2]), ["'act'", "at least x.shape[0] = 3 rows"]),
+    ("moe_front_shared_push", lambda a: put(a, 8, a[3][0].view(-1)[:128].view(8, 16)), ["'act'", "the same memory"]),
+    ("moe_front_shared_push", lambda a: put(a, 9, torch.zeros(1, dtype=torch.int32)), ["'ticket'", "torch.int64"]),
+    ("moe_front_shared_push", lambda a: put(a, 11, 3), ["'parity'"]),
+    ("moe_front_shared_push", lambda a: put(a, 12, 2), ["'rank'"]),
+    ("moe_front_shared_push", lambda a: put(a, 13, torch.zeros(2, dtype=torch.int32)), ["'error'"]),
     # attn_res_take_into's buffer: rows enough for the batch, H wide, BF16, its own memory
     ("attn_res_take_into", lambda a: put(a, 10, a[10][:2]), ["'h_normed'", "at least batch = 3 rows"]),
     ("attn_res_take_into", lambda a: put(a, 10, torch.randn(8, 48).bfloat16()), ["'h_normed'", "[*, 64]"]),

@@ -169,6 +169,32 @@ def test_shared_expert_push_is_gate_up_situ_then_the_push(gen, tp, batch):
     assert not torch.equal(got[0][2, tp - 1, :batch], torch.full_like(got[0][2, tp - 1, :batch], 7.0))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_moe_front_shared_push_is_the_front_publish_and_the_shared_expert(gen, tp, batch):
+    """The fused op leaves the front boxes, act and the reduce-scatter boxes as
+    moe_front_publish then shared_expert_push leave them, on poisoned boxes."""
+    x = randn(gen, batch, 256, dtype=torch.bfloat16)
+    n_logits, latent_shard = 32 // tp, 48 // tp
+    w_front = randn(gen, n_logits + latent_shard, 256, dtype=torch.bfloat16, scale=0.05)
+    w_gate_up = oproj_ops.interleave_gate_up(randn(gen, 2 * 64, 256, dtype=torch.bfloat16, scale=0.05))
+    w_down = randn(gen, 128, 64, dtype=torch.bfloat16, scale=0.1)
+    poisoned = lambda *shape: torch.full(shape, 7.0, dtype=torch.bfloat16)  # noqa: E731
+    got = ([poisoned(3, 1, 16, 48 + 64) for _ in range(tp)], poisoned(16, 64),
+           [poisoned(3, tp, 16, 128 // tp) for _ in range(tp)])
+    want = tuple([b.clone() for b in part] if isinstance(part, list) else part.clone() for part in got)
+    ticket, error = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+    rank = tp - 1
+    kimi.moe_front_shared_push(x, w_front, n_logits, got[0], w_gate_up, w_down, 1.0, 0.0, got[1], ticket, got[2], 2,
+                               rank, error)
+    kimi.moe_front_publish(x, w_front, n_logits, want[0], 2, rank)
+    kimi.shared_expert_push(x, w_gate_up, w_down, 1.0, 0.0, want[1], ticket, want[2], 2, rank, error)
+    for a, b in zip(got[0] + [got[1]] + got[2], want[0] + [want[1]] + want[2]):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[0][0][2, 0, :batch], poisoned(batch, 48 + 64))
+    assert not torch.equal(got[2][0][2, rank, :batch], poisoned(batch, 128 // tp))
+
+
 def tail_inputs(gen, batch, hidden, latent, device):
     return (
         randn(gen, batch, 16, latent, dtype=torch.bfloat16, device=device),

@@ -195,28 +195,34 @@ def kimi_calls(decoder, hidden) -> list[tuple[str, list]]:
     return calls
 
 
-@pytest.mark.parametrize("shared_first", [True, False])
-def test_the_fused_shared_expert_leads_routing_which_then_does_not_wait(shared_first):
+@pytest.mark.parametrize("chain", ["shared first", "front inside", "shared last"])
+def test_the_fused_shared_expert_leads_routing_which_then_does_not_wait(chain):
     """The fused shared expert launches before routing, whose poll then does not wait for its
     end (PreparedFront.run) and counts its outputs into the model's ready counter, for
     which the experts wait; its input is the model's MoE input buffer, where the attention
-    residual's take wrote it. ``shared_first`` False: the chain before (bench_layer
-    --shared-last). Either way the step equals the two-op decoder's, and the counter is
-    left zeroed."""
+    residual's take wrote it. "front inside": the front's publish in the same launch
+    (kimi::moe_front_shared_push, PreparedFront.publish). "shared last": the chain before
+    (bench_layer --shared-last). Either way the step equals the two-op decoder's, and the
+    counter is left zeroed."""
+    shared_first, inside = chain != "shared last", chain == "front inside"
     fused, two = (KimiDecoder(CONFIG, 2, tp=1, seed=4) for _ in range(2))
     for layer in fused.layers:  # the CPU's reference backend prefers no fused op: forced
-        layer[0].front.fused_shared, layer[0].front.shared_first = True, shared_first
+        front = layer[0].front
+        front.fused_shared, front.shared_first, front.front_inside = True, shared_first, inside
     hidden = hidden_states(3, seed=5)
     calls = kimi_calls(fused, hidden)
     names = [name for name, _ in calls]
-    start = names.index("moe_front_publish")
-    order = ["shared_expert_push", "moe_route_poll", "routed_experts_counted"] if shared_first else \
+    first = "moe_front_shared_push" if inside else "moe_front_publish"
+    start = names.index(first)
+    order = ["moe_route_poll", "routed_experts_counted"] if inside else \
+        ["shared_expert_push", "moe_route_poll", "routed_experts_counted"] if shared_first else \
         ["moe_route_poll", "routed_experts", "shared_expert_push"]
-    assert names[start:start + 4] == ["moe_front_publish", *order]
+    assert names[start:start + 1 + len(order)] == [first, *order]
+    assert ("shared_expert_push" in names, "moe_front_publish" in names) == (not inside, not inside)
     (_, route), (_, experts), (_, shared), (_, take) = (
         next(c for c in calls if c[0] == name)
-        for name in ("moe_route_poll", order[2] if shared_first else order[1], "shared_expert_push",
-                     "attn_res_take_into"))
+        for name in ("moe_route_poll", "routed_experts" if not shared_first else "routed_experts_counted",
+                     first if inside else "shared_expert_push", "attn_res_take_into"))
     ready = fused.boxes.routed_ready(0)
     if shared_first:
         assert route[7] is ready and experts[6] is ready and experts[7] is fused.boxes.error(0)
@@ -230,8 +236,7 @@ def test_the_fused_shared_expert_leads_routing_which_then_does_not_wait(shared_f
         torch._dynamo.reset()
         _, (code, *_) = run_and_get_code(torch.compile(fused, fullgraph=True), hidden_states(3, seed=7))
         launched = re.findall(r"torch\.ops\.kimi\.(\w+)\.default\(", code)
-        assert [name for name in launched if name in order + ["moe_front_publish"]] == \
-            (["moe_front_publish", *order]) * len(fused.layers)
+        assert [name for name in launched if name in order + [first]] == [first, *order] * len(fused.layers)
 
 
 def test_recompiles_are_bounded_by_batch_buckets():

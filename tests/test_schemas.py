@@ -42,6 +42,7 @@ kimi::oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()
 kimi::oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()
 kimi::shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act, Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()
 kimi::moe_front_publish(Tensor x, Tensor w, int n_logits, Tensor(a!)[] boxes, int parity, int rank) -> ()
+kimi::moe_front_shared_push(Tensor x, Tensor w_front, int n_logits, Tensor(a!)[] front_boxes, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(b!) act, Tensor(c!) ticket, Tensor(d!)[] rs_boxes, int parity, int rank, Tensor(e!) error) -> ()
 kimi::moe_route_poll(Tensor(a!) box, Tensor bias, float scale, bool renorm, int parity, int batch, Tensor(b!) error, Tensor(c!)? ready=None) -> (Tensor ids, Tensor weights, Tensor latent)
 kimi::routed_experts_counted(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int rank, int tp, Tensor(a!) ready, Tensor(b!) error) -> Tensor
 kimi::moe_tail_push(Tensor shared, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()

@@ -27,6 +27,7 @@ OPS = {
     "oproj_push": (oproj.oproj_push, boxes.fake_of(oproj.check_oproj_push)),
     "shared_expert_push": (oproj.shared_expert_push, boxes.fake_of(oproj.check_shared_expert_push)),
     "moe_front_publish": (front.moe_front_publish, boxes.fake_of(front.check_moe_front_publish)),
+    "moe_front_shared_push": (oproj.moe_front_shared_push, boxes.fake_of(oproj.check_moe_front_shared_push)),
     "moe_route_poll": (route.moe_route_poll, route.moe_route_poll_fake),
     "routed_experts_counted": (experts.routed_experts_counted, experts.routed_experts_counted_fake),
     "moe_tail_push": (tail.moe_tail_push, boxes.fake_of(tail.check_moe_tail_push)),

@@ -11,12 +11,13 @@ from ..numerics import bf16, matmul_f32
 from .boxes import check_boxes
 
 
-def check_moe_front(x, w, n_logits, op: str = "moe_front") -> tuple[int, int]:
-    """Returns (B, n_latent); errors in the name of ``op`` (the publishing op reuses the checks)."""
+def check_moe_front(x, w, n_logits, op: str = "moe_front", w_name: str = "w") -> tuple[int, int]:
+    """Returns (B, n_latent); errors in the name of ``op`` (the publishing ops reuse the
+    checks) and of its weight argument ``w_name``."""
     check_tensor(op, "x", x, torch.bfloat16, (None, None))
-    check_tensor(op, "w", w, torch.bfloat16, (None, x.shape[1]))
+    check_tensor(op, w_name, w, torch.bfloat16, (None, x.shape[1]))
     check_range(op, "n_logits", n_logits, 0, w.shape[0])
-    check_same_device(op, x=x, w=w)
+    check_same_device(op, **{"x": x, w_name: w})
     return x.shape[0], w.shape[0] - n_logits
 
 
@@ -41,20 +42,22 @@ def moe_front_fake(x, w, n_logits):
 # The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).
 
 
-def check_moe_front_publish(x, w, n_logits, boxes, parity, rank) -> tuple[int, int]:
-    """Returns (B, L/TP)."""
-    op = "moe_front_publish"
-    batch, latent_shard = check_moe_front(x, w, n_logits, op)
+def check_moe_front_publish(x, w, n_logits, boxes, parity, rank, op: str = "moe_front_publish",
+                            names: tuple[str, str] = ("w", "boxes")) -> tuple[int, int]:
+    """Returns (B, L/TP); errors in the name of ``op`` and of its weight and boxes
+    arguments ``names`` (the fused op, ``kimi::moe_front_shared_push``, reuses the checks)."""
+    w_name, boxes_name = names
+    batch, latent_shard = check_moe_front(x, w, n_logits, op, w_name)
     # Each rank's latent and logit columns start on a packet: L/TP % 8, (2·E/TP) % 8.
     if latent_shard % PACKET:
-        fail(op, "w", f"{n_logits} router rows, then a multiple of {PACKET} latent rows", list(w.shape))
+        fail(op, w_name, f"{n_logits} router rows, then a multiple of {PACKET} latent rows", list(w.shape))
     if n_logits % (PACKET // 2):
         fail(op, "n_logits", f"a multiple of {PACKET // 2} (its FP32 words fill 16-byte packets)", n_logits)
-    tp = check_boxes(op, "boxes", boxes, rank, parity, batch, 1, "x.shape[0] (batch)")
+    tp = check_boxes(op, boxes_name, boxes, rank, parity, batch, 1, "x.shape[0] (batch)")
     width = tp * (latent_shard + 2 * n_logits)
     if boxes[0].shape[3] != width:
-        fail(op, "boxes", f"rows of width L + 2E = {width}", boxes[0].shape[3])
-    check_placement(op, dict(boxes=boxes), dict(x=x, w=w))
+        fail(op, boxes_name, f"rows of width L + 2E = {width}", boxes[0].shape[3])
+    check_placement(op, {boxes_name: boxes}, {"x": x, w_name: w})
     return batch, latent_shard
 
 

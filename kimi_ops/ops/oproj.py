@@ -2,7 +2,7 @@
 the other projections on its engine with their own epilogues: the shared expert's gate/up
 with ``situ`` (``kimi::gate_up_situ``), its down with the reduce-scatter push
 (``kimi::oproj_push``), and the two in one launch (``kimi::shared_expert_push``, the seeds'
-fused ``SharedFront``)."""
+fused ``SharedFront``), with the MoE front's publish beside them (``kimi::moe_front_shared_push``)."""
 
 import torch
 
@@ -11,6 +11,7 @@ from ..mailbox import (
     canonical,
 )
 from ..numerics import bf16, matmul_f32
+from . import front as front_op
 from .boxes import check_boxes, check_error, store_shards
 from .route import situ
 
@@ -116,10 +117,10 @@ def gate_up_situ_fake(x, w, beta, linear_beta):
     return x.new_empty(check_gate_up_situ(x, w, beta, linear_beta), dtype=torch.bfloat16)
 
 
-def check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error) -> int:
+def check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error,
+                             op: str = "shared_expert_push") -> int:
     """Returns B. ``act``: a model-owned [CAP, I] workspace (CAP >= B) that the down reads;
     ``ticket``: the grid barrier's int64 counter [1] (DecodeBoxes.shared_ticket)."""
-    op = "shared_expert_push"
     batch, inner = check_gate_up_situ(x, w_gate_up, beta, linear_beta, op, "w_gate_up")
     check_tensor(op, "w_down", w_down, torch.bfloat16, (None, inner))
     check_rs_boxes(op, w_down, rs_boxes, parity, rank, batch)
@@ -145,3 +146,28 @@ def shared_expert_push(x, w_gate_up, w_down, beta: float, linear_beta: float, ac
                                      error)
     act[:batch].copy_(gate_up_situ(x, w_gate_up, beta, linear_beta))
     oproj_push(act[:batch], w_down, rs_boxes, parity, rank)
+
+
+def check_moe_front_shared_push(x, w_front, n_logits, front_boxes, w_gate_up, w_down, beta, linear_beta, act, ticket,
+                                rs_boxes, parity, rank, error) -> int:
+    """Returns B: both ops' checks, and no buffer written twice or read where written."""
+    op = "moe_front_shared_push"
+    front_op.check_moe_front_publish(x, w_front, n_logits, front_boxes, parity, rank, op, ("w_front", "front_boxes"))
+    batch = check_shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank,
+                                     error, op)
+    check_placement(op, dict(front_boxes=front_boxes, act=act, ticket=ticket, rs_boxes=rs_boxes, error=error),
+                    dict(x=x, w_front=w_front, w_gate_up=w_gate_up, w_down=w_down))
+    return batch
+
+
+def moe_front_shared_push(x, w_front, n_logits: int, front_boxes, w_gate_up, w_down, beta: float, linear_beta: float,
+                          act, ticket, rs_boxes, parity: int, rank: int, error) -> None:
+    """``kimi::moe_front_publish(x, w_front, n_logits, front_boxes, parity, rank)`` and
+    ``kimi::shared_expert_push(x, w_gate_up, w_down, …, rs_boxes, parity, rank, error)``
+    in one op: both read the same x. On the GPU one launch, the front's CTAs beside the
+    gate/up's before the grid barrier (kernels/gemm/shared.py), so both weights stream at
+    once. Nothing is written unless every argument passes."""
+    check_moe_front_shared_push(x, w_front, n_logits, front_boxes, w_gate_up, w_down, beta, linear_beta, act, ticket,
+                                rs_boxes, parity, rank, error)
+    front_op.moe_front_publish(x, w_front, n_logits, front_boxes, parity, rank)
+    shared_expert_push(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error)

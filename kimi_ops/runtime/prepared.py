@@ -110,6 +110,11 @@ class PreparedFront(Prepared):
         # the fused launch before routing, which runs beside it (run): RankLayer decides,
         # bench_layer --shared-last is the A/B
         self.shared_first = False
+        # and the front's publish inside that launch (kimi::moe_front_shared_push) where its grid
+        # takes the front's rows too: both read x, both weights stream at once (bench_layer
+        # --front-apart is the A/B)
+        self.front_inside = self.fused_shared and backend.prefers(
+            "moe_front_shared_push", *self.shared_gate_up.shape, self.shared_down.shape[0], self.front.shape[0])
 
     def prepare(self, batches, boxes):
         config, tp, rank = self.config, self.tp, self.rank
@@ -122,12 +127,22 @@ class PreparedFront(Prepared):
         if self.fused_shared:
             backend.prepare("shared_expert_push", *self.shared_gate_up.shape, self.shared_down.shape[0], 1.0, 0.0, tp,
                             batches, [boxes.peers("rs", rank)])
+        if self.front_inside:
+            backend.prepare("moe_front_shared_push", *self.shared_gate_up.shape, self.shared_down.shape[0], 1.0, 0.0,
+                            tp, batches, [boxes.peers("rs", rank), boxes.peers("front", rank)], self.front.shape[0],
+                            config.experts // tp)
         backend.prepare("routed_experts_counted" if counted else "routed_experts", config.latent,
                         self.expert_down.shape[2])
 
     def publish(self, x, boxes: DecodeBoxes):
-        n_logits = self.config.experts // self.tp
-        kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", self.rank), self.parity, self.rank)
+        """The front's publish; where :meth:`fronts_shared`, the shared expert's launch with it."""
+        n_logits, rank = self.config.experts // self.tp, self.rank
+        if self.fronts_shared():
+            kimi.moe_front_shared_push(x, self.front, n_logits, boxes.peers("front", rank), self.shared_gate_up,
+                                       self.shared_down, 1.0, 0.0, *boxes.shared(rank), boxes.peers("rs", rank),
+                                       self.parity, rank, boxes.error(rank))
+        else:
+            kimi.moe_front_publish(x, self.front, n_logits, boxes.peers("front", rank), self.parity, rank)
 
     def run(self, x, boxes: DecodeBoxes):
         """Route (polled), this rank's routed experts and the shared expert with its
@@ -144,7 +159,7 @@ class PreparedFront(Prepared):
         route, experts, then the shared expert (its gate/up streams its weights beside their
         latency-bound grids)."""
         first = self.leads_with_shared()
-        if first:
+        if first and not self.fronts_shared():  # (else publish launched it)
             self.shared(x, boxes)
         expanded, weights = self.route_experts(x.shape[0], boxes, counted=first)
         if not first:
@@ -153,6 +168,11 @@ class PreparedFront(Prepared):
 
     def leads_with_shared(self) -> bool:
         return self.fused_shared and self.shared_first
+
+    def fronts_shared(self) -> bool:
+        """The front's publish and the fused shared expert in one launch (``front_inside``),
+        where that launch leads routing."""
+        return self.leads_with_shared() and self.front_inside
 
     def route_experts(self, batch, boxes: DecodeBoxes, counted: bool):
         """``counted``: the experts wait for the route poll's ready count, not its end."""

@@ -149,13 +149,15 @@ class DecodeGemm:
     CTAs per cluster (a K group is then ``split`` consecutive CTAs of it), and ``waiter``,
     whose ``wait(*inputs)`` stands for the PDL wait (x is then in) and releases the
     dependents itself; the plan before it gives ``release_waited``: its consumers release
-    the dependents once the PDL wait is over."""
+    the dependents once the PDL wait is over; ``offset``: the launch's CTAs before this
+    plan's (whole clusters: a plan beside another one in one grid)."""
 
     def __init__(self, plan: GemmPlan, outputs: Outputs, cluster: int | None = None, waiter=None,
-                 release_waited: bool = False):
-        self.plan, self.outputs = plan, outputs
+                 release_waited: bool = False, offset: int = 0):
+        self.plan, self.outputs, self.offset = plan, outputs, offset
         self.cluster, self.waiter, self.release_waited = cluster or plan.split, waiter, release_waited
         assert self.cluster % plan.split == 0, "a K group is split consecutive CTAs of a cluster"
+        assert offset % self.cluster == 0, "a plan starts on a cluster"
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, first: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
@@ -204,6 +206,8 @@ class DecodeGemm:
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.offset):
+            cta = cta - self.offset
         warp, lane = tid // 32, tid % 32
         block, part = cta // plan.split, cta % plan.split
         if cutlass.const_expr(storage is None):
@@ -494,7 +498,11 @@ class DecodeGemm:
         plan = self.plan
         packets = self.outputs.packets  # (no Python object may cross the loop's back edge)
         per_token = plan.owned // 8 // packets
-        for item in cutlass.range(tid, batch * per_token, 32 * CONSUMER_WARPS, unroll=1):
+        items = batch * per_token
+        if cutlass.const_expr(plan.owned * plan.split > plan.rows):
+            if part * plan.owned >= plan.rows:  # an uneven plan's last parts own no rows (GemmPlan.unit)
+                items = Int32(0)
+        for item in cutlass.range(tid, items, 32 * CONSUMER_WARPS, unroll=1):
             token, packet = item // per_token, item % per_token * packets
             n0 = block * plan.rows + part * plan.owned + 8 * packet
             if n0 < plan.n:

@@ -21,7 +21,18 @@ from ..launch import check_marks_room
 from ..ring import CHUNK
 from ..variant import Unsupported, Variant, prepare_all, reason
 from .engine import DecodeGemm, Outputs
-from .plan import MAX_BATCH, RESIDENT, SPLITS, TILE, TOKEN_TILES, GemmPlan, gemm_plan, partition, token_tile
+from .plan import (
+    MAX_BATCH,
+    RESIDENT,
+    SPLITS,
+    TILE,
+    TOKEN_TILES,
+    GemmPlan,
+    gemm_plan,
+    joint_partition,
+    partition,
+    token_tile,
+)
 from .shared import SharedExpert, SharedPlan
 
 # Compiles: one per (N, K, T, outputs). The tensors an epilogue does not use are
@@ -250,104 +261,156 @@ class FrontPublishKernel(GemmKernel):
 
 
 # The fused shared expert (kernels/gemm/shared.py): its plans and grid, one compile per
-# (gate/up N, K, down N, T, TP, situ).
+# (gate/up N, K, down N, T, TP, situ, front N, n_logits); no front: 0, 0.
 
 
 @compiled
-def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, situ: tuple):
+def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, situ: tuple, n_front: int = 0,
+                   n_logits: int = 0):
     batch, inner = cute.sym_int(), n_gate_up // 2
     return cute.compile(
-        SharedExpert(shared_plan(n_gate_up, k, n_down, tokens), situ, tp),
+        SharedExpert(shared_plan(n_gate_up, k, n_down, tokens, n_front), situ, tp, n_logits),
         fake(BFloat16, (batch, k)), fake(BFloat16, (n_gate_up, k)), fake(BFloat16, (batch, inner)),
         fake(BFloat16, (n_down, inner)), fake(Float32, (1, 1)), fake(Int64, (tp,), align=8),
-        fake(Int64, (1,), align=8), fake(Int32, (1,), align=4), Int32(0), fake_stream(), options=compile_options(),
+        fake(Int64, (1,), align=8), fake(Int32, (1,), align=4), Int32(0),
+        fake(BFloat16, (n_front or n_gate_up, k)), fake(Int64, (tp,), align=8), Int32(0), Int32(0), Int32(0),
+        fake_stream(), options=compile_options(),
     )
 
 
+def first_plans(n_gate_up: int, k: int, tokens: int, n_front: int) -> tuple[GemmPlan | None, GemmPlan]:
+    """The plans before the barrier: the gate/up's (situ's) alone, or with the front's
+    (:func:`~.plan.joint_partition`: one grid streams both)."""
+    if not n_front:
+        return None, plan_of(n_gate_up, k, tokens, True)
+    parts = joint_partition([(n_front, 8), (n_gate_up, owned_rows(True))], k, tokens)
+    if parts is None:
+        raise ValueError(f"the front [{n_front}, {k}] and the gate/up [{n_gate_up}, {k}] take more than one wave "
+                         f"of {tokens}-token CTAs together")
+    return GemmPlan(n_front, k, tokens, parts[0]), GemmPlan(n_gate_up, k, tokens, parts[1], unit=owned_rows(True))
+
+
 @functools.cache
-def shared_plan(n_gate_up: int, k: int, n_down: int, tokens: int) -> SharedPlan:
-    """The gate/up's plan (situ's), the down's one tile a CTA over its whole K, and the grid
-    of every bucket: the most CTAs either plan takes at any T, in clusters of the largest
-    split (every bucket's cluster size divides it). Unsupported where that grid is not
-    resident at once or a plan does not fit."""
+def shared_plan(n_gate_up: int, k: int, n_down: int, tokens: int, n_front: int) -> SharedPlan:
+    """The plans before the barrier (:func:`first_plans`; ``n_front`` 0: no front), the down's one tile a CTA over its
+    whole K, and the grid of every bucket: the most CTAs the plans take at any T, in
+    clusters of the largest split (every bucket's cluster size divides it). Unsupported
+    where that grid is not resident at once or a plan does not fit."""
     inner = n_gate_up // 2
     try:
-        gate_ups = {t: plan_of(n_gate_up, k, t, True) for t in TOKEN_TILES}
+        firsts = {t: first_plans(n_gate_up, k, t, n_front) for t in TOKEN_TILES}
         down = GemmPlan(n_down, inner, tokens, (1, 1))
     except ValueError as why:
         raise Unsupported(f"the fused shared expert's plans: {why}") from None
     unit = max(SPLITS)
-    grid = -(-max(down.ctas, *(p.ctas for p in gate_ups.values())) // unit) * unit
-    gate_up = gate_ups[tokens]
-    if down.ctas % gate_up.split:
+    widest = max(sum(p.ctas for p in plans if p is not None) for plans in firsts.values())
+    grid = -(-max(down.ctas, widest) // unit) * unit
+    plan = SharedPlan(firsts[tokens][1], down, grid, firsts[tokens][0])
+    if down.ctas % plan.cluster:
         raise Unsupported(f"the fused shared expert's down tiles ({down.ctas}) must fill whole clusters of "
-                          f"{gate_up.split} (a cluster past them skips the down whole)")
-    if grid > RESIDENT[gate_up.split]:
+                          f"{plan.cluster} (a cluster past them skips the down whole)")
+    if grid > RESIDENT[plan.cluster]:
         raise Unsupported(f"the fused shared expert's grid of {grid} CTAs is not resident at once in clusters of "
-                          f"{gate_up.split} ({RESIDENT[gate_up.split]}: gate/up {gate_up.ctas}, down {down.ctas} CTAs)")
-    return SharedPlan(gate_up, down, grid)
+                          f"{plan.cluster} ({RESIDENT[plan.cluster]}: "
+                          + ", ".join(f"{name} {p.ctas}" for name, p in zip(("front", "gate/up", "down"),
+                                                                            (plan.front, plan.gate_up, down)) if p)
+                          + " CTAs)")
+    return plan
 
 
 @functools.cache  # asked by unsupported and the call, as gemm_variant
-def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, situ: tuple) -> Variant:
+def shared_variant(n_gate_up: int, k: int, n_down: int, batch: int, tp: int, situ: tuple, n_front: int = 0,
+                   n_logits: int = 0) -> Variant:
     why = unsupported_shape(n_gate_up, k, batch, 0, owned_rows(situ)) or unsupported_shape(n_down, n_gate_up // 2, batch)
+    if n_front:
+        why = why or unsupported_shape(n_front, k, batch, n_logits)
     if why:
         raise Unsupported(why)
     tokens = token_tile(batch)
-    plan = shared_plan(n_gate_up, k, n_down, tokens)
+    plan = shared_plan(n_gate_up, k, n_down, tokens, n_front)
     if (n_down // tp) % TILE:
         raise Unsupported(f"the fused shared expert's down stores a CTA's {TILE} rows into one owner: N/TP must be a "
                           f"multiple of them (N={n_down}, TP={tp})")
-    return engine_variant(lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ), plan)
+    return engine_variant(lambda: compile_shared(n_gate_up, k, n_down, tokens, tp, situ, n_front, n_logits), plan)
 
 
 class SharedExpertKernel(GemmKernel):
     """``kimi::shared_expert_push`` on CUDA: gate/up, situ, down and the reduce-scatter push
     in one launch, the activations through ``act``, a grid barrier on ``ticket``."""
 
+    op = "shared_expert_push"
     check = staticmethod(oproj_op.check_shared_expert_push)
     writes = "stores 16-byte packets: x, the weights, act and the boxes must be"
 
-    def variant(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
+    @staticmethod
+    def split(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
+        """The call's shared expert arguments, and its front's (none here: (w, n_logits, boxes))."""
+        return (x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error), None
+
+    def variant(self, *call):
+        (x, w_gate_up, w_down, beta, linear_beta, _, _, rs_boxes, *_), front = self.split(*call)
+        n_front, n_logits = (front[0].shape[0], front[1]) if front else (0, 0)
         return shared_variant(w_gate_up.shape[0], w_gate_up.shape[1], w_down.shape[0], x.shape[0], len(rs_boxes),
-                              (float(beta), float(linear_beta)))
+                              (float(beta), float(linear_beta)), n_front, n_logits)
 
-    def unsupported(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, *rest):
-        if not aligned(x, w_gate_up, w_down, act, *rs_boxes):
+    def unsupported(self, *call):
+        (x, w_gate_up, w_down, _, _, act, _, rs_boxes, *_), front = self.split(*call)
+        if not aligned(x, w_gate_up, w_down, act, *rs_boxes, *(front[0], *front[2]) if front else ()):
             return f"the decode GEMM {self.writes} 16-byte aligned"
-        return reason(lambda: self.variant(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, *rest)) \
-            or hopper(x)
+        return reason(lambda: self.variant(*call)) or hopper(x)
 
-    def prefers(self, n_gate_up: int, k: int, n_down: int) -> bool:
+    def prefers(self, n_gate_up: int, k: int, n_down: int, n_front: int = 0) -> bool:
         """Where the push's own plan also takes the whole K in one CTA at every bucket (as the
         fused down does): one launch and one wave less, the same down. Where the push splits K
         it streams faster than the fused one-CTA tiles: at kimi_k3 TP1 (K = 6144) the fused op
         took 65.3 / 65.8 / 78.8 µs against the two ops' 62.6 / 63.3 / 75.0 at B = 1 / 8 / 64;
         at the TP8 rank (K = 768, split 1) the layer 67.2 / 78.7 / 107.1 against 68.1 / 79.6 /
-        107.5 (benchmarks/NOTES.md)."""
+        107.5 (benchmarks/NOTES.md). ``n_front``: and a grid that takes the front's rows too."""
         pushes = [partition(n_down, n_gate_up // 2, tokens) for tokens in TOKEN_TILES]
         return all(parts is not None and parts[1] == 1 for parts in pushes) and all(
-            reason(lambda tokens=tokens: shared_plan(n_gate_up, k, n_down, tokens)) is None
+            reason(lambda tokens=tokens: shared_plan(n_gate_up, k, n_down, tokens, n_front)) is None
             for tokens in TOKEN_TILES)
 
     def prepare(self, n_gate_up: int, k: int, n_down: int, beta: float, linear_beta: float, tp: int, batches=None,
-                peer_lists=()) -> None:
+                peer_lists=(), n_front: int = 0, n_logits: int = 0) -> None:
         prepare_all(lambda tokens=tokens: shared_variant(n_gate_up, k, n_down, tokens, tp,
-                                                         (float(beta), float(linear_beta)))
+                                                         (float(beta), float(linear_beta)), n_front, n_logits)
                     for tokens in tokens_of(batches))
         register_addresses(peer_lists)
 
-    def __call__(self, x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error):
-        check_marks_room("shared_expert_push", error)  # MARKS: every CTA's stamps after the error word
-        batch = x.shape[0]
-        self.variant(x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error).run(
+    def __call__(self, *call):
+        check_marks_room(self.op, call[-1])  # MARKS: every CTA's stamps after the error word
+        (x, w_gate_up, w_down, _, _, act, ticket, rs_boxes, parity, rank, error), front = self.split(*call)
+        batch, tp = x.shape[0], len(rs_boxes)
+        if front:  # moe_front_publish's rows and columns (FrontPublishKernel)
+            w_front, n_logits, front_boxes = front
+            latent_shard = w_front.shape[0] - n_logits
+            front_args = (w_front, addresses(front_boxes), box_row(parity, 0, 0, 1, front_boxes[0].shape[2]),
+                          rank * latent_shard, tp * latent_shard + 2 * rank * n_logits)
+        else:
+            front_args = (w_gate_up, placeholder(x, torch.int64, 1, tp), 0, 0, 0)
+        self.variant(*call).run(
             x, w_gate_up, tma_rows(act[:batch]), w_down, placeholder(x, torch.float32, 2), addresses(rs_boxes),
-            ticket, error, box_row(parity, rank, 0, len(rs_boxes), rs_boxes[0].shape[2]),
+            ticket, error, box_row(parity, rank, 0, tp, rs_boxes[0].shape[2]), *front_args,
         )
+
+
+class FrontSharedKernel(SharedExpertKernel):
+    """``kimi::moe_front_shared_push`` on CUDA: the fused shared expert's launch with the MoE
+    front's publish on CTAs of its own before the gate/up's (kernels/gemm/shared.py)."""
+
+    op = "moe_front_shared_push"
+    check = staticmethod(oproj_op.check_moe_front_shared_push)
+
+    @staticmethod
+    def split(x, w_front, n_logits, front_boxes, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity,
+              rank, error):
+        return (x, w_gate_up, w_down, beta, linear_beta, act, ticket, rs_boxes, parity, rank, error), \
+            (w_front, n_logits, front_boxes)
 
 
 def register() -> None:
     backend.KERNELS.update(oproj=OprojKernel(), gate_up_situ=GateUpSituKernel(), moe_front=FrontKernel(),
                            oproj_publish=OprojPublishKernel(),
                            oproj_push=OprojPushKernel(), moe_front_publish=FrontPublishKernel(),
-                           shared_expert_push=SharedExpertKernel())
+                           shared_expert_push=SharedExpertKernel(), moe_front_shared_push=FrontSharedKernel())

@@ -3,6 +3,7 @@ and clusters (:func:`partition`, by a cost per CTA measured on the H200) and the
 memory layout of the ring and the K parts' exchange (:class:`GemmPlan`)."""
 
 import functools
+import itertools
 
 from ..launch import GEMM_ROOM, SMEM_BYTES
 from ..ring import CHUNK
@@ -56,20 +57,49 @@ def partition(n: int, k: int, tokens: int, owned: int = 8) -> tuple[int, int] | 
     Cost, in 128-byte rows of a chunk: per chunk the CTA's weight rows, x's rows at a
     quarter (L2 hits, read by every block: more tiles per CTA read x fewer times) and
     CHUNK_COST; for a K split SPLIT_COST plus its DSMEM exchange (rows × T FP32 at half)."""
-    if k % CHUNK or n % 8 or n <= 0:
-        return None
-    chunks, row_tiles = k // CHUNK, -(-n // TILE)
-    costs = {
-        (split, tiles): cta_cost(chunks, tiles, split, tokens)
-        for tiles in range(1, min(MAX_TILES, row_tiles) + 1) for split in SPLITS
-        if chunks % split == 0 and (TILE * tiles // split) % owned == 0
-        and -(-n // (TILE * tiles)) * split <= RESIDENT[split] and 2 * tiles * tokens // 2 <= ACCUMULATOR_REGISTERS
-    }
+    costs = {key: cost for key, (ctas, cost) in partitions(n, k, tokens, owned).items()
+             if ctas <= RESIDENT[key[0]]}
     if not costs:
         return None
     least = min(costs.values())
     split, tiles = min(key for key, cost in costs.items() if cost <= least * (1 + COST_SLACK))
     return tiles, split
+
+
+def partitions(n: int, k: int, tokens: int, owned: int = 8, uneven: bool = False) -> dict:
+    """(split, tiles) → (CTAs, cost per CTA) of every partition of an (N, K) weight whose
+    CTAs own a multiple of ``owned`` rows each (``uneven``: the rows a CTA owns rounded up to
+    one, the cluster's last CTAs owning none: :class:`GemmPlan`'s ``unit``)."""
+    if k % CHUNK or n % 8 or n <= 0:
+        return {}
+    chunks, row_tiles = k // CHUNK, -(-n // TILE)
+    return {
+        (split, tiles): (-(-n // (TILE * tiles)) * split, cta_cost(chunks, tiles, split, tokens))
+        for tiles in range(1, min(MAX_TILES, row_tiles) + 1) for split in SPLITS
+        if chunks % split == 0 and (uneven or (TILE * tiles // split) % owned == 0)
+        and 2 * tiles * tokens // 2 <= ACCUMULATOR_REGISTERS
+    }
+
+
+def joint_partition(weights: list[tuple[int, int]], k: int, tokens: int) -> list[tuple[int, int]] | None:
+    """(tiles, split) of each of several weights (N, owned) of one K that one grid streams
+    side by side (the fused shared expert's front and gate/up): each weight's CTAs in whole
+    clusters of the largest split, all resident at once together, a CTA's owned rows rounded
+    up (uneven: the grid is short of SMs for even owners). The least cost of the slowest CTA
+    (within COST_SLACK), then the least cost of each weight in turn (the first's outputs are
+    awaited first), then the fewest CTAs; None if none fits."""
+    options = [partitions(n, k, tokens, owned, uneven=True) for n, owned in weights]
+    fits = []
+    for keys in itertools.product(*options):
+        cluster = max(split for split, _ in keys)
+        ctas, costs = zip(*(option[key] for option, key in zip(options, keys)))
+        if all(c % cluster == 0 for c in ctas) and sum(ctas) <= RESIDENT[cluster]:
+            fits.append((max(costs), costs, sum(ctas), keys))
+    if not fits:
+        return None
+    least = min(fit[0] for fit in fits)
+    *_, keys = min(fit for fit in fits if fit[0] <= least * (1 + COST_SLACK))
+    return [(tiles, split) for split, tiles in keys]
 
 
 def cta_cost(chunks: int, tiles: int, split: int, tokens: int) -> float:
@@ -82,14 +112,15 @@ class GemmPlan:
     """The static partition and shared-memory layout of one (N, K, T) variant."""
 
     def __init__(self, n: int, k: int, tokens: int, parts: tuple[int, int] | None = None, by_token: bool = False,
-                 reserve: int = 0, room: int | None = None, whole: bool = False):
+                 reserve: int = 0, room: int | None = None, whole: bool = False, unit: int = 8):
         """``parts``: (tiles, split) instead of :func:`partition`'s; ``by_token``: a K split's
         owners take token ranges of every row of the block (a head's rows stay in one CTA:
         kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds;
         ``room``: shared bytes the ring leaves the SM for another kernel's CTAs (None:
         launch.GEMM_ROOM), at most what leaves one slot, or with ``whole`` (raw rows: the CTA's
         whole K slice stays in the ring) every chunk's (the K parts' exchange over the ring
-        may take more)."""
+        may take more); ``unit``: a CTA owns a multiple of this many rows (rows/split rounded
+        up: the cluster's last CTAs may own none, :func:`joint_partition`'s uneven plans)."""
         parts = parts or partition(n, k, tokens)
         if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
             raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
@@ -108,7 +139,8 @@ class GemmPlan:
             self.stride = self.per_owner + 1  # odd: a warp's rows (thread = row) in distinct banks
         else:
             self.per_owner = tokens
-            self.owned = self.rows // self.split  # output rows each CTA of a cluster reduces and stores
+            # output rows each CTA of a cluster reduces and stores
+            self.owned = -(-(self.rows // self.split) // unit) * unit
             self.stride = tokens + RECEIVE_PAD  # FP32 words per received row
         self.w_slot, self.x_slot = self.rows * CHUNK * 2, tokens * CHUNK * 2  # bytes, 1024-multiples
         stage = self.w_slot + self.x_slot

@@ -9,11 +9,19 @@ TP8-rank layer, benchmarks/NOTES.md). Here every CTA is resident before the barr
 each one streams its down tile into its ring while it waits there: the down's weights do
 not depend on the activations.
 
-The grid (:class:`SharedPlan`): the down's tiles and the gate/up's CTAs, whichever is more,
-in whole clusters of the gate/up's K split. It is one size for every batch bucket, so the
+With the MoE front (``kimi::moe_front_shared_push``): the front publish's plan runs on CTAs
+of its own before the gate/up's, both from the same x, so both weights stream at once and
+the front's launch is gone (its CTAs had held the SMs the shared expert's CTAs waited for:
+they start together now). Alone the two plans take 80 + 96 CTAs at the TP8 rank, past one
+wave; :func:`~.plan.joint_partition` sizes them to share one (2 and 3 tiles a CTA, the
+gate/up's owners uneven). The front's CTAs arrive at the barrier once their rows are
+published and stream their down tile meanwhile, as the others do.
+
+The grid (:class:`SharedPlan`): the down's tiles and the first plans' CTAs, whichever is
+more, in whole clusters of the largest K split. It is one size for every batch bucket, so the
 barrier's counter (``ticket``, monotonic, zeroed by ``DecodeBoxes.reset``) holds a multiple
 of the grid between calls. The whole grid must be resident at once (one CTA an SM,
-RESIDENT). The clusters past the gate/up's CTAs only arrive at the barrier; those past the
+RESIDENT). The clusters past the first plans' CTAs only arrive at the barrier; those past the
 down's tiles leave after it.
 
 The barrier: each CTA's activations stored (and fenced for the async proxy that reads
@@ -22,11 +30,11 @@ waits until the counter reaches the end of this call's multiple (acquire, bounde
 POLL_TIMEOUT_NS from our predecessor's end: past it the error word gets SHARED_BARRIER, the
 down reads whatever ``act`` holds, and a straggler's late arrival may let the next call's
 barrier pass early — the step is lost either way until reset()). (The down's split-1 CTAs
-keep the engine's two cluster barriers, over all 8 CTAs of the gate/up's clusters: each
+keep the engine's two cluster barriers, over all CTAs of the launch's clusters: each
 waits for the slowest of its cluster.)
 
-PDL: every CTA releases the dependents once its PDL wait is over (the gate/up's consumers,
-the barrier's waiters), not at entry: a dependent that does not wait for our end (the
+PDL: every CTA releases the dependents once its PDL wait is over (the first plans'
+consumers, the barrier's waiters), not at entry: a dependent that does not wait for our end (the
 decoder's route poll, runtime/prepared.py) then starts after our predecessor ended, as if
 it followed it. A dependent launches only once every CTA of ours has released it, so the
 whole grid is resident by then and the barrier cannot starve.
@@ -47,19 +55,26 @@ from .plan import THREADS, GemmPlan
 
 
 # KIMI_OPS_MARKS: every CTA's phases (kernels.values.Stamps after the marks' records;
-# benchmarks/timeline.py --marks): the gate/up's x in (CTAs past its plan stamp none), MMAs
-# done and act stored, the barrier passed, the down's MMAs done and its stores issued
-SHARED_PHASES = ("start", "x in", "gate/up MMAs", "act stored", "barrier passed", "down MMAs", "down stored")
+# benchmarks/timeline.py --marks): the first plan's (the gate/up's, or the front's) x in (CTAs
+# past both plans stamp none), MMAs done and rows stored, the barrier passed, the down's MMAs
+# done and its stores issued
+SHARED_PHASES = ("start", "x in", "first MMAs", "first stored", "barrier passed", "down MMAs", "down stored")
 
 
 class SharedPlan:
-    """The two plans of one (gate/up [2I, K], down [N, I], T) variant and their grid
-    (``grid`` CTAs: every bucket's, see the module doc)."""
+    """The plans of one (gate/up [2I, K], down [N, I], T) variant and their grid (``grid``
+    CTAs: every bucket's, see the module doc); ``front`` ([E/TP + L/TP, K], the MoE front's
+    plan) where the front publish runs beside the gate/up, on the CTAs before its."""
 
-    def __init__(self, gate_up: GemmPlan, down: GemmPlan, grid: int):
-        self.gate_up, self.down, self.grid = gate_up, down, grid
-        self.depth = gate_up.depth + down.depth  # each plan its own barriers: none is initialized twice
-        self.ring_bytes = max(gate_up.ring_bytes, down.ring_bytes)
+    def __init__(self, gate_up: GemmPlan, down: GemmPlan, grid: int, front: GemmPlan | None = None):
+        self.gate_up, self.down, self.grid, self.front = gate_up, down, grid, front
+        self.firsts = [p for p in (front, gate_up) if p is not None]  # the plans before the barrier, in CTA order
+        self.cluster = max(p.split for p in self.firsts)  # the launch's CTAs per cluster
+        # each plan its own barriers (none is initialized twice): the front's and the gate/up's
+        # CTAs are apart, so they share the first ones
+        self.first_depth = max(p.depth for p in self.firsts)
+        self.depth = self.first_depth + down.depth
+        self.ring_bytes = max(down.ring_bytes, *(p.ring_bytes for p in self.firsts))
 
 
 class GridBarrier:
@@ -106,33 +121,44 @@ class GridBarrier:
 
 class SharedExpert:
     """The kernel of one :class:`SharedPlan`: ``situ`` (beta, linear_beta), the down's
-    reduce-scatter over ``tp`` boxes."""
+    reduce-scatter over ``tp`` boxes; with the plan's front, ``n_logits`` of its rows are
+    logits, and it publishes into ``tp`` front boxes (``kimi::moe_front_publish``'s rows)."""
 
-    def __init__(self, plan: SharedPlan, situ: tuple, tp: int):
+    def __init__(self, plan: SharedPlan, situ: tuple, tp: int, n_logits: int = 0):
         assert plan.grid <= STAMP_CTAS and len(SHARED_PHASES) <= STAMP_PHASES, "the stamps fit their words"
         self.plan = plan
-        cluster = plan.gate_up.split
-        self.gate_up = DecodeGemm(plan.gate_up, Outputs(plan.gate_up.n, situ=situ), release_waited=True)
+        cluster, front = plan.cluster, plan.front
+        self.front = None if front is None else DecodeGemm(
+            front, Outputs(front.n, True, n_logits, tp), cluster, release_waited=True)
+        self.gate_up = DecodeGemm(plan.gate_up, Outputs(plan.gate_up.n, situ=situ), cluster, release_waited=True,
+                                  offset=0 if front is None else front.ctas)
         self.down = DecodeGemm(plan.down, Outputs(plan.down.n, tp=tp, scatter=True), cluster, GridBarrier(plan.grid))
+        self.front_loads = self.front or self.gate_up  # w_front's descriptor (without a front: unread)
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w_gate_up: cute.Tensor, act: cute.Tensor, w_down: cute.Tensor,
                  second: cute.Tensor, peers: cute.Tensor, ticket: cute.Tensor, error: cute.Tensor, row0: Int32,
+                 w_front: cute.Tensor, front_peers: cute.Tensor, front_row0: Int32, col0: Int32, col1: Int32,
                  stream):
+        """``w_front`` … ``col1``: the front's weight, boxes and :meth:`Outputs.store`'s
+        arguments (without a front: any, unread)."""
         gate_up_copy, gate_up_boxes = self.gate_up.weight_copy(w_gate_up)
+        front_copy, front_boxes = self.front_loads.weight_copy(w_front)
         x_copy, x_boxes = self.gate_up.x_copy(x)
         down_copy, down_boxes = self.down.weight_copy(w_down)
         act_copy, act_boxes = self.down.x_copy(act)
         self.kernel(gate_up_copy, gate_up_boxes, x_copy, x_boxes, down_copy, down_boxes, act_copy, act_boxes, x, act,
-                    second, peers, ticket, error, row0).launch(
-            grid=[self.plan.grid, 1, 1], block=[THREADS, 1, 1], cluster=[self.plan.gate_up.split, 1, 1],
+                    second, peers, ticket, error, row0, front_copy, front_boxes, front_peers, front_row0, col0,
+                    col1).launch(
+            grid=[self.plan.grid, 1, 1], block=[THREADS, 1, 1], cluster=[self.plan.cluster, 1, 1],
             stream=stream, use_pdl=PDL, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, gate_up_copy: cute.CopyAtom, gate_up_boxes: cute.Tensor, x_copy: cute.CopyAtom,
                x_boxes: cute.Tensor, down_copy: cute.CopyAtom, down_boxes: cute.Tensor, act_copy: cute.CopyAtom,
                act_boxes: cute.Tensor, x: cute.Tensor, act: cute.Tensor, second: cute.Tensor, peers: cute.Tensor,
-               ticket: cute.Tensor, error: cute.Tensor, row0: Int32):
+               ticket: cute.Tensor, error: cute.Tensor, row0: Int32, front_copy: cute.CopyAtom,
+               front_boxes: cute.Tensor, front_peers: cute.Tensor, front_row0: Int32, col0: Int32, col1: Int32):
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -140,13 +166,20 @@ class SharedExpert:
         stamps.at("start")
         full, ring = DecodeGemm.allocate(plan.depth, plan.ring_bytes)
         target = SmemAllocator().allocate_tensor(Int64, cute.make_layout(1), 8)
+        firsts = (stamps, SHARED_PHASES[1:4])
         # (a plan's CTAs are whole clusters: a cluster past one plan's CTAs skips it whole)
-        if cta < plan.gate_up.ctas:
+        if cutlass.const_expr(self.front is not None):
+            if cta < plan.front.ctas:
+                self.front.body(front_copy, front_boxes, (x_copy, x_boxes), x,
+                                (act, second, front_peers, front_row0, col0, col1), storage=(full, ring),
+                                stamped=firsts)
+        gate_up_from = self.gate_up.offset
+        if (cta >= gate_up_from) & (cta < gate_up_from + plan.gate_up.ctas):
             self.gate_up.body(gate_up_copy, gate_up_boxes, (x_copy, x_boxes), x, (act, second, peers, 0, 0, 0),
-                              storage=(full, ring), stamped=(stamps, SHARED_PHASES[1:4]))
+                              storage=(full, ring), stamped=firsts)
         self.down.waiter.arrive(tid, ticket, target)
         cute.arch.fence_proxy("async.shared", space="cta")  # the epilogue's reads of the ring, then TMA's writes
         if cta < plan.down.ctas:
             self.down.body(down_copy, down_boxes, (act_copy, act_boxes), act, (act, second, peers, row0, 0, 0),
-                           storage=(full + 2 * plan.gate_up.depth, ring), inputs=(ticket, target, error),
+                           storage=(full + 2 * plan.first_depth, ring), inputs=(ticket, target, error),
                            stamped=(stamps, SHARED_PHASES[4:]))
