@@ -38,7 +38,8 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,)) -> list[t
             routings = [torch.stack([torch.randperm(count, device="cuda", generator=gen)[:16] for _ in range(batch)])
                         .int().view(-1) for _ in range(CALLS)]
             out = latent.new_empty((batch * 16, width))
-            unused, error = (torch.zeros(1, dtype=dtype, device="cuda") for dtype in (torch.int64, torch.int32))
+            unused = torch.zeros(2, dtype=torch.int64, device="cuda")  # the ready counter (read only when counted)
+            error = torch.zeros(1, dtype=torch.int32, device="cuda")
             floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
             times = []
             plan = experts_plan.call_plan(width, intermediate, batch, 0)
