@@ -3,7 +3,8 @@ without a GPU, with no spills and no ptxas performance note; on a Hopper GPU
 ``kimi::routed_experts`` equals the reference backend on the same device (outputs
 poisoned first, fresh inputs) at every batch up to CAP, at TP1 and at a TP8 rank, with
 repeated experts across tokens (past one wave a cluster serves TOKENS of an expert's tokens), repeated ids in a token, ids
-outside [0, E), −0 and NaN latent rows; it replays from a CUDA graph."""
+outside [0, E), −0 and NaN latent rows, extreme finite weights and latent values; it replays
+from a CUDA graph."""
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ TP8_RANK = (512, 16, 112)  # bench_layer --tp8-rank's: a CTA the expert, 8 chunk
     (64, 8, None, 1),
     (3584, 16, 1, 1), (3584, 16, 2, 1), (3584, 16, 7, 1), (3584, 16, 8, 1),  # a ring shorter than the stream; two
     # groups of 224 threads; full warps; 8 groups
-    (3584, 16, 1, 2), (512, 16, 1, 2),  # two CTAs an SM past one wave (call_plan): a ring of 2; 4 groups
+    (512, 16, 1, 2),  # two CTAs an SM past one wave (call_plan): 4 groups
 ])
 @pytest.mark.parametrize("tokens", [1, experts_plan.TOKENS])
 def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, clean_ptxas):
@@ -61,10 +62,12 @@ def test_cluster_size(monkeypatch):
     assert [experts_plan.call_plan(3584, 16, b, 0).wave for b in (1, 2, 8, 9)] == [True, True, True, False]
     assert [experts_plan.call_plan(512, 16, b, 0, 8).wave for b in (64, 66, 67)] == [True, True, False]
     # in one wave a CTA an SM serving one token; past it two an SM serving up to TOKENS
-    one, past = (1, 1, True), (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False)
+    # (kimi_k3's FP64 latent slices at T = 4 take one an SM)
+    one, past = (1, 1, True), (1, experts_plan.TOKENS, False)
     plans = [experts_plan.call_plan(3584, 16, b, 0) for b in (1, 2, 3, 8, 9, 64)]
     assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1]
     assert [p[1:] for p in plans] == [one, one, one, one, past, past]
+    past = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False)
     assert [experts_plan.call_plan(512, 16, b, 0, 8)[1:] for b in (66, 67)] == [one, past]
 
 
@@ -100,8 +103,9 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
+            past_wave = experts_plan.past_wave_per_sm(latent, intermediate)
             for cluster, per_sm, tokens in ((None, 1, 1), (1, 1, 1), (1, 1, experts_plan.TOKENS),
-                                            (1, experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS)):
+                                            (1, past_wave, experts_plan.TOKENS)):
                 kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm, tokens)
                 group = kernel.group_threads
                 assert group % 32 == 0 and kernel.packets <= group < kernel.packets + 32
@@ -119,6 +123,7 @@ def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
                 # per_sm of them in an SM's 228 KB, 1 KB each kept for the system
                 assert 1 <= kernel.depth <= kernel.chunks and kernel.smem_bytes() <= experts_plan.smem_share(per_sm)
                 assert per_sm * (kernel.smem_bytes() + 1024) <= 228 * 1024
+                assert tokens == 1 or kernel.depth >= experts_plan.MIN_RING  # past one wave
             # the whole slice in flight in one wave
             assert experts_kernels.RoutedExperts(latent, intermediate, None, 1, 1).depth == kernel.chunks
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
@@ -135,7 +140,8 @@ def test_launcher_takes_the_adapters_arguments():
     from standins import cuda_standin as cuda
 
     (latent, intermediate, count), batch = K3, 4
-    launch = experts.compile_routed_experts.build(latent, intermediate, 1, experts_plan.PAST_WAVE_PER_SM,
+    launch = experts.compile_routed_experts.build(latent, intermediate, 1,
+                                                  experts_plan.past_wave_per_sm(latent, intermediate),
                                                   experts_plan.TOKENS, True)
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
@@ -206,6 +212,28 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
         want = reference(kimi.routed_experts, latent, ids, gate_up, down, rank, tp)
         assert_matches(got, want)
         assert torch.equal(torch.isnan(got), torch.isnan(want))
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", [6, 40])
+def test_routed_experts_kernel_with_extreme_finite_values(batch):
+    """The FP64 operands (weights widened from their bits, the latent and acts times 2^896)
+    keep every finite product exact: ±0, BF16 denormals, the smallest normal and large
+    weights among the trained-like ones, and the largest BF16 latent values, met by the
+    smallest denormal weight (a product of ~0.03), in one wave (B = 6) and past it."""
+    latent, ids, gate_up, down = args_of(batch, TINY, seed=11 + batch)
+    specials = torch.tensor([0.0, -0.0, 2.0**-133, -(2.0**-130), 2.0**-126, 2.0**20]).bfloat16().cuda()
+    for weights in (gate_up, down):
+        picks = torch.randint(0, len(specials), weights[..., 1::7].shape, device="cuda")
+        weights[..., 1::7] = specials[picks]
+    gate_up[..., 0] = 2.0**-133
+    latent[:, 0] = torch.finfo(torch.bfloat16).max * torch.sign(torch.randn(batch, device="cuda")).bfloat16()
+    served_by_the_kernel(latent, ids, gate_up, down, 0, 1)
+    poison(batch, TINY[0])
+    got = kimi.routed_experts(latent, ids, gate_up, down, 0, 1)
+    want = reference(kimi.routed_experts, latent, ids, gate_up, down, 0, 1)
+    assert torch.isfinite(want).all()
+    assert_matches(got, want)
 
 
 @on_hopper

@@ -15,6 +15,7 @@ from .ptx import (
     pack_values,
     rsqrt_like_torch,
     store_cluster,
+    widened_bf16,
 )
 
 
@@ -54,6 +55,20 @@ def unpack_bf16(word: Uint32):
 def unpack_words(words):
     """A packet's BF16 values as FP32 (8 for a 16-byte packet)."""
     return [value for word in words for value in unpack_bf16(word)]
+
+
+@cute.jit
+def widened_packet(words):
+    """A packet's BF16 values as FP64 times 2^-896 (ptx.widened_bf16: no cvt)."""
+    return [value for word in words for value in widened_bf16(word)]
+
+
+@cute.jit
+def wide_operand(x: Float32) -> Float64:
+    """The other operand of a product with a :func:`widened_packet` value: x times 2^896,
+    exact for every finite BF16 value (the largest stays below FP64's), so that the
+    product is the exact one."""
+    return Float64(x) * Float64(2.0**896)
 
 
 @cute.jit

@@ -80,6 +80,19 @@ def double_words(value: Float64):
                                 read_only_args=[value])
 
 
+@cute.jit
+def widened_bf16(word: Uint32):
+    """The two BF16 values of a word (low half first) as FP64 times 2^-896, exact for every
+    finite value (denormals and ±0 included) without a conversion unit's cvt: the BF16 bits
+    (sign, then exponent and mantissa shifted 3 right) are the FP64's high word, whose
+    exponent field is the BF16's (bias 127 read at 1023). Infinities and NaN come out finite."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 z, l, h; mov.b32 z, 0; shl.b32 l, {$r0}, 16; shr.s32 l, l, 3; and.b32 l, l, 0x8FFFE000;"
+        " shr.s32 h, {$r0}, 3; and.b32 h, h, 0x8FFFE000; mov.b64 {$w0}, {z, l}; mov.b64 {$w1}, {z, h}; }",
+        write_only_types=[Float64, Float64], read_only_args=[word],
+    )
+
+
 # Memory: global (plain, or relaxed at system scope for mailboxes), shared, DSMEM.
 
 @cute.jit
@@ -132,6 +145,18 @@ def load_shared(address):
 @cute.jit
 def store_shared(address, words):
     cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", read_only_args=[address, *words])
+
+
+@cute.jit
+def load_shared_doubles(address):
+    """Two FP64 values from shared memory, one 16-byte load."""
+    return cute.arch.inline_ptx("ld.shared.v2.f64 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float64, Float64],
+                                read_only_args=[address])
+
+
+@cute.jit
+def store_shared_doubles(address, low: Float64, high: Float64):
+    cute.arch.inline_ptx("st.shared.v2.f64 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, low, high])
 
 
 @cute.jit

@@ -20,10 +20,10 @@ from .plan import (
     MAX_BATCH,
     MAX_INTERMEDIATE,
     MAX_LATENT,
-    PAST_WAVE_PER_SM,
     TOKENS,
     call_plan,
     cluster_size,
+    past_wave_per_sm,
 )
 
 
@@ -69,7 +69,7 @@ def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, pe
 def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int]]:
     """Every key :func:`~.plan.call_plan` returns at any batch, TP and SM count: in one wave
     cluster_size's C or 1 a pair, past it 1 (no device asked: a cache warms without one)."""
-    return {(cluster_size(latent, intermediate), 1, 1), (1, 1, 1), (1, PAST_WAVE_PER_SM, TOKENS)}
+    return {(cluster_size(latent, intermediate), 1, 1), (1, 1, 1), (1, past_wave_per_sm(latent, intermediate), TOKENS)}
 
 
 class RoutedExpertsKernel:

@@ -8,8 +8,7 @@ that hold e; T: ``tokens``), the cluster serves e for that token and the next T 
 routed to it; any other pair of e ends at once. So each routed expert's weights are read
 once a step per T of its tokens, with no gather and no sort, and a popular expert's
 tokens spread over clusters. CTA r of a cluster takes 1/C of L (:func:`cluster_size`):
-gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 sums (about
-6 µs on one SM at L = 3584: the FP32 → FP64 conversions, benchmarks/NOTES.md) and the
+gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 sums and the
 expert's bytes spread over C SMs while the SMs would otherwise idle (:func:`cluster_for`:
 B ≤ 2 at L = 3584), and a CTA takes the whole expert (C = 1) past that; the gate/up partial sums meet
 over DSMEM, added in rank order in every CTA (the same bits in each). A pair of another
@@ -20,12 +19,18 @@ memory allows (the version with plain loads kept few in flight: benchmarks/NOTES
 
 For each token of e, the reference's rounding points:
 
-1. hidden_r = FP32(Σ_l gate_up[e, r, l] · latent[b, l]) for the 2I rows: FP32 products of
-   BF16 values (exact) summed in FP64 — a thread's 4 packets in order, the row's lanes in a
-   warp (butterfly), the warps in order (shared memory), then the cluster's CTAs in rank
-   order (DSMEM) — rounded once.
+1. hidden_r = FP32(Σ_l gate_up[e, r, l] · latent[b, l]) for the 2I rows: each product of
+   BF16 values exact in FP64, added by one FMA — a thread's 4 packets in order, the row's
+   lanes in a warp (butterfly), the warps in order (shared memory), then the cluster's CTAs
+   in rank order (DSMEM) — rounded once.
 2. act_j = situ(hidden_j, hidden_{I+j}): gate and up rounded to BF16, FP32 math, BF16.
-3. row_l = BF16(FP32(Σ_j act_j · down[e, l, j])), the sum in FP64.
+3. row_l = BF16(FP32(Σ_j act_j · down[e, l, j])), the sum in FP64 alike.
+
+The FP64 operands cost no conversion unit a product (16 cvt an SM a clock, which bounded
+the FP32 products' conversions: benchmarks/NOTES.md): a weight is widened from its bits
+(ptx.widened_bf16: the value times 2^-896, exact for every finite BF16; infinite weights are
+not supported) once for all the CTA's tokens, and the latent and acts, converted once a
+token, are stored times 2^896 (packets.wide_operand), so each product is the exact one.
 
 A group of P = L/(8C) threads takes a chunk, P a CTA's packets of a row (rounded up to
 whole warps: the butterflies need every lane); with the whole slice in flight G groups take
@@ -34,8 +39,9 @@ packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflic
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
 (4 packets). The serve first issues the
 ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
-tokens in order, up to T; at T = 1 its own token alone) and copies their latent rows into shared memory once
-(cp.async): every gate/up chunk reads them there, not from L2.
+tokens in order, up to T; at T = 1 its own token alone) and widens their latent slices into
+shared memory once, each packet's pairs beside the warp's other packets' (conflict-free
+reads): every gate/up chunk reads them there, not from L2.
 
 ``counted`` (the decoder's routing beside the fused shared expert, runtime/prepared.py):
 the ids and latent are the route poll's, which counts its 2B CTAs into ``ready`` once
@@ -59,18 +65,20 @@ from ..packets import (
     clamp,
     cluster_barrier,
     cluster_total,
-    exact_dot,
     send_to_cluster,
     situ_value,
     unpack_words,
+    wide_operand,
+    widened_packet,
 )
 from ..ptx import (
     bulk_copy,
-    copy_async,
     l2_evict_first,
     load_shared,
+    load_shared_doubles,
     load_words,
     pack_values,
+    store_shared_doubles,
     store_word,
     store_words,
 )
@@ -79,6 +87,8 @@ from .plan import (
     MAX_BATCH,
     MAX_THREADS,
     cluster_size,
+    slot_words,
+    smem_bytes,
     smem_share,
 )
 
@@ -102,8 +112,8 @@ class RoutedExperts:
         self.row_threads = self.packets // GATE_ROWS  # a gate/up row's threads in a chunk
         self.gate_chunks = 2 * intermediate // GATE_ROWS
         self.chunks = self.gate_chunks + intermediate // GATE_ROWS  # then L·I/(4L) down chunks
-        self.row_words = (self.packets + 2) * 4  # a gate/up row in a slot, padded: conflict-free reads
-        self.slot_words = GATE_ROWS * self.row_words
+        self.slot_words = slot_words(latent, self.cluster)
+        self.row_words = self.slot_words // GATE_ROWS  # a gate/up row in a slot
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
         # the whole slice in flight where it fits (a B ≤ 8 step is the stream's latency)
         self.depth = max(d for d in range(1, self.chunks + 1) if self.smem_bytes(d) <= smem_share(per_sm))
@@ -119,14 +129,8 @@ class RoutedExperts:
         self.warps = self.threads // 32
 
     def smem_bytes(self, depth: int | None = None) -> int:
-        """What :meth:`allocate` takes (each piece 16-byte aligned) with a ring of ``depth``."""
-        depth = depth or self.depth
-        pieces = (4 * depth * self.slot_words, 8 * depth, 16 * self.tokens * self.packets,
-                  8 * self.tokens * 2 * self.intermediate * self.group_warps,
-                  8 * self.tokens * 2 * self.intermediate * self.cluster,
-                  4 * self.tokens * 2 * self.intermediate, 4 * self.tokens * self.intermediate, 4 * MAX_BATCH,
-                  4 * (1 + MAX_BATCH), 4 * 32)
-        return sum(-(-piece // 16) * 16 for piece in pieces)
+        """What :meth:`allocate` takes with a ring of ``depth`` (ours by default)."""
+        return smem_bytes(self.latent, self.intermediate, self.cluster, self.tokens, depth or self.depth)
 
     @cute.jit
     def __call__(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
@@ -306,33 +310,40 @@ class RoutedExperts:
 
     @cute.jit
     def stash_latent(self, latent, xs, matched, part, tid):
-        """Slice ``part`` of the matched tokens' latent rows into ``xs`` [T, P] packets:
-        cp.async, all in flight at once, then the barrier."""
+        """Slice ``part`` of the matched tokens' latent rows into ``xs`` [T, 4, P, 2] as FP64
+        times 2^896 (:func:`~..packets.wide_operand`) (the other operand of every widened weight), then the barrier."""
         for item in cutlass.range(tid, matched[0] * self.packets, self.threads, unroll=1):
             n, c = item // self.packets, item % self.packets
-            copy_async(xs + item * 4, latent.iterator + matched[1 + n] * self.latent + part * self.slice + c * 8)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
+            values = unpack_words(load_words(latent.iterator + matched[1 + n] * self.latent + part * self.slice + c * 8))
+            for q in cutlass.range_constexpr(4):
+                store_shared_doubles(xs + ((n * 4 + q) * self.packets + c) * 2, wide_operand(values[2 * q]),
+                                     wide_operand(values[2 * q + 1]))
         cute.arch.sync_threads()
 
     @cute.jit
     def gate_chunk(self, xs, words, parts, matched, chunk, tid):
         """Step 1's share of gate/up chunk ``chunk`` for the matched tokens: each token's 4
-        row sums of the warp into ``parts`` (``tid``: the thread's in its group)."""
+        row sums of the warp into ``parts`` (``tid``: the thread's in its group). A weight
+        packet is widened once for every token (token n's sum in the packets' order, as
+        the reference's)."""
         r, group = tid % GATE_ROWS, tid // GATE_ROWS
-        columns = [group + self.row_threads * j for j in range(4)]
-        weights = [[Float32(0.0)] * 8 for _ in range(4)]
+        count = matched[0]
+        totals = cute.make_rmem_tensor(self.tokens, Float64)
+        for n in cutlass.range_constexpr(self.tokens):
+            totals[n] = Float64(0.0)
         if tid < self.packets:
-            weights = [unpack_words(load_shared(words + r * self.row_words + c * 4)) for c in columns]
-        for n in cutlass.range(matched[0], unroll=1):
-            total = Float64(0.0)
-            if tid < self.packets:
-                for j in cutlass.range_constexpr(4):
-                    x = unpack_words(load_shared(xs + (n * self.packets + columns[j]) * 4))
-                    total += exact_dot(weights[j], x)
-            total = butterfly(total, 32, stride=GATE_ROWS)  # the warp's lanes of row r
-            if tid % 32 < GATE_ROWS:
-                parts[n, chunk * GATE_ROWS + r, tid // 32] = total
+            for j in cutlass.range_constexpr(4):
+                column = group + self.row_threads * j
+                weights = widened_packet(load_shared(words + r * self.row_words + column * 4))
+                for n in cutlass.range_constexpr(self.tokens):
+                    if n < count:
+                        totals[n] = wide_dot(weights, xs + (n * 4 * self.packets + column) * 2, totals[n],
+                                             2 * self.packets)
+        for n in cutlass.range_constexpr(self.tokens):
+            if n < count:
+                total = butterfly(totals[n], 32, stride=GATE_ROWS)  # the warp's lanes of row r
+                if tid % 32 < GATE_ROWS:
+                    parts[n, chunk * GATE_ROWS + r, tid // 32] = total
 
     @cute.jit
     def activate(self, parts, received, hidden, acts, part, tid):
@@ -355,7 +366,8 @@ class RoutedExperts:
             n, j = item // self.intermediate, item % self.intermediate
             gate = Float32(BFloat16(hidden[n, j]))
             up = Float32(BFloat16(hidden[n, j + self.intermediate]))
-            acts[n, j] = Float32(BFloat16(situ_value(gate, up, Float32(1.0), Float32(0.0))))  # SwiGLU
+            act = Float32(BFloat16(situ_value(gate, up, Float32(1.0), Float32(0.0))))  # SwiGLU
+            acts[n, j] = wide_operand(act)
         cute.arch.sync_threads()
 
     @cute.jit
@@ -363,22 +375,28 @@ class RoutedExperts:
         """Step 3 on down chunk ``chunk`` of slice ``part`` (its rows chunk·4L/(C·I) …) for
         the matched tokens (``tid``: the thread's in its group)."""
         if tid < self.packets:
-            values = [v for m in range(4) for v in unpack_words(load_shared(words + (4 * tid + m) * 4))]
+            count = matched[0]
+            words_of_row = self.intermediate // 2
+            packed_words = [w for m in range(4) for w in load_shared(words + (4 * tid + m) * 4)]
+            rows = cute.make_rmem_tensor((self.tokens, self.down_rows), Float32)
+            for i in cutlass.range_constexpr(self.down_rows):  # a row widened once for every token
+                weights = widened_packet(packed_words[i * words_of_row:(i + 1) * words_of_row])
+                for n in cutlass.range_constexpr(self.tokens):
+                    if n < count:
+                        rows[n, i] = Float32(wide_dot(weights, acts.iterator + n * self.intermediate, Float64(0.0)))
             column = part * self.slice + chunk * (4 * self.slice // self.intermediate) + tid * self.down_rows
-            for n in cutlass.range(matched[0], unroll=1):
-                b = matched[1 + n]
-                mask = masks[b]
-                act = [acts[n, j] for j in range(self.intermediate)]
-                rows = [Float32(exact_dot(values[i * self.intermediate:(i + 1) * self.intermediate], act))
-                        for i in range(self.down_rows)]
-                packed = pack_values(rows)
-                for k in cutlass.range_constexpr(TOP_K):
-                    if ((mask >> k) & Int32(1)) != 0:
-                        address = out.iterator + (b * TOP_K + k) * self.latent + column
-                        if cutlass.const_expr(len(packed) == 1):
-                            store_word(address, packed[0])
-                        else:
-                            store_words(address, packed)
+            for n in cutlass.range_constexpr(self.tokens):
+                if n < count:
+                    b = matched[1 + n]
+                    mask = masks[b]
+                    packed = pack_values([rows[n, i] for i in range(self.down_rows)])
+                    for k in cutlass.range_constexpr(TOP_K):
+                        if ((mask >> k) & Int32(1)) != 0:
+                            address = out.iterator + (b * TOP_K + k) * self.latent + column
+                            if cutlass.const_expr(len(packed) == 1):
+                                store_word(address, packed[0])
+                            else:
+                                store_words(address, packed)
 
     @cute.jit
     def allocate(self) -> "ExpertsSpace":
@@ -387,14 +405,14 @@ class RoutedExperts:
         double = 2 * self.intermediate
         ring = smem.allocate_tensor(Uint32, cute.make_layout(self.depth * self.slot_words), 16).iterator
         full = smem.allocate_tensor(Int64, cute.make_layout(self.depth), 16).iterator
-        xs = smem.allocate_tensor(Uint32, cute.make_layout(4 * self.tokens * self.packets), 16).iterator
+        xs = smem.allocate_tensor(Float64, cute.make_layout(8 * self.tokens * self.packets), 16).iterator
         parts = smem.allocate_tensor(
             Float64, cute.make_layout((self.tokens, double, self.group_warps),
                                       stride=(double * self.group_warps, self.group_warps, 1)), 16)
         received = smem.allocate_tensor(
             Float64, cute.make_layout((self.tokens * double, self.cluster), stride=(self.cluster, 1)), 16)
         hidden = smem.allocate_tensor(Float32, cute.make_layout((self.tokens, double), stride=(double, 1)), 16)
-        acts = smem.allocate_tensor(Float32, cute.make_layout((self.tokens, self.intermediate), stride=(self.intermediate, 1)),
+        acts = smem.allocate_tensor(Float64, cute.make_layout((self.tokens, self.intermediate), stride=(self.intermediate, 1)),
                                     16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
@@ -413,14 +431,26 @@ class ExpertsSpace(NamedTuple):
 
     ring: object  # the ring (words)
     full: object  # its full barriers
-    xs: object  # the matched tokens' latent slices (words)
+    xs: object  # the matched tokens' latent slices [T, 4, P, 2] (a warp's packets' pairs side by side), FP64 times 2^896 (:func:`~..packets.wide_operand`)
     parts: object  # [T, 2I, a group's warps] FP64
     received: object  # [T·2I, C] FP64: the cluster's slice sums
     hidden: object  # [T, 2I] FP32
-    acts: object  # [T, I] FP32
+    acts: object  # [T, I] FP64 times 2^896 (:func:`~..packets.wide_operand`)
     masks: object  # [MAX_BATCH]
     matched: object  # the matched tokens: count, then the list
     counts: object  # the warps' token counts
+
+
+@cute.jit
+def wide_dot(weights, values, total: Float64, stride: cutlass.Constexpr[int] = 2) -> Float64:
+    """``total`` plus Σ weights[i] · values[i] in order, each product exact (a
+    :func:`~..packets.widened_packet` weight times a wide_operand), one FMA each; the
+    values' pairs are read from shared memory at ``values`` + q · ``stride``."""
+    for q in cutlass.range_constexpr(len(weights) // 2):
+        low, high = load_shared_doubles(values + q * stride)
+        total = cute.math.fma(weights[2 * q], low, total)
+        total = cute.math.fma(weights[2 * q + 1], high, total)
+    return total
 
 
 @cute.jit

@@ -14,7 +14,8 @@ MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
 MAX_THREADS = 512  # a CTA's chunk groups (kernels.RoutedExperts.groups): 128 registers a thread
-PAST_WAVE_PER_SM = 2  # CTAs an SM holds at once past one wave (call_plan)
+PAST_WAVE_PER_SM = 2  # CTAs an SM holds at once past one wave (call_plan), where MIN_RING fits
+MIN_RING = 2  # chunks in flight a CTA keeps at least past one wave
 SM_SHARED = SMEM_BYTES + 1024  # an SM's shared memory; each resident CTA's share keeps 1 KB for the system
 
 
@@ -72,14 +73,42 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     its slowest pair (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8
     rank at B = 8 took 8.45 µs against 3.85 at B = 1). Past one wave most pairs' CTAs end
     at once, so each CTA serves TOKENS tokens (an expert's weights read once per TOKENS) and
-    PAST_WAVE_PER_SM share an SM: a serving CTA's latency (its stream, its barriers) leaves
-    its SM idle unless another CTA shares it (kimi_k3, L = 3584, 220 KB a CTA alone, at
-    B = 64: 99.3 µs against 117.8; 3 an SM 157.2; a TP8 rank's, L = 512, 61 KB and 64
-    registers a thread, two an SM already: 18.0 against 18.2; bench_experts,
+    up to PAST_WAVE_PER_SM share an SM (:func:`past_wave_per_sm`): a serving CTA's latency
+    (its stream, its barriers) leaves its SM idle unless another CTA shares it (a TP8
+    rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
     benchmarks/NOTES.md)."""
     cluster = cluster_for(latent, intermediate, batch, device, tp)
-    wave = one_wave(batch, cluster, device, tp)
-    return CallPlan(cluster, 1, 1, True) if wave else CallPlan(cluster, PAST_WAVE_PER_SM, TOKENS, False)
+    if one_wave(batch, cluster, device, tp):
+        return CallPlan(cluster, 1, 1, True)
+    return CallPlan(cluster, past_wave_per_sm(latent, intermediate), TOKENS, False)
+
+
+@functools.cache
+def past_wave_per_sm(latent: int, intermediate: int) -> int:
+    """The most CTAs an SM, up to PAST_WAVE_PER_SM, at which a CTA serving TOKENS tokens keeps
+    a ring of MIN_RING chunks: kimi_k3's (L = 3584) FP64 latent slices, 115 KB at T = 4, take
+    one an SM (at 2 an SM and T = 1, 32.5 / 60.3 / 115.9 µs at B = 16 / 32 / 64 against
+    41.2 / 64.7 / 103.2, benchmarks/NOTES.md)."""
+    return max((p for p in range(1, PAST_WAVE_PER_SM + 1)
+                if smem_bytes(latent, intermediate, 1, TOKENS, MIN_RING) <= smem_share(p)), default=1)
+
+
+def slot_words(latent: int, cluster: int) -> int:
+    """A ring slot: GATE_ROWS gate/up rows of a CTA's slice, each padded by 2 packets
+    (conflict-free reads)."""
+    return GATE_ROWS * (latent // cluster // 8 + 2) * 4
+
+
+def smem_bytes(latent: int, intermediate: int, cluster: int, tokens: int, depth: int) -> int:
+    """A CTA's shared memory with a ring of ``depth`` (kernels.RoutedExperts.allocate, each
+    piece 16-byte aligned): the ring, its barriers, the tokens' latent slices and sums in
+    FP64, hidden, the acts in FP64, masks, matched, counts."""
+    packets, double = latent // cluster // 8, 2 * intermediate
+    group_warps = -(-packets // 32)
+    pieces = (4 * depth * slot_words(latent, cluster), 8 * depth, 64 * tokens * packets,
+              8 * tokens * double * group_warps, 8 * tokens * double * cluster, 4 * tokens * double,
+              8 * tokens * intermediate, 4 * MAX_BATCH, 4 * (1 + MAX_BATCH), 4 * 32)
+    return sum(-(-piece // 16) * 16 for piece in pieces)
 
 
 def smem_share(per_sm: int) -> int:
