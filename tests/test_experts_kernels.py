@@ -42,6 +42,7 @@ def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, 
 
 @pytest.mark.parametrize("latent, cluster, per_sm, tokens", [
     (3584, None, 1, 1), (512, None, 1, 1), (512, 1, experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS),
+    (3584, 1, experts_plan.PAST_WAVE_PER_SM, 1),  # one token a CTA, two an SM (call_plan's B = 9-16 at TP1)
 ])
 def test_routed_experts_counted_compiles(latent, cluster, per_sm, tokens, clean_ptxas):
     """The wait for the route poll's ready count instead of the PDL wait: in clusters, a CTA
@@ -61,14 +62,16 @@ def test_cluster_size(monkeypatch):
     # dependents released at entry while the pairs served are one wave
     assert [experts_plan.call_plan(3584, 16, b, 0).wave for b in (1, 2, 8, 9)] == [True, True, True, False]
     assert [experts_plan.call_plan(512, 16, b, 0, 8).wave for b in (64, 66, 67)] == [True, True, False]
-    # in one wave a CTA an SM serving one token; past it two an SM serving up to TOKENS
-    # (kimi_k3's FP64 latent slices at T = 4 take one an SM)
-    one, past = (1, 1, True), (1, experts_plan.TOKENS, False)
-    plans = [experts_plan.call_plan(3584, 16, b, 0) for b in (1, 2, 3, 8, 9, 64)]
-    assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1]
-    assert [p[1:] for p in plans] == [one, one, one, one, past, past]
+    # in one wave a CTA an SM serving one token; while the pairs fit two an SM, two serving
+    # one token each; past that two an SM serving up to TOKENS (kimi_k3's FP64 latent slices
+    # at T = 4 take one an SM)
+    one, shared = (1, 1, True), (experts_plan.PAST_WAVE_PER_SM, 1, False)
+    past = (1, experts_plan.TOKENS, False)
+    plans = [experts_plan.call_plan(3584, 16, b, 0) for b in (1, 2, 3, 8, 9, 16, 17, 64)]
+    assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1, 1, 1]
+    assert [p[1:] for p in plans] == [one, one, one, one, shared, shared, past, past]
     past = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False)
-    assert [experts_plan.call_plan(512, 16, b, 0, 8)[1:] for b in (66, 67)] == [one, past]
+    assert [experts_plan.call_plan(512, 16, b, 0, 8)[1:] for b in (66, 67, 132, 133)] == [one, shared, shared, past]
 
 
 def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
@@ -84,7 +87,8 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
         with kernel_compile.collecting() as needed:  # kimi::routed_experts_counted's
             experts.RoutedExpertsKernel(counted=True).prepare(latent, 16)
         assert sorted(key[1][2:] for key in needed) == sorted((*key, True) for key in keys)
-        assert len(keys) == 2 + (experts_plan.cluster_size(latent, 16) > 1)  # L = 512: C = 1 in one wave too
+        assert experts_plan.per_sm_for(latent, 16, 1) == experts_plan.PAST_WAVE_PER_SM  # the shared band's
+        assert len(keys) == 3 + (experts_plan.cluster_size(latent, 16) > 1)  # L = 512: C = 1 in one wave too
         for sms in (78, 132):
             monkeypatch.setattr(experts_plan, "multiprocessors", lambda device, sms=sms: sms)
             for tp in (1, 2, 8):
@@ -103,7 +107,7 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
-            past_wave = experts_plan.past_wave_per_sm(latent, intermediate)
+            past_wave = experts_plan.per_sm_for(latent, intermediate, experts_plan.TOKENS)
             for cluster, per_sm, tokens in ((None, 1, 1), (1, 1, 1), (1, 1, experts_plan.TOKENS),
                                             (1, past_wave, experts_plan.TOKENS)):
                 kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm, tokens)
@@ -141,7 +145,7 @@ def test_launcher_takes_the_adapters_arguments():
 
     (latent, intermediate, count), batch = K3, 4
     launch = experts.compile_routed_experts.build(latent, intermediate, 1,
-                                                  experts_plan.past_wave_per_sm(latent, intermediate),
+                                                  experts_plan.per_sm_for(latent, intermediate, experts_plan.TOKENS),
                                                   experts_plan.TOKENS, True)
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),

@@ -23,7 +23,7 @@ from .plan import (
     TOKENS,
     call_plan,
     cluster_size,
-    past_wave_per_sm,
+    per_sm_for,
 )
 
 
@@ -69,7 +69,9 @@ def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, pe
 def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int]]:
     """Every key :func:`~.plan.call_plan` returns at any batch, TP and SM count: in one wave
     cluster_size's C or 1 a pair, past it 1 (no device asked: a cache warms without one)."""
-    return {(cluster_size(latent, intermediate), 1, 1), (1, 1, 1), (1, past_wave_per_sm(latent, intermediate), TOKENS)}
+    shared = per_sm_for(latent, intermediate, 1)
+    return ({(cluster_size(latent, intermediate), 1, 1), (1, 1, 1), (1, per_sm_for(latent, intermediate, TOKENS), TOKENS)}
+            | ({(1, shared, 1)} if shared > 1 else set()))
 
 
 class RoutedExpertsKernel:

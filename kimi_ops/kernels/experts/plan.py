@@ -45,9 +45,10 @@ def cluster_for(latent: int, intermediate: int, batch: int, device: int, tp: int
     return cluster if one_wave(batch, cluster, device, tp) else 1
 
 
-def one_wave(batch: int, cluster: int, device: int, tp: int) -> bool:
-    """The pairs this rank is expected to serve (B·16/TP), C CTAs each, fit the SMs at once."""
-    return -(-batch * TOP_K // tp) * cluster <= multiprocessors(device)
+def one_wave(batch: int, cluster: int, device: int, tp: int, per_sm: int = 1) -> bool:
+    """The pairs this rank is expected to serve (B·16/TP), C CTAs each, fit the SMs at once
+    (``per_sm`` CTAs an SM)."""
+    return -(-batch * TOP_K // tp) * cluster <= per_sm * multiprocessors(device)
 
 
 class CallPlan(NamedTuple):
@@ -71,26 +72,31 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     """While the pairs served are one wave, each CTA takes its SM's whole share and serves
     one token: a pair of a repeated expert re-reads its weights from L2, the grid ends with
     its slowest pair (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8
-    rank at B = 8 took 8.45 µs against 3.85 at B = 1). Past one wave most pairs' CTAs end
-    at once, so each CTA serves TOKENS tokens (an expert's weights read once per TOKENS) and
-    up to PAST_WAVE_PER_SM share an SM (:func:`past_wave_per_sm`): a serving CTA's latency
-    (its stream, its barriers) leaves its SM idle unless another CTA shares it (a TP8
-    rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
+    rank at B = 8 took 8.45 µs against 3.85 at B = 1). While they are one wave at
+    :func:`per_sm_for` CTAs an SM (more than one), each still serves one token (B = 16:
+    a TP8 rank's 6.07 µs against 8.48 at T = TOKENS, kimi_k3's 32.45 against 41.16).
+    Past that most pairs' CTAs end at once, so each CTA serves TOKENS tokens (an expert's
+    weights read once per TOKENS) and up to PAST_WAVE_PER_SM share an SM: a serving CTA's
+    latency (its stream, its barriers) leaves its SM idle unless another CTA shares it (a
+    TP8 rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
     benchmarks/NOTES.md)."""
     cluster = cluster_for(latent, intermediate, batch, device, tp)
     if one_wave(batch, cluster, device, tp):
         return CallPlan(cluster, 1, 1, True)
-    return CallPlan(cluster, past_wave_per_sm(latent, intermediate), TOKENS, False)
+    shared = per_sm_for(latent, intermediate, 1)
+    if shared > 1 and one_wave(batch, 1, device, tp, shared):
+        return CallPlan(1, shared, 1, False)
+    return CallPlan(1, per_sm_for(latent, intermediate, TOKENS), TOKENS, False)
 
 
 @functools.cache
-def past_wave_per_sm(latent: int, intermediate: int) -> int:
-    """The most CTAs an SM, up to PAST_WAVE_PER_SM, at which a CTA serving TOKENS tokens keeps
-    a ring of MIN_RING chunks: kimi_k3's (L = 3584) FP64 latent slices, 115 KB at T = 4, take
-    one an SM (at 2 an SM and T = 1, 32.5 / 60.3 / 115.9 µs at B = 16 / 32 / 64 against
-    41.2 / 64.7 / 103.2, benchmarks/NOTES.md)."""
+def per_sm_for(latent: int, intermediate: int, tokens: int) -> int:
+    """The most CTAs an SM, up to PAST_WAVE_PER_SM, at which a CTA of a cluster of one serving
+    ``tokens`` tokens keeps a ring of MIN_RING chunks: kimi_k3's (L = 3584) FP64 latent
+    slices, 115 KB at T = 4, take one an SM (at 2 an SM and T = 1, 32.5 / 60.3 / 115.9 µs
+    at B = 16 / 32 / 64 against 41.2 / 64.7 / 103.2, benchmarks/NOTES.md)."""
     return max((p for p in range(1, PAST_WAVE_PER_SM + 1)
-                if smem_bytes(latent, intermediate, 1, TOKENS, MIN_RING) <= smem_share(p)), default=1)
+                if smem_bytes(latent, intermediate, 1, tokens, MIN_RING) <= smem_share(p)), default=1)
 
 
 def slot_words(latent: int, cluster: int) -> int:
