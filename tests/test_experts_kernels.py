@@ -107,9 +107,9 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
-            past_wave = experts_plan.per_sm_for(latent, intermediate, experts_plan.TOKENS)
-            for cluster, per_sm, tokens in ((None, 1, 1), (1, 1, 1), (1, 1, experts_plan.TOKENS),
-                                            (1, past_wave, experts_plan.TOKENS)):
+            # every variant a call takes, and T = TOKENS a CTA an SM
+            for cluster, per_sm, tokens in sorted(experts.prepared_variants(latent, intermediate)
+                                                  | {(1, 1, experts_plan.TOKENS)}):
                 kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm, tokens)
                 group = kernel.group_threads
                 assert group % 32 == 0 and kernel.packets <= group < kernel.packets + 32
@@ -127,7 +127,7 @@ def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
                 # per_sm of them in an SM's 228 KB, 1 KB each kept for the system
                 assert 1 <= kernel.depth <= kernel.chunks and kernel.smem_bytes() <= experts_plan.smem_share(per_sm)
                 assert per_sm * (kernel.smem_bytes() + 1024) <= 228 * 1024
-                assert tokens == 1 or kernel.depth >= experts_plan.MIN_RING  # past one wave
+                assert (tokens == 1 and per_sm == 1) or kernel.depth >= experts_plan.MIN_RING  # past one wave
             # the whole slice in flight in one wave
             assert experts_kernels.RoutedExperts(latent, intermediate, None, 1, 1).depth == kernel.chunks
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
@@ -219,19 +219,22 @@ def test_routed_experts_kernel_tiny_and_odd_ids():
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", [6, 40])
+@pytest.mark.parametrize("batch", [6, 16, 40])
 def test_routed_experts_kernel_with_extreme_finite_values(batch):
     """The FP64 operands (weights widened from their bits, the latent and acts times 2^896)
     keep every finite product exact: ±0, BF16 denormals, the smallest normal and large
     weights among the trained-like ones, and the largest BF16 latent values, met by the
-    smallest denormal weight (a product of ~0.03), in one wave (B = 6) and past it."""
+    smallest denormal weight (a product of ~0.03); in one wave (B = 6), one token a CTA at
+    two an SM (16), and TOKENS a CTA (40)."""
     latent, ids, gate_up, down = args_of(batch, TINY, seed=11 + batch)
-    specials = torch.tensor([0.0, -0.0, 2.0**-133, -(2.0**-130), 2.0**-126, 2.0**20]).bfloat16().cuda()
+    gen = torch.Generator().manual_seed(batch)
+    specials = torch.tensor([0.0, -0.0, 2.0**-133, -(2.0**-130), 2.0**-126, 2.0**20]).bfloat16()
     for weights in (gate_up, down):
-        picks = torch.randint(0, len(specials), weights[..., 1::7].shape, device="cuda")
-        weights[..., 1::7] = specials[picks]
+        picks = torch.randint(0, len(specials), weights[..., 1::7].shape, generator=gen)
+        weights[..., 1::7] = specials[picks].cuda()
     gate_up[..., 0] = 2.0**-133
-    latent[:, 0] = torch.finfo(torch.bfloat16).max * torch.sign(torch.randn(batch, device="cuda")).bfloat16()
+    signs = torch.where(torch.rand(batch, generator=gen) < 0.5, -1.0, 1.0)
+    latent[:, 0] = (torch.finfo(torch.bfloat16).max * signs).bfloat16().cuda()
     served_by_the_kernel(latent, ids, gate_up, down, 0, 1)
     poison(batch, TINY[0])
     got = kimi.routed_experts(latent, ids, gate_up, down, 0, 1)

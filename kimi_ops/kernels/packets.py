@@ -12,6 +12,7 @@ from .ptx import (
     divide,
     double_words,
     float_bits,
+    load_shared_doubles,
     pack_values,
     rsqrt_like_torch,
     store_cluster,
@@ -69,6 +70,18 @@ def wide_operand(x: Float32) -> Float64:
     exact for every finite BF16 value (the largest stays below FP64's), so that the
     product is the exact one."""
     return Float64(x) * Float64(2.0**896)
+
+
+@cute.jit
+def wide_dot(weights, values, total: Float64, stride: cutlass.Constexpr[int] = 2) -> Float64:
+    """``total`` plus Σ weights[i] · values[i] in order, each product exact (a
+    :func:`widened_packet` weight times a :func:`wide_operand`), one FMA each; the
+    values' pairs are read from shared memory at ``values`` + q · ``stride``."""
+    for q in cutlass.range_constexpr(len(weights) // 2):
+        low, high = load_shared_doubles(values + q * stride)
+        total = cute.math.fma(weights[2 * q], low, total)
+        total = cute.math.fma(weights[2 * q + 1], high, total)
+    return total
 
 
 @cute.jit

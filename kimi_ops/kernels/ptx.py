@@ -156,6 +156,7 @@ def load_shared_doubles(address):
 
 @cute.jit
 def store_shared_doubles(address, low: Float64, high: Float64):
+    """Two FP64 values into shared memory, one 16-byte store."""
     cute.arch.inline_ptx("st.shared.v2.f64 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, low, high])
 
 

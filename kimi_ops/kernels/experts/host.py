@@ -20,10 +20,8 @@ from .plan import (
     MAX_BATCH,
     MAX_INTERMEDIATE,
     MAX_LATENT,
-    TOKENS,
     call_plan,
-    cluster_size,
-    per_sm_for,
+    variants,
 )
 
 
@@ -67,11 +65,10 @@ def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, pe
 
 
 def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int]]:
-    """Every key :func:`~.plan.call_plan` returns at any batch, TP and SM count: in one wave
-    cluster_size's C or 1 a pair, past it 1 (no device asked: a cache warms without one)."""
-    shared = per_sm_for(latent, intermediate, 1)
-    return ({(cluster_size(latent, intermediate), 1, 1), (1, 1, 1), (1, per_sm_for(latent, intermediate, TOKENS), TOKENS)}
-            | ({(1, shared, 1)} if shared > 1 else set()))
+    """Every key :func:`~.plan.call_plan` returns at any batch, TP and SM count (its
+    :func:`~.plan.variants`, and C = 1 in one wave where cluster_for takes it; no device
+    asked: a cache warms without one)."""
+    return {(1, 1, 1)} | {variant for variant in variants(latent, intermediate) if variant}
 
 
 class RoutedExpertsKernel:

@@ -68,6 +68,7 @@ from ..packets import (
     send_to_cluster,
     situ_value,
     unpack_words,
+    wide_dot,
     wide_operand,
     widened_packet,
 )
@@ -75,7 +76,6 @@ from ..ptx import (
     bulk_copy,
     l2_evict_first,
     load_shared,
-    load_shared_doubles,
     load_words,
     pack_values,
     store_shared_doubles,
@@ -311,7 +311,8 @@ class RoutedExperts:
     @cute.jit
     def stash_latent(self, latent, xs, matched, part, tid):
         """Slice ``part`` of the matched tokens' latent rows into ``xs`` [T, 4, P, 2] as FP64
-        times 2^896 (:func:`~..packets.wide_operand`) (the other operand of every widened weight), then the barrier."""
+        times 2^896 (:func:`~..packets.wide_operand`: the other operand of every widened
+        weight), then the barrier."""
         for item in cutlass.range(tid, matched[0] * self.packets, self.threads, unroll=1):
             n, c = item // self.packets, item % self.packets
             values = unpack_words(load_words(latent.iterator + matched[1 + n] * self.latent + part * self.slice + c * 8))
@@ -324,8 +325,8 @@ class RoutedExperts:
     def gate_chunk(self, xs, words, parts, matched, chunk, tid):
         """Step 1's share of gate/up chunk ``chunk`` for the matched tokens: each token's 4
         row sums of the warp into ``parts`` (``tid``: the thread's in its group). A weight
-        packet is widened once for every token (token n's sum in the packets' order, as
-        the reference's)."""
+        packet is widened once for every token (token n's sum in the packets' order: the
+        module doc's step 1)."""
         r, group = tid % GATE_ROWS, tid // GATE_ROWS
         count = matched[0]
         totals = cute.make_rmem_tensor(self.tokens, Float64)
@@ -431,26 +432,16 @@ class ExpertsSpace(NamedTuple):
 
     ring: object  # the ring (words)
     full: object  # its full barriers
-    xs: object  # the matched tokens' latent slices [T, 4, P, 2] (a warp's packets' pairs side by side), FP64 times 2^896 (:func:`~..packets.wide_operand`)
+    # the matched tokens' latent slices [T, 4, P, 2] (a warp's packets' pairs side by side),
+    # FP64 times 2^896 (packets.wide_operand)
+    xs: object
     parts: object  # [T, 2I, a group's warps] FP64
     received: object  # [T·2I, C] FP64: the cluster's slice sums
     hidden: object  # [T, 2I] FP32
-    acts: object  # [T, I] FP64 times 2^896 (:func:`~..packets.wide_operand`)
+    acts: object  # [T, I] FP64 times 2^896 (packets.wide_operand)
     masks: object  # [MAX_BATCH]
     matched: object  # the matched tokens: count, then the list
     counts: object  # the warps' token counts
-
-
-@cute.jit
-def wide_dot(weights, values, total: Float64, stride: cutlass.Constexpr[int] = 2) -> Float64:
-    """``total`` plus Σ weights[i] · values[i] in order, each product exact (a
-    :func:`~..packets.widened_packet` weight times a wide_operand), one FMA each; the
-    values' pairs are read from shared memory at ``values`` + q · ``stride``."""
-    for q in cutlass.range_constexpr(len(weights) // 2):
-        low, high = load_shared_doubles(values + q * stride)
-        total = cute.math.fma(weights[2 * q], low, total)
-        total = cute.math.fma(weights[2 * q + 1], high, total)
-    return total
 
 
 @cute.jit

@@ -81,20 +81,29 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     TP8 rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
     benchmarks/NOTES.md)."""
     cluster = cluster_for(latent, intermediate, batch, device, tp)
+    wave, shared, past = variants(latent, intermediate)
     if one_wave(batch, cluster, device, tp):
-        return CallPlan(cluster, 1, 1, True)
+        return CallPlan(cluster, *wave[1:], True)
+    if shared and one_wave(batch, 1, device, tp, shared[1]):
+        return CallPlan(*shared, False)
+    return CallPlan(*past, False)
+
+
+@functools.cache
+def variants(latent: int, intermediate: int) -> tuple:
+    """:func:`call_plan`'s variants past C: in one wave (C, 1 an SM, T = 1); while the pairs
+    fit :func:`per_sm_for` CTAs an SM (None where that is one) (1, that many, 1); past that
+    (1, :func:`per_sm_for`'s at TOKENS, TOKENS)."""
     shared = per_sm_for(latent, intermediate, 1)
-    if shared > 1 and one_wave(batch, 1, device, tp, shared):
-        return CallPlan(1, shared, 1, False)
-    return CallPlan(1, per_sm_for(latent, intermediate, TOKENS), TOKENS, False)
+    return ((cluster_size(latent, intermediate), 1, 1), (1, shared, 1) if shared > 1 else None,
+            (1, per_sm_for(latent, intermediate, TOKENS), TOKENS))
 
 
 @functools.cache
 def per_sm_for(latent: int, intermediate: int, tokens: int) -> int:
     """The most CTAs an SM, up to PAST_WAVE_PER_SM, at which a CTA of a cluster of one serving
-    ``tokens`` tokens keeps a ring of MIN_RING chunks: kimi_k3's (L = 3584) FP64 latent
-    slices, 115 KB at T = 4, take one an SM (at 2 an SM and T = 1, 32.5 / 60.3 / 115.9 µs
-    at B = 16 / 32 / 64 against 41.2 / 64.7 / 103.2, benchmarks/NOTES.md)."""
+    ``tokens`` tokens keeps a ring of MIN_RING chunks (kimi_k3's FP64 latent slices at
+    T = 4, 115 KB, allow one)."""
     return max((p for p in range(1, PAST_WAVE_PER_SM + 1)
                 if smem_bytes(latent, intermediate, 1, tokens, MIN_RING) <= smem_share(p)), default=1)
 
