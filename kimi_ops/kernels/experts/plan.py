@@ -81,9 +81,9 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     TP8 rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
     benchmarks/NOTES.md)."""
     cluster = cluster_for(latent, intermediate, batch, device, tp)
-    wave, shared, past = variants(latent, intermediate)
+    _, shared, past = variants(latent, intermediate)
     if one_wave(batch, cluster, device, tp):
-        return CallPlan(cluster, *wave[1:], True)
+        return CallPlan(cluster, 1, 1, True)
     if shared and one_wave(batch, 1, device, tp, shared[1]):
         return CallPlan(*shared, False)
     return CallPlan(*past, False)
