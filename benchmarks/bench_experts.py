@@ -1,11 +1,13 @@
 """The routed experts' stand-in kernel (kernels/experts.py) by cluster size: median µs per
 call of ``kimi::routed_experts``'s kernel, CUDA-graph replayed, each call on its own
 routing (16 distinct experts a token, so the experts a call reads are mostly not in L2),
-against the floor of the distinct experts' bytes. The torch forms of the stand-in are in
+against the floor of the distinct experts' bytes; with ``--composites`` also the op's
+reference on the GPU (eager: the plain PyTorch composite, FP64 einsums over the gathered
+experts) and ``torch.compile`` of it, on the same routings. The torch forms of the stand-in are in
 benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the floor.
 
     python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--per-sm 1 2]
-                                       [--tokens 1 4] [--shapes kimi_k3 tp8_rank]
+                                       [--tokens 1 4] [--shapes kimi_k3 tp8_rank] [--composites]
 """
 
 import argparse
@@ -20,11 +22,15 @@ SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): 
 CALLS = 20
 
 
-def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,)) -> list[tuple]:
+def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), composites=False) -> list[tuple]:
     """Columns: every (C, CTAs an SM, T) of the lists (0: the call's own, call_plan's; a
-    bare letter in the header)."""
+    bare letter in the header), then (``composites``) eager and compiled."""
     from kimi_ops.kernels.experts import host as experts
     from kimi_ops.kernels.experts import plan as experts_plan
+    from kimi_ops.ops.experts import routed_experts as composite
+
+    torch._dynamo.config.cache_size_limit = 64  # a graph per (shape, batch): more than the default 8
+    compiled = torch.compile(composite, dynamic=False)
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     rows = []
@@ -50,10 +56,14 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,)) -> list[t
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, unused, error, batch, 0,
                     count, count, int(experts_plan.one_wave(batch, cluster, 0, 1))), routings), calls=CALLS))
+            if composites:
+                for form in (composite, compiled):
+                    times.append(graph_us(rotating(lambda ids: form(
+                        latent, ids.view(batch, 16), gate_up, down, 0, 1), routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
     columns = [f"{f'C={c}' if c else 'C'} {f'{p}/SM' if p else '-/SM'} {f'T={t}' if t else 'T'}"
                for c in clusters for p in per_sms for t in tokens_list]
-    print_table(rows, ("shape", "B", *columns, "floor"))
+    print_table(rows, ("shape", "B", *columns, *(("eager", "compiled") if composites else ()), "floor"))
     return rows
 
 
@@ -67,9 +77,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[0],
                         help="the most of an expert's tokens a CTA serves (0: the call's own)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--composites", action="store_true", help="time the eager and compiled composites too")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")
-    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens)
+    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens, args.composites)
 
 
 if __name__ == "__main__":
