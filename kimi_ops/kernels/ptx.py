@@ -192,6 +192,26 @@ def store_cluster(address, value, cta):
 
 
 @cute.jit
+def store_shared_floats(address, value):
+    """One FP32 value, or a list of two FP32 values (one vector store), into our shared memory."""
+    if cutlass.const_expr(isinstance(value, (list, tuple))):
+        cute.arch.inline_ptx("st.shared.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, *value])
+    else:
+        cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[address, value])
+
+
+@cute.jit
+def copy_to_peer(destination, source, size: Int32, barrier, cta):
+    """``size`` bytes (a multiple of 16) of our shared memory at ``source`` into CTA ``cta``'s
+    at our ``destination`` address, as one bulk copy completing on its ``barrier``'s
+    transaction count (the copy's end is known only there: keep ``source`` until it is in)."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[cute.arch.map_dsmem_ptr(destination, cta), source, size, cute.arch.map_dsmem_ptr(barrier, cta)],
+    )
+
+
+@cute.jit
 def l2_evict_first() -> Int64:
     """An L2 policy that evicts first: the weights stream through once per call and must
     not push out what the latency-bound loads read (expert rows, latent, gamma, shared)."""

@@ -26,11 +26,17 @@ so every SM of the grid streams its share at once.
    ulps off near zero; chunk sums: 0.018 % of the outputs not bit-equal to the exact
    sum's rounding). No wgmma is in flight across the loop's back edge (ptxas would
    serialize).
-3. K parts meet in fixed order (the same bits on every run): after a cluster barrier
-   (every ring drained) each CTA stores its FP32 sums of the rows CTA q owns
-   (rows/split of the block) into q's shared memory (DSMEM, over q's ring), then after a
-   second barrier the owner adds parts 0, 1, … in order. No workspace crosses calls: the
-   functional ops need none (DESIGN §4). A plan ``by_token`` (the DSA front's) gives
+3. K parts meet in fixed order (the same bits on every run): each CTA stores its FP32
+   sums of the rows CTA q owns (rows/split of the block) as block q of a staging area in
+   its own shared memory, over its drained ring (its own block straight into its receive
+   buffer), then after a cluster barrier (every ring drained) sends each block to its
+   owner's receive buffer as one bulk copy (DSMEM) that completes on the owner's
+   ``received`` barrier; the owner adds parts 0, 1, … in order. (Stores into the peers'
+   shared memory, one word or pair a thread at a time, then a cluster barrier whose
+   release waits for them at GPU scope, took ~30 % of the DSA front's consumer time at
+   64 tokens: ncu, benchmarks/NOTES.md.) A last cluster barrier (arrived once our blocks
+   are in, waited on at the end) keeps every staging area until the copies out of it are
+   in. No workspace crosses calls: the functional ops need none (DESIGN §4). A plan ``by_token`` (the DSA front's) gives
    owner q tokens [q·P, (q+1)·P) of every row of the block instead, so a block's rows
    meet in one CTA.
 4. Epilogue (:class:`Outputs`): per 8-row packet of a token, BF16 rows to ``out``
@@ -71,7 +77,8 @@ from ..ptx import (
     pack_values,
     pinned,
     rsqrt_like_torch,
-    store_cluster,
+    copy_to_peer,
+    store_shared_floats,
     store_shared,
     store_words,
     wgmma_bf16,
@@ -216,6 +223,7 @@ class DecodeGemm:
         full, ring = storage
         empty = full + plan.depth
         factored = empty + plan.depth  # norm: every K part's Σ x² of every token is in
+        received = SmemAllocator().allocate_tensor(Int64, cute.make_layout(1), 8).iterator  # the peers' blocks are in
         squares = None
         if cutlass.const_expr(norm is not None):
             squares = SmemAllocator().allocate_tensor(Float64, cute.make_layout(plan.split * plan.tokens), 16)  # [part][token]
@@ -227,6 +235,8 @@ class DecodeGemm:
             if cutlass.const_expr(norm is not None):
                 cute.arch.mbarrier_init(factored, 1)
                 cute.arch.mbarrier_arrive_and_expect_tx(factored, plan.split * plan.tokens * 8)
+            cute.arch.mbarrier_init(received, 1)
+            cute.arch.mbarrier_arrive_and_expect_tx(received, (plan.split - 1) * plan.block_bytes)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if cutlass.const_expr(norm is not None):
@@ -237,9 +247,10 @@ class DecodeGemm:
                 self.produce_normalized(w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, *norm)
             else:
                 self.produce(w_copy, w_boxes, x_load, ring, full, empty, block, part, producer, inputs, stamped)
-            for _ in cutlass.range_constexpr(2):  # the consumers' two cluster barriers
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+            cute.arch.cluster_arrive()  # the consumers' two cluster barriers
+            cute.arch.cluster_wait()
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
         else:
             if cutlass.const_expr(norm is not None):
                 cute.arch.cluster_wait()
@@ -250,15 +261,18 @@ class DecodeGemm:
             if cutlass.const_expr(stamped is not None):
                 stamped[0].at(stamped[1][1])
             prefetched = self.prefetched(outs, block, part)
-            cute.arch.cluster_arrive()  # every ring of the cluster is drained: it becomes a receive buffer
+            receive = cute.recast_ptr(ring, dtype=Float32)  # our ring is drained: our blocks go over it
+            self.stage(acc, receive, part, tid)
+            cute.arch.cluster_arrive()  # every ring of the cluster is drained: the peers' receive buffers are free
             cute.arch.cluster_wait()
-            self.scatter(acc, cute.recast_ptr(ring, dtype=Float32), part, warp, lane, self.group(part))
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            self.finish(cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(plan.receive_bytes // 4)),
-                        x.shape[0], block, part, tid, *prefetched)
+            self.send(receive, received, part, tid, self.group(part))
+            cute.arch.mbarrier_wait(received, 0)
+            cute.arch.cluster_arrive_relaxed()  # the copies into us are in (their sources may go)
+            self.finish(cute.make_tensor(receive, cute.make_layout(plan.receive_bytes // 4)), x.shape[0], block, part,
+                        tid, *prefetched)
             if cutlass.const_expr(stamped is not None):
                 stamped[0].at(stamped[1][2])
+            cute.arch.cluster_wait()  # every copy out of our staging is in
 
     @staticmethod
     def allocate(depth: int, ring_bytes: int):
@@ -458,32 +472,50 @@ class DecodeGemm:
         return [sums[k] for k in range(count)]
 
     @cute.jit
-    def scatter(self, acc, receive, part, warp, lane, group):
-        """Our FP32 sums to their owners in the cluster (ranks ``group`` + owner):
-        [part][owned row][token] (by_token: [part][row][the owner's token index], one word a
-        store: the odd stride)."""
+    def stage(self, acc, receive, part, tid):
+        """Our FP32 sums by owner, a block each: [owned row][token] (by_token: [row][the
+        owner's token index], one word a store: the odd stride); our own block into
+        ``receive`` at our part, owner q's into the staging (after the receive buffer) at q
+        (the module doc's step 3)."""
         plan = self.plan
         n = plan.tokens // 2
+        warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
-        if cutlass.const_expr(plan.by_token):
-            for tile in cutlass.range_constexpr(plan.tiles):
-                for h in cutlass.range_constexpr(2):
-                    row = tile * TILE + 16 * warp + 8 * h + g
-                    for j in cutlass.range_constexpr(plan.tokens // 8):
-                        k = tile * n + 4 * j + 2 * h
+        staged = plan.receive_bytes // 4  # the staging's first word
+        for tile in cutlass.range_constexpr(plan.tiles):
+            for h in cutlass.range_constexpr(2):
+                row = tile * TILE + 16 * warp + 8 * h + g
+                for j in cutlass.range_constexpr(plan.tokens // 8):
+                    k = tile * n + 4 * j + 2 * h
+                    if cutlass.const_expr(plan.by_token):
                         for e in cutlass.range_constexpr(2):
                             owner, index = plan.owner(8 * j + 2 * t + e)
-                            store_cluster(receive + plan.receive_word(part, row, index), acc[k + e], group + owner)
-        else:
-            for tile in cutlass.range_constexpr(plan.tiles):
-                for h in cutlass.range_constexpr(2):
-                    row = tile * TILE + 16 * warp + 8 * h + g
-                    owner = row // plan.owned
-                    index = row - owner * plan.owned
-                    for j in cutlass.range_constexpr(plan.tokens // 8):
-                        k = tile * n + 4 * j + 2 * h
-                        store_cluster(receive + plan.receive_word(part, index, 8 * j + 2 * t), [acc[k], acc[k + 1]],
-                                      group + owner)
+                            word = plan.receive_word(owner, row, index)
+                            if owner != part:
+                                word = word + staged
+                            store_shared_floats(receive + word, acc[k + e])
+                    else:
+                        owner = row // plan.owned
+                        word = plan.receive_word(owner, row - owner * plan.owned, 8 * j + 2 * t)
+                        if owner != part:
+                            word = word + staged
+                        store_shared_floats(receive + word, [acc[k], acc[k + 1]])
+        if cutlass.const_expr(plan.split > 1):
+            cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then the bulk copies' reads
+        cute.arch.barrier(barrier_id=1, number_of_threads=32 * CONSUMER_WARPS)
+
+    @cute.jit
+    def send(self, receive, received, part, tid, group):
+        """Each staged block q to CTA ``group`` + q's receive buffer at our part, one bulk copy
+        on its ``received`` barrier (thread 0; the peers' rings are drained)."""
+        plan = self.plan
+        if cutlass.const_expr(plan.split > 1):
+            if tid == 0:
+                block = plan.block_bytes // 4
+                for q in cutlass.range_constexpr(plan.split):
+                    if q != part:
+                        copy_to_peer(receive + part * block, receive + plan.receive_bytes // 4 + q * block,
+                                     Int32(plan.block_bytes), received, group + q)
 
     @cute.jit
     def prefetched(self, outs, block, part):

@@ -155,8 +155,10 @@ class GemmPlan:
         sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1, self.depth)
         self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
         self.pace = self.depth if tokens <= EARLY_TOKENS else min(PACE, self.depth)  # weight chunks issued before the PDL wait
-        self.receive_bytes = self.split * self.owned * self.stride * 4  # [part][owned row][token], over the ring
-        self.ring_bytes = max(self.depth * stage, self.receive_bytes)
+        self.block_bytes = self.owned * self.stride * 4  # a part's sums of one owner's rows (by_token: tokens)
+        self.receive_bytes = self.split * self.block_bytes  # [part][owned row][token], over the ring
+        # a K split's staging after it, [owner][owned row][token]: the blocks that go to the peers
+        self.ring_bytes = max(self.depth * stage, self.receive_bytes * (2 if self.split > 1 else 1))
         if self.ring_bytes + 2048 + reserve > SMEM_BYTES:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
 
