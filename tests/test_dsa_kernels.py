@@ -64,8 +64,8 @@ def test_plan_puts_a_head_in_a_cta_and_the_grid_in_one_wave(tokens, norm):
     assert (plan.tiles, plan.split) == (2, 3) and plan.rows == INDEX_DIM and plan.blocks == INDEX_HEADS
     assert plan.ctas == 96 <= dsa_plan.resident(plan.split) and plan.split * plan.chunks * CHUNK == K
     assert plan.by_token and plan.per_owner % 2 == 0 and plan.per_owner * plan.split >= tokens
-    assert plan.stride % 2 == 1 and plan.depth == plan.chunks  # the whole K slice in the ring
-    assert plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 + plan.reserve <= SMEM_BYTES
+    assert plan.stride % 4 == 2 and plan.depth == plan.chunks  # pairs in distinct banks; the K slice in the ring
+    assert 2 * plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 + plan.reserve <= SMEM_BYTES
     assert plan.chunks % plan.sets == 0 and (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm_plans.ACCUMULATOR_REGISTERS
 
 
@@ -80,14 +80,18 @@ def test_partition_rejects_what_the_kernel_cannot_take():
 @pytest.mark.parametrize("tokens", gemm_plans.TOKEN_TILES)
 def test_by_token_exchange_sums_every_part_once_in_order(tokens):
     """CPU model of the K-part exchange in by_token mode: every CTA's m64nT accumulators
-    (DecodeGemm.consume's layout) reach their token's owner (scatter) without overlap, and
-    each owner's channel reads (IndexFront.finish) find Σ of the parts, each part once."""
+    (DecodeGemm.consume's layout) go by token pair into their owner's block (DecodeGemm.stage:
+    ours into our receive buffer, the others' into the staging), each staged block whole into
+    its owner's receive buffer at our part (DecodeGemm.send), without overlap; each owner's
+    channel reads (IndexFront.finish) find Σ of the parts, each part once."""
     plan = dsa_plan.index_plan(K, tokens, True)
     gen = torch.Generator().manual_seed(tokens)
     sums = torch.randn(plan.split, plan.rows, tokens, generator=gen, dtype=torch.float64)  # [part][row][token]
     received = [dict() for _ in range(plan.split)]
+    block = plan.block_bytes // 4
     n = tokens // 2
     for part in range(plan.split):
+        staging = {}
         for tid in range(128):
             warp, g, t = tid // 32, tid % 32 // 4, tid % 4
             for tile in range(plan.tiles):
@@ -95,12 +99,20 @@ def test_by_token_exchange_sums_every_part_once_in_order(tokens):
                     row = tile * 64 + 16 * warp + 8 * h + g
                     for j in range(tokens // 8):
                         assert tile * n + 4 * j + 2 * h + 1 < plan.tiles * n
+                        token = 8 * j + 2 * t
+                        owner, index = plan.owner(token)
+                        assert plan.owner(token + 1) == (owner, index + 1)  # one 8-byte store a pair
+                        word = plan.receive_word(owner, row, index)
+                        assert word % 2 == 0 and owner * block <= word < (owner + 1) * block - 1
+                        target = received[part] if owner == part else staging
                         for e in range(2):
-                            owner, index = plan.owner(8 * j + 2 * t + e)
-                            word = plan.receive_word(part, row, index)
-                            assert owner < plan.split and word not in received[owner]
-                            assert word < plan.receive_bytes // 4
-                            received[owner][word] = float(sums[part, row, 8 * j + 2 * t + e])
+                            assert word + e not in target
+                            target[word + e] = float(sums[part, row, token + e])
+        for owner in range(plan.split):
+            if owner != part:
+                for word in range(owner * block, (owner + 1) * block):
+                    if word in staging:
+                        received[owner][part * block + word - owner * block] = staging[word]
     seen = set()
     for owner in range(plan.split):
         for index in range(plan.per_owner):

@@ -243,7 +243,8 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
         assert plan.ctas <= gemm_plans.RESIDENT[plan.split] and plan.split in gemm_plans.SPLITS
         assert plan.split * plan.chunks * CHUNK == k and plan.rows <= 256
         assert plan.owned % 8 == 0 and plan.owned * plan.split == plan.rows
-        assert plan.receive_bytes <= plan.ring_bytes and plan.ring_bytes + 2048 <= SMEM_BYTES
+        assert plan.receive_bytes * (1 + (plan.split > 1)) <= plan.ring_bytes  # and the staging
+        assert plan.ring_bytes + 2048 <= SMEM_BYTES and plan.block_bytes % 16 == 0  # a bulk copy's size
         assert plan.depth >= min(plan.chunks, 4) and plan.chunks % plan.sets == 0
         assert (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm_plans.ACCUMULATOR_REGISTERS
 
@@ -251,17 +252,21 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
 @pytest.mark.parametrize("tiles, split, tokens", [(1, 1, 8), (3, 2, 64), (4, 4, 32), (1, 8, 16), (3, 8, 64)])
 def test_scatter_and_finish_sum_every_part_once_in_order(tiles, split, tokens):
     """CPU model of the K-part exchange through GemmPlan.receive_word: every CTA's m64nT
-    accumulators (DecodeGemm.consume's layout) go to their rows' owners (scatter) without
-    overlap, and each owner's packets (finish) read back Σ of the parts, each once."""
+    accumulators (DecodeGemm.consume's layout) go into their rows' owners' blocks
+    (DecodeGemm.stage: ours into our receive buffer, the others' into the staging), each
+    staged block whole into its owner's receive buffer at our part (DecodeGemm.send),
+    without overlap; each owner's packets (finish) read back Σ of the parts, each once."""
     plan = gemm_plans.GemmPlan.__new__(gemm_plans.GemmPlan)
     plan.tiles, plan.split, plan.tokens = tiles, split, tokens
     plan.rows, plan.stride = 64 * tiles, tokens + gemm_plans.RECEIVE_PAD
     plan.owned = plan.rows // split
+    block = plan.owned * plan.stride
     gen = torch.Generator().manual_seed(tiles * 100 + split)
     sums = torch.randn(split, plan.rows, tokens, generator=gen, dtype=torch.float64)  # [part][row][token]
     received = [dict() for _ in range(split)]
     n = tokens // 2
     for part in range(split):
+        staging = {}
         for tid in range(128):
             warp, g, t = tid // 32, tid % 32 // 4, tid % 4
             for tile in range(tiles):
@@ -270,11 +275,18 @@ def test_scatter_and_finish_sum_every_part_once_in_order(tiles, split, tokens):
                     owner, index = row // plan.owned, row % plan.owned
                     for j in range(tokens // 8):
                         k = tile * n + 4 * j + 2 * h  # acc[k], acc[k + 1]: tokens 8j + 2t, + 1
+                        word = plan.receive_word(owner, index, 8 * j + 2 * t)
+                        assert word % 2 == 0 and owner * block <= word < (owner + 1) * block - 1
+                        target = received[part] if owner == part else staging
                         for e in range(2):
-                            word = plan.receive_word(part, index, 8 * j + 2 * t) + e
-                            assert word not in received[owner] and word < plan.rows * plan.stride
-                            received[owner][word] = float(sums[part, row, 8 * j + 2 * t + e])
+                            assert word + e not in target
+                            target[word + e] = float(sums[part, row, 8 * j + 2 * t + e])
                         assert k + 1 < tiles * n
+        for owner in range(split):
+            if owner != part:
+                for word in range(owner * block, (owner + 1) * block):
+                    if word in staging:
+                        received[owner][part * block + word - owner * block] = staging[word]
     for owner in range(split):
         for index in range(plan.owned):
             for token in range(tokens):

@@ -192,12 +192,16 @@ def store_cluster(address, value, cta):
 
 
 @cute.jit
-def store_shared_floats(address, value):
-    """One FP32 value, or a list of two FP32 values (one vector store), into our shared memory."""
-    if cutlass.const_expr(isinstance(value, (list, tuple))):
-        cute.arch.inline_ptx("st.shared.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, *value])
-    else:
-        cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[address, value])
+def load_shared_floats(address):
+    """Two FP32 values from shared memory, one 8-byte load."""
+    return cute.arch.inline_ptx("ld.shared.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32, Float32],
+                                read_only_args=[address])
+
+
+@cute.jit
+def store_shared_floats(address, values):
+    """Two FP32 values into our shared memory, one 8-byte store."""
+    cute.arch.inline_ptx("st.shared.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, *values])
 
 
 @cute.jit
@@ -209,6 +213,13 @@ def copy_to_peer(destination, source, size: Int32, barrier, cta):
         "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
         read_only_args=[cute.arch.map_dsmem_ptr(destination, cta), source, size, cute.arch.map_dsmem_ptr(barrier, cta)],
     )
+
+
+@cute.jit
+def warp_max_bits(word: Uint32) -> Uint32:
+    """The largest of the warp's words (unsigned), in every lane: one redux."""
+    return cute.arch.inline_ptx("redux.sync.max.u32 {$w0}, {$r0}, 0xffffffff;", write_only_types=[Uint32],
+                                read_only_args=[word])
 
 
 @cute.jit

@@ -52,7 +52,7 @@ from ...numerics import E4M3_MAX
 from ..gemm.engine import DecodeGemm
 from ..gemm.plan import CONSUMER_WARPS, GemmPlan
 from ..launch import launch
-from ..packets import butterfly, butterfly_sum, clamp, unpack_words
+from ..packets import butterfly_sum, clamp, unpack_words
 from ..ptx import (
     abs_f32,
     add_rn,
@@ -61,11 +61,13 @@ from ..ptx import (
     e4m3_pair,
     float_bits,
     load_pair,
+    load_shared_floats,
     max_nan,
     mul_rn,
     reciprocal,
     rsqrt_like_torch,
     store_word,
+    warp_max_bits,
 )
 from .plan import FOLD, KEY_WARPS
 
@@ -83,8 +85,10 @@ def pow2_ceil(x: Float32) -> Float32:
 
 @cute.jit
 def warp_max(value: Float32) -> Float32:
-    """max_nan over the warp, in every lane."""
-    return butterfly(value, 32, max_nan)
+    """max_nan over the warp, in every lane, of values ≥ +0 or NaN (magnitudes): their bits
+    order as unsigned integers, and every NaN's above +∞ (the NaN's payload is not kept:
+    fp8_scale gives every NaN the same scale)."""
+    return bits_float(warp_max_bits(float_bits(value)))
 
 
 @cute.jit
@@ -161,12 +165,13 @@ class IndexFront(DecodeGemm):
         shared = SmemAllocator().allocate_tensor(Float32, cute.make_layout((CONSUMER_WARPS + 1) * per_owner), 16)
         inverses = per_owner * CONSUMER_WARPS  # after amax [warp][token]: 1/scale [token]
         head = Float32(head_in[clamp(first + tid, batch - 1), block])  # thread i: our token i's (i < P)
-        words = [[receive[plan.receive_word(p, tid, index)] for p in range(plan.split)] for index in range(per_owner)]
+        pairs = [[load_shared_floats(receive.iterator + plan.receive_word(p, tid, index)) for p in range(plan.split)]
+                 for index in range(0, per_owner, 2)]  # tokens index, index + 1 (per_owner is even)
         values = []
         for index in cutlass.range_constexpr(per_owner):
-            total = words[index][0]
+            total = pairs[index // 2][0][index % 2]
             for p in cutlass.range_constexpr(1, plan.split):
-                total = total + words[index][p]
+                total = total + pairs[index // 2][p][index % 2]
             values.append(Float32(BFloat16(total)))  # the projection's output
         tops = [warp_max(abs_f32(value)) for value in values]
         if lane == 0:

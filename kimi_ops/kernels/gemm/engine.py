@@ -474,9 +474,9 @@ class DecodeGemm:
     @cute.jit
     def stage(self, acc, receive, part, tid):
         """Our FP32 sums by owner, a block each: [owned row][token] (by_token: [row][the
-        owner's token index], one word a store: the odd stride); our own block into
-        ``receive`` at our part, owner q's into the staging (after the receive buffer) at q
-        (the module doc's step 3)."""
+        owner's token index]), a token pair a store; our own block into ``receive`` at our
+        part, owner q's into the staging (after the receive buffer) at q (the module doc's
+        step 3)."""
         plan = self.plan
         n = plan.tokens // 2
         warp, lane = tid // 32, tid % 32
@@ -487,19 +487,16 @@ class DecodeGemm:
                 row = tile * TILE + 16 * warp + 8 * h + g
                 for j in cutlass.range_constexpr(plan.tokens // 8):
                     k = tile * n + 4 * j + 2 * h
-                    if cutlass.const_expr(plan.by_token):
-                        for e in cutlass.range_constexpr(2):
-                            owner, index = plan.owner(8 * j + 2 * t + e)
-                            word = plan.receive_word(owner, row, index)
-                            if owner != part:
-                                word = word + staged
-                            store_shared_floats(receive + word, acc[k + e])
+                    token = 8 * j + 2 * t
+                    if cutlass.const_expr(plan.by_token):  # tokens 2t and 2t + 1: one owner (per_owner is even)
+                        owner, index = plan.owner(token)
+                        word = plan.receive_word(owner, row, index)
                     else:
                         owner = row // plan.owned
-                        word = plan.receive_word(owner, row - owner * plan.owned, 8 * j + 2 * t)
-                        if owner != part:
-                            word = word + staged
-                        store_shared_floats(receive + word, [acc[k], acc[k + 1]])
+                        word = plan.receive_word(owner, row - owner * plan.owned, token)
+                    if owner != part:
+                        word = word + staged
+                    store_shared_floats(receive + word, [acc[k], acc[k + 1]])
         if cutlass.const_expr(plan.split > 1):
             cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then the bulk copies' reads
         cute.arch.barrier(barrier_id=1, number_of_threads=32 * CONSUMER_WARPS)

@@ -136,7 +136,8 @@ class GemmPlan:
             # tokens per owner, even: an accumulator pair (tokens 2t, 2t + 1) has one owner
             self.per_owner = -(-tokens // self.split) + (-(-tokens // self.split)) % 2
             self.owned = self.rows  # every row of the block, for per_owner tokens
-            self.stride = self.per_owner + 1  # odd: a warp's rows (thread = row) in distinct banks
+            # ≡ 2 (mod 4): a warp's rows (thread = row) read their token pairs (8 bytes) in distinct banks
+            self.stride = self.per_owner + (2 if self.per_owner % 4 == 0 else 0)
         else:
             self.per_owner = tokens
             # output rows each CTA of a cluster reduces and stores
