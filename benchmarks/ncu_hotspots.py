@@ -1,0 +1,81 @@
+"""Where a kernel's warps wait, from Nsight Compute's warp-state samples per SASS instruction:
+the top instructions by samples with their stall reasons, and the samples by opcode.
+
+On the GPU machine (Firecracker kinds: KINDS.md), one launch of a kernel of a script:
+
+    ncu --clock-control none --kernel-name regex:IndexFront --launch-skip 3 --launch-count 1 \\
+        --section SourceCounters --page source --print-source sass --csv \\
+        python3 script.py > kernel.csv
+    python -m benchmarks.ncu_hotspots kernel.csv [--top 25] [--context 3]
+
+Samples are warps' states at a fixed interval: a phase's share of a warp group's samples is
+its share of that group's time (producer and consumer warps sample apart; the instruction
+addresses tell them apart). How the twenty-third session read the DSA front's: NOTES.md.
+"""
+
+import argparse
+import csv
+import gzip
+import re
+from collections import Counter
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
+
+
+def read_rows(path: str) -> tuple[list[str], list[list[str]]]:
+    """The CSV's header and instruction rows (ncu's own lines before the header skipped; .gz read)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
+    rows = list(csv.reader(lines[start:]))
+    return rows[0], [row for row in rows[1:] if len(row) == len(rows[0])]
+
+
+def stalls(header: list[str], row: list[str]) -> list[tuple[str, int]]:
+    """The row's nonzero stall reasons (all samples), most first."""
+    reasons = [(name.removeprefix("stall_"), int(row[i])) for i, name in enumerate(header)
+               if name.startswith("stall_") and "Not Issued" not in name and row[i].isdigit() and int(row[i])]
+    return sorted(reasons, key=lambda item: -item[1])
+
+
+def opcode(source: str) -> str:
+    """The SASS opcode of an instruction line (its predicate dropped)."""
+    words = re.sub(r"^@!?U?P\w+\s+", "", source.strip()).split()
+    return words[0] if words else "?"
+
+
+def report(path: str, top: int, context: int) -> None:
+    header, rows = read_rows(path)
+    samples, executed = header.index(SAMPLES), header.index(EXECUTED)
+    total = sum(int(row[samples]) for row in rows) or 1
+    print(f"{path}: {len(rows)} instructions, {total} warp samples")
+    print(f"\ntop {top} instructions (index, samples, share, executed, instruction, stall reasons):")
+    hot = sorted(range(len(rows)), key=lambda i: -int(rows[i][samples]))[:top]
+    for i in sorted(hot):
+        row = rows[i]
+        reasons = ", ".join(f"{name} {count}" for name, count in stalls(header, row)[:3])
+        for j in range(max(0, i - context), i):  # what the warp waits behind
+            print(f"{'':29s}  {rows[j][1].strip()[:60]}")
+        print(f"{i:6d} {int(row[samples]):6d} {100 * int(row[samples]) / total:5.1f}% {int(row[executed]):8d}  "
+              f"{row[1].strip()[:60]:60s} {reasons}")
+    by_opcode = Counter()
+    for row in rows:
+        by_opcode[opcode(row[1])] += int(row[samples])
+    print("\nsamples by opcode:")
+    for name, count in by_opcode.most_common(15):
+        print(f"  {name:28s} {count:6d} {100 * count / total:5.1f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("csv", help="ncu --page source --print-source sass --csv output (may be .gz)")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--context", type=int, default=0, help="instructions shown before each hot one")
+    args = parser.parse_args()
+    report(args.csv, args.top, args.context)
+
+
+if __name__ == "__main__":
+    main()

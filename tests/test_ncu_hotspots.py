@@ -1,0 +1,35 @@
+"""benchmarks/ncu_hotspots.py on a small CSV in ncu's source-page form (no GPU needed)."""
+
+from benchmarks import ncu_hotspots
+
+HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+          '"Instructions Executed","stall_long_sb","stall_membar","stall_barrier (Not Issued)"')
+ROWS = ['"0x10","      LDC R1, c[0x0][0x28]","2","2","96","0","0","0"',
+        '"0x20","@!P1  NANOSLEEP.SYNCS 0x989680","30","30","5000","30","0","0"',
+        '"0x30","      MEMBAR.ALL.GPU","9","9","96","4","5","0"',
+        '"0x40","@P0   NANOSLEEP.SYNCS 0x989680","1","1","96","1","0","0"']
+
+
+def write(tmp_path):
+    path = tmp_path / "kernel.csv"
+    path.write_text("\n".join(["==PROF== Connected to process 1", '"Kernel Name","k",', HEADER, *ROWS]) + "\n")
+    return str(path)
+
+
+def test_reads_the_rows_after_ncus_own_lines(tmp_path):
+    header, rows = ncu_hotspots.read_rows(write(tmp_path))
+    assert header[2] == ncu_hotspots.SAMPLES and [row[0] for row in rows] == ["0x10", "0x20", "0x30", "0x40"]
+    assert ncu_hotspots.stalls(header, rows[2]) == [("membar", 5), ("long_sb", 4)]  # not-issued columns apart
+    assert ncu_hotspots.opcode(rows[1][1]) == ncu_hotspots.opcode(rows[3][1]) == "NANOSLEEP.SYNCS"
+
+
+def test_report_ranks_instructions_and_sums_opcodes(tmp_path, capsys):
+    ncu_hotspots.report(write(tmp_path), top=2, context=1)
+    out = capsys.readouterr().out
+    assert "4 instructions, 42 warp samples" in out
+    ranked, opcodes = out.split("samples by opcode:")
+    hot = [line for line in ranked.splitlines() if "%" in line]
+    assert len(hot) == 2 and "30  71.4%" in hot[0] and "long_sb 30" in hot[0]  # in address order
+    assert "MEMBAR.ALL.GPU" in hot[1] and "membar 5, long_sb 4" in hot[1]
+    assert "0x989680" in ranked.split(hot[1])[0].splitlines()[-1]  # the context line before MEMBAR
+    assert "NANOSLEEP.SYNCS                  31" in opcodes  # both predicated sleeps, one opcode
