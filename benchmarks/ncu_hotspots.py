@@ -1,12 +1,16 @@
 """Where a kernel's warps wait, from Nsight Compute's warp-state samples per SASS instruction:
-the top instructions by samples with their stall reasons, and the samples by opcode.
+the top instructions by samples with their stall reasons, and the samples by opcode, for
+each kernel of the file (``--kernel``: those whose name matches).
 
-On the GPU machine (Firecracker kinds: KINDS.md), one launch of a kernel of a script:
+On the GPU machine (Firecracker kinds: KINDS.md), one launch of a kernel of a script, or
+every kernel of one decode step (benchmarks/ncu_step.py):
 
     ncu --clock-control none --kernel-name regex:IndexFront --launch-skip 3 --launch-count 1 \\
         --section SourceCounters --page source --print-source sass --csv \\
         python3 script.py > kernel.csv
-    python -m benchmarks.ncu_hotspots kernel.csv [--top 25] [--context 3]
+    ncu --clock-control none --profile-from-start off --section SourceCounters --page source \\
+        --print-source sass --csv python3 -m benchmarks.ncu_step --tp8-rank --batch 64 > step.csv
+    python -m benchmarks.ncu_hotspots step.csv [--kernel IndexFront] [--top 25] [--context 3]
 
 Samples are warps' states at a fixed interval: a phase's share of a warp group's samples is
 its share of that group's time (producer and consumer warps sample apart; the instruction
@@ -23,14 +27,21 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 
 
-def read_rows(path: str) -> tuple[list[str], list[list[str]]]:
-    """The CSV's header and instruction rows (ncu's own lines before the header skipped; .gz read)."""
+def read_kernels(path: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Each profiled launch's (kernel name, header, instruction rows), in the file's order
+    (ncu's own lines skipped; .gz read)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        lines = f.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
-    rows = list(csv.reader(lines[start:]))
-    return rows[0], [row for row in rows[1:] if len(row) == len(rows[0])]
+        rows = list(csv.reader(line for line in f if line.startswith('"')))
+    kernels = []
+    for row in rows:
+        if row[0] == "Kernel Name":
+            kernels.append((row[1], None, []))
+        elif row[0] == "Address" and kernels:
+            kernels[-1] = (kernels[-1][0], row, [])
+        elif kernels and kernels[-1][1] is not None and len(row) == len(kernels[-1][1]):
+            kernels[-1][2].append(row)
+    return [kernel for kernel in kernels if kernel[1] is not None]
 
 
 def stalls(header: list[str], row: list[str]) -> list[tuple[str, int]]:
@@ -46,11 +57,20 @@ def opcode(source: str) -> str:
     return words[0] if words else "?"
 
 
-def report(path: str, top: int, context: int) -> None:
-    header, rows = read_rows(path)
+def report(path: str, top: int, context: int, kernel: str = "") -> None:
+    kernels = [k for k in read_kernels(path) if re.search(kernel, k[0])]
+    print(f"{path}: {len(kernels)} launches (warp samples, kernel)")
+    for name, header, rows in kernels:
+        print(f"{sum(int(row[header.index(SAMPLES)]) for row in rows):8d}  {name[:100]}")
+    for name, header, rows in kernels:
+        print(f"\n== {name[:100]}")
+        report_kernel(header, rows, top, context)
+
+
+def report_kernel(header: list[str], rows: list[list[str]], top: int, context: int) -> None:
     samples, executed = header.index(SAMPLES), header.index(EXECUTED)
     total = sum(int(row[samples]) for row in rows) or 1
-    print(f"{path}: {len(rows)} instructions, {total} warp samples")
+    print(f"{len(rows)} instructions, {total} warp samples")
     print(f"\ntop {top} instructions (index, samples, share, executed, instruction, stall reasons):")
     hot = sorted(range(len(rows)), key=lambda i: -int(rows[i][samples]))[:top]
     for i in sorted(hot):
@@ -73,8 +93,9 @@ def main() -> None:
     parser.add_argument("csv", help="ncu --page source --print-source sass --csv output (may be .gz)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--context", type=int, default=0, help="instructions shown before each hot one")
+    parser.add_argument("--kernel", default="", help="only the kernels whose name matches this regex")
     args = parser.parse_args()
-    report(args.csv, args.top, args.context)
+    report(args.csv, args.top, args.context, args.kernel)
 
 
 if __name__ == "__main__":

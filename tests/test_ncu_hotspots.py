@@ -11,22 +11,26 @@ ROWS = ['"0x10","      LDC R1, c[0x0][0x28]","2","2","96","0","0","0"',
 
 
 def write(tmp_path):
+    """Two launches, as ncu writes a step's: the second kernel has two instructions."""
     path = tmp_path / "kernel.csv"
-    path.write_text("\n".join(["==PROF== Connected to process 1", '"Kernel Name","k",', HEADER, *ROWS]) + "\n")
+    path.write_text("\n".join(["==PROF== Connected to process 1", '"Kernel Name","IndexFront_0",', HEADER, *ROWS,
+                               "==PROF== Disconnected", '"Kernel Name","DecodeGemm_1",', HEADER, *ROWS[2:]]) + "\n")
     return str(path)
 
 
-def test_reads_the_rows_after_ncus_own_lines(tmp_path):
-    header, rows = ncu_hotspots.read_rows(write(tmp_path))
+def test_reads_each_launchs_rows_after_ncus_own_lines(tmp_path):
+    kernels = ncu_hotspots.read_kernels(write(tmp_path))
+    assert [(name, len(rows)) for name, _, rows in kernels] == [("IndexFront_0", 4), ("DecodeGemm_1", 2)]
+    _, header, rows = kernels[0]
     assert header[2] == ncu_hotspots.SAMPLES and [row[0] for row in rows] == ["0x10", "0x20", "0x30", "0x40"]
     assert ncu_hotspots.stalls(header, rows[2]) == [("membar", 5), ("long_sb", 4)]  # not-issued columns apart
     assert ncu_hotspots.opcode(rows[1][1]) == ncu_hotspots.opcode(rows[3][1]) == "NANOSLEEP.SYNCS"
 
 
 def test_report_ranks_instructions_and_sums_opcodes(tmp_path, capsys):
-    ncu_hotspots.report(write(tmp_path), top=2, context=1)
+    ncu_hotspots.report(write(tmp_path), top=2, context=1, kernel="Index")
     out = capsys.readouterr().out
-    assert "4 instructions, 42 warp samples" in out
+    assert "1 launches" in out and "DecodeGemm" not in out and "4 instructions, 42 warp samples" in out
     ranked, opcodes = out.split("samples by opcode:")
     hot = [line for line in ranked.splitlines() if "%" in line]
     assert len(hot) == 2 and "30  71.4%" in hot[0] and "long_sb 30" in hot[0]  # in address order
