@@ -106,7 +106,8 @@ def test_shared_expert_grid_is_one_size_and_resident():
             assert plan.grid == plans[0].grid and plan.grid % plan.gate_up.split == 0
             assert plan.grid <= gemm_plans.RESIDENT[plan.gate_up.split]
             assert plan.grid >= max(plan.gate_up.ctas, plan.down.ctas) and plan.down.split == plan.down.tiles == 1
-            assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 <= SMEM_BYTES  # barriers, ring, target
+            # the barriers, the ring, target and each plan's received barrier
+            assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 + 8 * 3 <= SMEM_BYTES
 
 
 def test_front_and_gate_up_share_one_resident_grid():
@@ -121,7 +122,7 @@ def test_front_and_gate_up_share_one_resident_grid():
         assert (plan.gate_up.tiles, plan.gate_up.split, plan.gate_up.ctas, plan.gate_up.owned) == (3, 8, 64, 32)
         assert plan.grid == 112 and plan.cluster == 8 and plan.grid <= gemm_plans.RESIDENT[8]
         assert plan.gate_up.owned * (plan.gate_up.split - 2) == plan.gate_up.rows
-        assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 <= SMEM_BYTES
+        assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 + 8 * 3 <= SMEM_BYTES
     assert gemm.SharedExpertKernel().prefers(1536, 7168, 7168, 624)
     assert not gemm.SharedExpertKernel().prefers(12288, 7168, 7168, 896 + 3584)  # kimi_k3 TP1: no fused shared expert
 
@@ -159,7 +160,8 @@ def test_rings_leave_the_room_asked(gemm_room):
     """KIMI_OPS_GEMM_ROOM: each decode GEMM of the TP8 rank's layer leaves the room beside its
     ring (a successor's CTA of up to that much fits on its SM), its partition and grid as
     without it; the DSA front, whose raw rows need its whole K slice in the ring, leaves
-    what that slice leaves, at most the room."""
+    what that slice leaves, at most the room; a plan whose K parts' exchange (receive buffer
+    and staging) needs more than the ring's slots says what it leaves (``room``)."""
     room = 112 * 1024
 
     def plans():
@@ -169,7 +171,7 @@ def test_rings_leave_the_room_asked(gemm_room):
     gemm_room(room // 1024)
     for key, roomy in plans().items():
         assert (roomy.tiles, roomy.split, roomy.ctas) == (full[key].tiles, full[key].split, full[key].ctas), key
-        assert roomy.room == room and roomy.depth * (roomy.w_slot + roomy.x_slot) + 2048 + room <= SMEM_BYTES, key
+        assert roomy.room == room and roomy.ring_bytes + 2048 + room <= SMEM_BYTES, key
         assert 1 <= roomy.sets <= roomy.depth <= full[key].depth and roomy.chunks % roomy.sets == 0, key
     for tokens, before in zip(gemm_plans.TOKEN_TILES, shared_full):
         roomy = gemm.shared_plan(1536, 7168, 7168, tokens, 0)
@@ -181,20 +183,23 @@ def test_rings_leave_the_room_asked(gemm_room):
         whole = front.chunks * (front.w_slot + front.x_slot)
         assert front.depth == front.chunks and front.room == min(room, SMEM_BYTES - 2048 - front.reserve - whole)
         assert front.room > 0 and front.ring_bytes + 2048 + front.reserve + front.room <= SMEM_BYTES
+    wide = gemm_plans.GemmPlan(1536, 7168, 64, (3, 8), unit=16)  # the fused front's gate/up: 8 blocks of 32 rows
+    assert 2 * wide.receive_bytes > wide.depth * (wide.w_slot + wide.x_slot)
+    assert wide.room == SMEM_BYTES - 2048 - wide.ring_bytes < room
 
 
 def test_a_ring_keeps_a_slot_and_no_more_chunks_in_flight_than_slots(gemm_room):
-    """A room past what leaves one slot leaves that much (no plan fails for it), and the
-    chunks in flight (each in a slot until its sum is in) never exceed the slots: at 180 KB
-    the stacked DSA GEMM at 64 tokens keeps one 32 KB slot, one chunk in flight (two
-    without the cap: the consumer would wait for a slot it holds)."""
+    """A room past what leaves one slot leaves what the ring and the K parts' exchange leave
+    (no plan fails for it), and the chunks in flight (each in a slot until its sum is in)
+    never exceed the slots: at 180 KB the stacked DSA GEMM at 64 tokens keeps one slot, one
+    chunk in flight (two without the cap: the consumer would wait for a slot it holds)."""
     gemm_room(180)
     plan = gemm_plans.gemm_plan(1696, 7168, 64)
-    assert (plan.depth, plan.sets, plan.room) == (1, 1, 180 * 1024)
+    assert (plan.depth, plan.sets) == (1, 1) and plan.ring_bytes == 2 * plan.receive_bytes  # the exchange's
+    assert plan.room == SMEM_BYTES - 2048 - plan.ring_bytes < 180 * 1024  # what the exchange leaves
     gemm_room(226)
     plan = gemm_plans.gemm_plan(1696, 7168, 64)
-    stage = plan.w_slot + plan.x_slot
-    assert plan.depth == 1 and plan.room == SMEM_BYTES - 2048 - stage
+    assert plan.depth == 1 and plan.room == SMEM_BYTES - 2048 - plan.ring_bytes
 
 
 @pytest.mark.parametrize("room", [112, 140])
@@ -250,7 +255,7 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
 
 
 @pytest.mark.parametrize("tiles, split, tokens", [(1, 1, 8), (3, 2, 64), (4, 4, 32), (1, 8, 16), (3, 8, 64)])
-def test_scatter_and_finish_sum_every_part_once_in_order(tiles, split, tokens):
+def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens):
     """CPU model of the K-part exchange through GemmPlan.receive_word: every CTA's m64nT
     accumulators (DecodeGemm.consume's layout) go into their rows' owners' blocks
     (DecodeGemm.stage: ours into our receive buffer, the others' into the staging), each

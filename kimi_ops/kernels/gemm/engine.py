@@ -69,6 +69,7 @@ from ..mailbox import owner_base, peer_bases, store_to_owner, store_to_peers
 from ..packets import butterfly_sum, clamp, situ_value, unpack_words
 from ..ptx import (
     divide,
+    copy_to_peer,
     double_words,
     float_bits,
     l2_evict_first,
@@ -77,9 +78,8 @@ from ..ptx import (
     pack_values,
     pinned,
     rsqrt_like_torch,
-    copy_to_peer,
-    store_shared_floats,
     store_shared,
+    store_shared_floats,
     store_words,
     wgmma_bf16,
 )
@@ -482,6 +482,8 @@ class DecodeGemm:
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
         staged = plan.receive_bytes // 4  # the staging's first word
+        # every warp's wgmmas are done (a warp's wait_group covers its own), then the ring is ours
+        cute.arch.barrier(barrier_id=1, number_of_threads=32 * CONSUMER_WARPS)
         for tile in cutlass.range_constexpr(plan.tiles):
             for h in cutlass.range_constexpr(2):
                 row = tile * TILE + 16 * warp + 8 * h + g

@@ -162,6 +162,7 @@ class GemmPlan:
         self.ring_bytes = max(self.depth * stage, self.receive_bytes * (2 if self.split > 1 else 1))
         if self.ring_bytes + 2048 + reserve > SMEM_BYTES:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
+        self.room = min(self.room, free - self.ring_bytes)  # what the exchange leaves of it, where it needs more
 
     def owner(self, token):
         """by_token: the CTA of the cluster that reduces ``token`` (and its index there)."""
