@@ -453,7 +453,8 @@ def main(argv=None) -> dict:
                         help="the shared expert as gate_up_situ + oproj_push (the A/B of its fused launch)")
     add_ab_options(parser)
     parser.add_argument("--skip-no-pdl", action="store_true", help="no 'ours no PDL' column (its child recompiles all)")
-    parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # without_pdl's child
+    parser.add_argument("--ours-only", action="store_true",
+                        help="µs a layer of ours alone, by batch (A/B runs; without_pdl's child): printed, and to --json")
     args = parser.parse_args(argv)
     config = config_for(args)
     torch._dynamo.config.cache_size_limit = 64  # a compiled graph per batch: more than the default 8
@@ -469,8 +470,10 @@ def main(argv=None) -> dict:
     apply_chain_options(decoder, args)
     if args.ours_only:
         times = {b: ours_us(decoder, *inputs(config, b, device)) for b in args.batches}
-        with open(args.json, "w") as f:
-            json.dump(times, f)
+        print(json.dumps(times))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(times, f)
         return times
     composite = CompositeDecoder(decoder)
     results = {b: measure(decoder, composite, b, args.smoke, args.replays) for b in args.batches}
