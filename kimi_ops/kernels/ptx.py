@@ -93,6 +93,13 @@ def widened_bf16(word: Uint32):
     )
 
 
+@cute.jit
+def warp_max_bits(word: Uint32) -> Uint32:
+    """The largest of the warp's words (unsigned), in every lane: one redux."""
+    return cute.arch.inline_ptx("redux.sync.max.u32 {$w0}, {$r0}, 0xffffffff;", write_only_types=[Uint32],
+                                read_only_args=[word])
+
+
 # Memory: global (plain, or relaxed at system scope for mailboxes), shared, DSMEM.
 
 @cute.jit
@@ -148,6 +155,19 @@ def store_shared(address, words):
 
 
 @cute.jit
+def load_shared_floats(address):
+    """Two FP32 values from shared memory, one 8-byte load."""
+    return cute.arch.inline_ptx("ld.shared.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32, Float32],
+                                read_only_args=[address])
+
+
+@cute.jit
+def store_shared_floats(address, values):
+    """Two FP32 values into our shared memory, one 8-byte store."""
+    cute.arch.inline_ptx("st.shared.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, *values])
+
+
+@cute.jit
 def load_shared_doubles(address):
     """Two FP64 values from shared memory, one 16-byte load."""
     return cute.arch.inline_ptx("ld.shared.v2.f64 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float64, Float64],
@@ -192,19 +212,6 @@ def store_cluster(address, value, cta):
 
 
 @cute.jit
-def load_shared_floats(address):
-    """Two FP32 values from shared memory, one 8-byte load."""
-    return cute.arch.inline_ptx("ld.shared.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32, Float32],
-                                read_only_args=[address])
-
-
-@cute.jit
-def store_shared_floats(address, values):
-    """Two FP32 values into our shared memory, one 8-byte store."""
-    cute.arch.inline_ptx("st.shared.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[address, *values])
-
-
-@cute.jit
 def copy_to_peer(destination, source, size: Int32, barrier, cta):
     """``size`` bytes (a multiple of 16) of our shared memory at ``source`` into CTA ``cta``'s
     at our ``destination`` address, as one bulk copy completing on its ``barrier``'s
@@ -213,13 +220,6 @@ def copy_to_peer(destination, source, size: Int32, barrier, cta):
         "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
         read_only_args=[cute.arch.map_dsmem_ptr(destination, cta), source, size, cute.arch.map_dsmem_ptr(barrier, cta)],
     )
-
-
-@cute.jit
-def warp_max_bits(word: Uint32) -> Uint32:
-    """The largest of the warp's words (unsigned), in every lane: one redux."""
-    return cute.arch.inline_ptx("redux.sync.max.u32 {$w0}, {$r0}, 0xffffffff;", write_only_types=[Uint32],
-                                read_only_args=[word])
 
 
 @cute.jit

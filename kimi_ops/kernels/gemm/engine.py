@@ -36,9 +36,9 @@ so every SM of the grid streams its share at once.
    release waits for them at GPU scope, took ~30 % of the DSA front's consumer time at
    64 tokens: ncu, benchmarks/NOTES.md.) A last cluster barrier (arrived once our blocks
    are in, waited on at the end) keeps every staging area until the copies out of it are
-   in. No workspace crosses calls: the functional ops need none (DESIGN §4). A plan ``by_token`` (the DSA front's) gives
-   owner q tokens [q·P, (q+1)·P) of every row of the block instead, so a block's rows
-   meet in one CTA.
+   in. No workspace crosses calls: the functional ops need none (DESIGN §4). A plan
+   ``by_token`` (the DSA front's) gives owner q tokens [q·P, (q+1)·P) of every row of the
+   block instead, so a block's rows meet in one CTA.
 4. Epilogue (:class:`Outputs`): per 8-row packet of a token, BF16 rows to ``out``
    (``kimi::oproj``); FP32 logits (never rounded) for rows below ``n_logits`` and BF16
    latent rows above (``kimi::moe_front``); or the same words into every rank's box
@@ -68,8 +68,8 @@ from ..launch import PDL
 from ..mailbox import owner_base, peer_bases, store_to_owner, store_to_peers
 from ..packets import butterfly_sum, clamp, situ_value, unpack_words
 from ..ptx import (
-    divide,
     copy_to_peer,
+    divide,
     double_words,
     float_bits,
     l2_evict_first,
