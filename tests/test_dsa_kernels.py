@@ -82,8 +82,9 @@ def test_by_token_exchange_sums_every_part_once_in_order(tokens):
     """CPU model of the K-part exchange in by_token mode: every CTA's m64nT accumulators
     (DecodeGemm.consume's layout) go by token pair into their owner's block (DecodeGemm.stage:
     ours into our receive buffer, the others' into the staging), each staged block whole into
-    its owner's receive buffer at our part (DecodeGemm.send), without overlap; each owner's
-    channel reads (IndexFront.finish) find Σ of the parts, each part once."""
+    its owner's receive buffer at our part (DecodeGemm.send: the owners of tokens only,
+    GemmPlan.receivers), without overlap; each owner's channel reads (IndexFront.finish)
+    find Σ of the parts, each part once."""
     plan = dsa_plan.index_plan(K, tokens, True)
     gen = torch.Generator().manual_seed(tokens)
     sums = torch.randn(plan.split, plan.rows, tokens, generator=gen, dtype=torch.float64)  # [part][row][token]
@@ -108,11 +109,13 @@ def test_by_token_exchange_sums_every_part_once_in_order(tokens):
                         for e in range(2):
                             assert word + e not in target
                             target[word + e] = float(sums[part, row, token + e])
-        for owner in range(plan.split):
+        assert all(word < plan.receivers * block for word in staging)  # nothing staged for the others
+        for owner in range(plan.receivers):
             if owner != part:
                 for word in range(owner * block, (owner + 1) * block):
                     if word in staging:
                         received[owner][part * block + word - owner * block] = staging[word]
+    assert plan.receivers == (2 if tokens == 8 else plan.split)  # 8 tokens: 4 an owner, the third owns none
     seen = set()
     for owner in range(plan.split):
         for index in range(plan.per_owner):

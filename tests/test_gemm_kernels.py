@@ -122,6 +122,7 @@ def test_front_and_gate_up_share_one_resident_grid():
         assert (plan.gate_up.tiles, plan.gate_up.split, plan.gate_up.ctas, plan.gate_up.owned) == (3, 8, 64, 32)
         assert plan.grid == 112 and plan.cluster == 8 and plan.grid <= gemm_plans.RESIDENT[8]
         assert plan.gate_up.owned * (plan.gate_up.split - 2) == plan.gate_up.rows
+        assert plan.gate_up.receivers == 6 and plan.front.receivers == 8  # no block goes to an owner of nothing
         assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 + 8 * 3 <= SMEM_BYTES
     assert gemm.SharedExpertKernel().prefers(1536, 7168, 7168, 624)
     assert not gemm.SharedExpertKernel().prefers(12288, 7168, 7168, 896 + 3584)  # kimi_k3 TP1: no fused shared expert
@@ -247,7 +248,7 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
         assert plan.blocks * plan.rows >= n > (plan.blocks - 1) * plan.rows
         assert plan.ctas <= gemm_plans.RESIDENT[plan.split] and plan.split in gemm_plans.SPLITS
         assert plan.split * plan.chunks * CHUNK == k and plan.rows <= 256
-        assert plan.owned % 8 == 0 and plan.owned * plan.split == plan.rows
+        assert plan.owned % 8 == 0 and plan.owned * plan.split == plan.rows and plan.receivers == plan.split
         assert plan.receive_bytes * (1 + (plan.split > 1)) <= plan.ring_bytes  # and the staging
         assert plan.ring_bytes + 2048 <= SMEM_BYTES and plan.block_bytes % 16 == 0  # a bulk copy's size
         assert plan.depth >= min(plan.chunks, 4) and plan.chunks % plan.sets == 0

@@ -236,7 +236,10 @@ class DecodeGemm:
                 cute.arch.mbarrier_init(factored, 1)
                 cute.arch.mbarrier_arrive_and_expect_tx(factored, plan.split * plan.tokens * 8)
             cute.arch.mbarrier_init(received, 1)
-            cute.arch.mbarrier_arrive_and_expect_tx(received, (plan.split - 1) * plan.block_bytes)
+            expected = Int32((plan.split - 1) * plan.block_bytes)
+            if part >= plan.receivers:  # we own nothing: no block comes
+                expected = Int32(0)
+            cute.arch.mbarrier_arrive_and_expect_tx(received, expected)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if cutlass.const_expr(norm is not None):
@@ -506,12 +509,13 @@ class DecodeGemm:
     @cute.jit
     def send(self, receive, received, part, tid, group):
         """Each staged block q to CTA ``group`` + q's receive buffer at our part, one bulk copy
-        on its ``received`` barrier (thread 0; the peers' rings are drained)."""
+        on its ``received`` barrier (thread 0; the peers' rings are drained); none to the
+        parts that own nothing (GemmPlan.receivers)."""
         plan = self.plan
         if cutlass.const_expr(plan.split > 1):
             if tid == 0:
                 block = plan.block_bytes // 4
-                for q in cutlass.range_constexpr(plan.split):
+                for q in cutlass.range_constexpr(plan.receivers):
                     if q != part:
                         copy_to_peer(receive + part * block, receive + plan.receive_bytes // 4 + q * block,
                                      Int32(plan.block_bytes), received, group + q)
@@ -530,8 +534,8 @@ class DecodeGemm:
         packets = self.outputs.packets  # (no Python object may cross the loop's back edge)
         per_token = plan.owned // 8 // packets
         items = batch * per_token
-        if cutlass.const_expr(plan.owned * plan.split > plan.rows):
-            if part * plan.owned >= plan.rows:  # an uneven plan's last parts own no rows (GemmPlan.unit)
+        if cutlass.const_expr(plan.receivers < plan.split):
+            if part >= plan.receivers:  # an uneven plan's last parts own no rows (GemmPlan.unit)
                 items = Int32(0)
         for item in cutlass.range(tid, items, 32 * CONSUMER_WARPS, unroll=1):
             token, packet = item // per_token, item % per_token * packets

@@ -157,6 +157,8 @@ class GemmPlan:
         self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
         self.pace = self.depth if tokens <= EARLY_TOKENS else min(PACE, self.depth)  # weight chunks issued before the PDL wait
         self.block_bytes = self.owned * self.stride * 4  # a part's sums of one owner's rows (by_token: tokens)
+        # the parts that own rows (tokens): an uneven plan's or a small batch's last parts own none
+        self.receivers = min(self.split, -(-tokens // self.per_owner) if by_token else -(-self.rows // self.owned))
         self.receive_bytes = self.split * self.block_bytes  # [part][owned row][token], over the ring
         # a K split's staging after it, [owner][owned row][token]: the blocks that go to the peers
         self.ring_bytes = max(self.depth * stage, self.receive_bytes * (2 if self.split > 1 else 1))
