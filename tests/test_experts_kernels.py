@@ -123,6 +123,41 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
             assert cluster in sizes and (fits or cluster == max(sizes))  # the most where none fits
 
 
+@pytest.mark.parametrize("batch, tp, rank, spread", [(64, 1, 0, 2), (33, 8, 5, 2), (256, 3, 2, 1), (5, 1, 0, 2)])
+def test_by_expert_writes_every_row_once(batch, tp, rank, spread):
+    """CPU model of the grid by expert (RoutedExperts.serve_expert, zero_rows_of_others): CTA
+    c serves share c % spread of expert rank·E/TP + c // spread's tokens, in passes of T,
+    each token's rows at its mask's slots; the zero rows of pairs c, c + grid, … whose id
+    is another rank's or outside [0, E): every row of [B·16] written once."""
+    count, threads, packets, tokens = 112, 256, 64, experts_plan.TOKENS
+    per_rank = count // tp
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.stack([torch.randperm(count // 4, generator=gen)[:16] for _ in range(batch)])  # shared experts
+    ids[0, 3], ids[1, 0], ids[1, 1] = ids[0, 2], -1, count  # a repeated id, ids outside [0, E)
+    grid = per_rank * spread
+    written = torch.zeros(batch * 16, dtype=torch.int64)
+    for cta in range(grid):
+        expert = rank * per_rank + cta // spread
+        masks = [sum(1 << k for k in range(16) if ids[b, k] == expert) for b in range(batch)]
+        matched = [b for b in range(batch) if masks[b]]
+        each = -(-len(matched) // spread)
+        first = cta % spread * each
+        last = min(len(matched), first + each)
+        for start in range(first, last, tokens):
+            for n in range(min(last - start, tokens)):
+                b = matched[start + n]
+                for k in range(16):
+                    if masks[b] >> k & 1:
+                        written[b * 16 + k] += 1
+        rows = threads // packets
+        for tid in range(rows * packets):
+            for pair in range(cta + grid * (tid // packets), batch * 16, grid * rows):
+                expert_id = int(ids.view(-1)[pair])
+                if tid % packets == 0 and not (0 <= expert_id < count and expert_id // per_rank == rank):
+                    written[pair] += 1
+    assert written.tolist() == [1] * (batch * 16)
+
+
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
