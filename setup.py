@@ -25,9 +25,10 @@ setup(
     # numpy: torch warns "Failed to initialize NumPy" on its first tensor from Python data without it
     install_requires=["torch>=2.11,<2.15", "numpy"],
     extras_require={
-        "test": ["pytest", "expecttest", "numpy", "hypothesis"],
+        "test": ["pytest", "expecttest", "numpy", "hypothesis", "pyelftools"],
         "cute": ["nvidia-cutlass-dsl==4.8.1", "cuda-python", "apache-tvm-ffi>=0.1.15"],
-        "bench": ["quack-kernels==0.6.5"],  # bench_projection's peer column (--quack)
+        # bench_projection's peer column (--quack); ncu_hotspots --cubins' line tables
+        "bench": ["quack-kernels==0.6.5", "pyelftools"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

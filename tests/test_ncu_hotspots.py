@@ -1,5 +1,7 @@
 """benchmarks/ncu_hotspots.py on a small CSV in ncu's source-page form (no GPU needed)."""
 
+import pytest
+
 from benchmarks import ncu_hotspots
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
@@ -37,3 +39,30 @@ def test_report_ranks_instructions_and_sums_opcodes(tmp_path, capsys):
     assert "MEMBAR.ALL.GPU" in hot[1] and "membar 5, long_sb 4" in hot[1]
     assert "0x989680" in ranked.split(hot[1])[0].splitlines()[-1]  # the context line before MEMBAR
     assert "NANOSLEEP.SYNCS                  31" in opcodes  # both predicated sleeps, one opcode
+
+
+def test_cubins_name_each_instructions_line(tmp_path, monkeypatch, capsys):
+    """A kernel compiled under KIMI_OPS_LINE_TABLES leaves a cubin whose line tables map its
+    instructions to our files; the report then names each hot instruction's line and sums
+    the samples by line (a CSV of that kernel's name and instruction count)."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+    pytest.importorskip("elftools", reason="pyelftools is not installed")
+    from kimi_ops.kernels import compile as kernel_compile
+    from kimi_ops.kernels.dsa import host as dsa
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    (tmp_path / "cubins" / "key_insert").mkdir(parents=True)  # as compiled() makes it
+    monkeypatch.setattr(kernel_compile, "_dump_dir", str(tmp_path / "cubins" / "key_insert"))
+    assert "--generate-line-info" in kernel_compile.compile_options()
+    dsa.compile_key_insert.build()
+    ((name, count), tables), = ncu_hotspots.line_tables(str(tmp_path / "cubins")).items()
+    lines, = tables
+    assert "KeyInsert" in name and len(lines) == count > 8
+    assert all(line.startswith("kernels/") for line in lines[:-1])  # the last: the padding after EXIT
+    assert any(line.startswith("kernels/dsa/kernels.py:") for line in lines)
+    rows = [f'"0x{16 * i:x}","      NOP","{int(i == 3) * 5}","0","1","{int(i == 3) * 5}","0","0"' for i in range(count)]
+    path = tmp_path / "step.csv"
+    path.write_text("\n".join([f'"Kernel Name","{name}",', HEADER, *rows]) + "\n")
+    ncu_hotspots.report(str(path), top=1, context=0, cubins=str(tmp_path / "cubins"))
+    out = capsys.readouterr().out
+    assert f"samples by line:\n  {lines[3]:28s}      5 100.0%" in out and "NOP" in out

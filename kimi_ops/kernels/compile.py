@@ -19,6 +19,12 @@ from .launch import CARVEOUT, GEMM_ROOM, MARKS, PDL
 from .mailbox import BARRIER_ALIVE_NS, BARRIER_TIMEOUT_NS, POLL_TIMEOUT_NS
 
 EXPORT_NAME = "func"
+# KIMI_OPS_LINE_TABLES=DIR: every kernel compiled keeps its cubin with line tables (SASS address
+# → our .py file and line; the SASS is the same: checked for the routed experts), one folder a
+# compile key, for benchmarks/ncu_hotspots.py --cubins. Part of the cache key, so that a cached
+# kernel compiles again and leaves its cubin.
+LINE_TABLES = os.environ.get("KIMI_OPS_LINE_TABLES", "")
+_dump_dir = ""  # the compile in progress's folder under LINE_TABLES
 
 
 def fake(dtype, shape, align=16):
@@ -52,7 +58,7 @@ def source_fingerprint() -> str:
     never loads a stale .o."""
     digest = hashlib.sha256(
         f"cutlass={cutlass.__version__} bounds={POLL_TIMEOUT_NS},{BARRIER_TIMEOUT_NS},{BARRIER_ALIVE_NS} pdl={PDL} "
-        f"carveout={CARVEOUT} room={GEMM_ROOM} marks={MARKS}".encode())
+        f"carveout={CARVEOUT} room={GEMM_ROOM} marks={MARKS} lines={bool(LINE_TABLES)}".encode())
     root = pathlib.Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
@@ -68,10 +74,12 @@ def cache_dir() -> pathlib.Path:
 def compile_options() -> str:
     """``cute.compile``'s options: TVM-FFI calls on the env stream; with KIMI_OPS_PTXAS_REMARKS
     set, also ptxas's report on stderr (registers, spills, C75xx performance notes such as
-    C7512, wgmma serialized for want of registers), which the compile tests read. The code
-    compiled is the same either way."""
+    C7512, wgmma serialized for want of registers), which the compile tests read; under
+    LINE_TABLES, the cubin with line tables in the compile's folder. The code compiled is
+    the same either way."""
     remarks = " remarks{ptx}" if os.environ.get("KIMI_OPS_PTXAS_REMARKS") else ""
-    return "--enable-tvm-ffi" + remarks
+    lines = f" --generate-line-info --keep-cubin --dump-dir {_dump_dir}" if _dump_dir else ""
+    return "--enable-tvm-ffi" + remarks + lines
 
 
 def export_carveout(carveout: int) -> None:
@@ -151,7 +159,14 @@ def compiled(build):
         if cached:
             function = cute.runtime.load_module(str(path), enable_tvm_ffi=True)[EXPORT_NAME]
         else:
-            function = build(*key[1:])
+            global _dump_dir
+            _dump_dir = os.path.join(LINE_TABLES, name) if LINE_TABLES else ""
+            if _dump_dir:
+                os.makedirs(_dump_dir, exist_ok=True)  # the DSL writes into an existing folder only
+            try:
+                function = build(*key[1:])
+            finally:
+                _dump_dir = ""
             partial = path.with_suffix(f".{os.getpid()}.tmp")
             function.export_to_c(object_file_path=str(partial), function_name=EXPORT_NAME)
             os.replace(partial, path)  # atomic: no reader sees half a file
