@@ -18,7 +18,7 @@ set for the profiled run, or for a CPU compile of the same keys: the SASS is the
 that each instruction names its kimi_ops file and line (the innermost: a helper's, not its
 caller's), and the samples are summed by line too. A cubin is a kernel's where its text
 section has the kernel's name and instruction count (names are truncated: several variants
-may share one). Needs pyelftools (the ``test`` and ``bench`` extras).
+may share one; those whose lines differ too leave the kernel without lines). Needs pyelftools (the ``test`` and ``bench`` extras).
 
 Samples are warps' states at a fixed interval: a phase's share of a warp group's samples is
 its share of that group's time (producer and consumer warps sample apart; the instruction
@@ -110,10 +110,10 @@ def report(path: str, top: int, context: int, kernel: str = "", cubins: str = ""
         print(f"{sum(int(row[header.index(SAMPLES)]) for row in rows):8d}  {name[:100]}")
     for name, header, rows in kernels:
         print(f"\n== {name[:100]}")
-        found = tables.get((name, len(rows)), [])
+        found = {tuple(lines) for lines in tables.get((name, len(rows)), [])}  # variants alike in size and lines: one
         if cubins and len(found) != 1:
-            print(f"({len(found)} cubins of this name and {len(rows)} instructions: no lines)")
-        report_kernel(header, rows, top, context, found[0] if len(found) == 1 else None)
+            print(f"({len(found)} line tables of this name and {len(rows)} instructions: no lines)")
+        report_kernel(header, rows, top, context, list(found.pop()) if len(found) == 1 else None)
 
 
 def report_kernel(header: list[str], rows: list[list[str]], top: int, context: int,
