@@ -115,3 +115,14 @@ def reference(op, *args):
     """``op(*args)`` under the reference backend (the oracle on the same device)."""
     with backend.forced("reference"):
         return op(*args)
+
+
+def deliver_staged(staging, received, part, block, owners):
+    """The K-part exchange's CPU models, DecodeGemm.send: each staged block of an owner below
+    ``owners`` (ours aside) whole into that owner's receive buffer at our ``part`` (``block``
+    words a block; ``staging`` and ``received`` map words to values)."""
+    for owner in range(owners):
+        if owner != part:
+            for word in range(owner * block, (owner + 1) * block):
+                if word in staging:
+                    received[owner][part * block + word - owner * block] = staging[word]

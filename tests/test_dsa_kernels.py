@@ -27,7 +27,7 @@ from kimi_ops.testing import composite  # noqa: E402
 from benchmarks import bench_dsa as bench  # noqa: E402  (its inputs and eps)
 from kimi_ops.ops import dsa as dsa_op  # noqa: E402
 
-from conftest import KERNEL_BATCHES, bf16_ulps, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, bf16_ulps, deliver_staged, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
@@ -110,11 +110,7 @@ def test_by_token_exchange_sums_every_part_once_in_order(tokens):
                             assert word + e not in target
                             target[word + e] = float(sums[part, row, token + e])
         assert all(word < plan.receivers * block for word in staging)  # nothing staged for the others
-        for owner in range(plan.receivers):
-            if owner != part:
-                for word in range(owner * block, (owner + 1) * block):
-                    if word in staging:
-                        received[owner][part * block + word - owner * block] = staging[word]
+        deliver_staged(staging, received, part, block, plan.receivers)
     assert plan.receivers == (2 if tokens == 8 else plan.split)  # 8 tokens: 4 an owner, the third owns none
     seen = set()
     for owner in range(plan.split):

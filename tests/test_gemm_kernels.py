@@ -22,7 +22,7 @@ from kimi_ops.mailbox import SENTINEL, canonical  # noqa: E402
 from kimi_ops.ops import oproj as oproj_ops  # noqa: E402
 from benchmarks import bench_projection as bench  # noqa: E402  (the variants it times compile)
 
-from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
+from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, deliver_staged, on_hopper, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("dirty_shared_memory")  # kernels must not read stale shared memory
 
@@ -288,11 +288,7 @@ def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens
                             assert word + e not in target
                             target[word + e] = float(sums[part, row, 8 * j + 2 * t + e])
                         assert k + 1 < tiles * n
-        for owner in range(split):
-            if owner != part:
-                for word in range(owner * block, (owner + 1) * block):
-                    if word in staging:
-                        received[owner][part * block + word - owner * block] = staging[word]
+        deliver_staged(staging, received, part, block, split)
     for owner in range(split):
         for index in range(plan.owned):
             for token in range(tokens):

@@ -484,7 +484,6 @@ class DecodeGemm:
         n = plan.tokens // 2
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
-        staged = plan.receive_bytes // 4  # the staging's first word
         # every warp's wgmmas are done (a warp's wait_group covers its own), then the ring is ours
         cute.arch.barrier(barrier_id=1, number_of_threads=32 * CONSUMER_WARPS)
         for tile in cutlass.range_constexpr(plan.tiles):
@@ -500,7 +499,7 @@ class DecodeGemm:
                         owner = row // plan.owned
                         word = plan.receive_word(owner, row - owner * plan.owned, token)
                     if owner != part:
-                        word = word + staged
+                        word = word + plan.staging_word
                     store_shared_floats(receive + word, [acc[k], acc[k + 1]])
         if cutlass.const_expr(plan.split > 1):
             cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then the bulk copies' reads
@@ -517,7 +516,7 @@ class DecodeGemm:
                 block = plan.block_bytes // 4
                 for q in cutlass.range_constexpr(plan.receivers):
                     if q != part:
-                        copy_to_peer(receive + part * block, receive + plan.receive_bytes // 4 + q * block,
+                        copy_to_peer(receive + part * block, receive + plan.staging_word + q * block,
                                      Int32(plan.block_bytes), received, group + q)
 
     @cute.jit

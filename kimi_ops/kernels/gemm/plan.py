@@ -160,6 +160,7 @@ class GemmPlan:
         # the parts that own rows (tokens): an uneven plan's or a small batch's last parts own none
         self.receivers = min(self.split, -(-tokens // self.per_owner) if by_token else -(-self.rows // self.owned))
         self.receive_bytes = self.split * self.block_bytes  # [part][owned row][token], over the ring
+        self.staging_word = self.receive_bytes // 4  # the staging's first FP32 word: after the receive buffer
         # a K split's staging after it, [owner][owned row][token]: the blocks that go to the peers
         self.ring_bytes = max(self.depth * stage, self.receive_bytes * (2 if self.split > 1 else 1))
         if self.ring_bytes + 2048 + reserve > SMEM_BYTES:
