@@ -70,36 +70,45 @@ def opcode(source: str) -> str:
 def line_tables(folder: str) -> dict[tuple[str, int], list[list[str]]]:
     """(kernel name, instructions) → each instruction's "file:line" (kimi_ops-relative), one
     list per cubin with that name and size under ``folder``."""
+    tables = {}
+    for path in sorted(pathlib.Path(folder).rglob("*.cubin")):
+        found = cubin_lines(path)
+        if found:
+            name, lines = found
+            tables.setdefault((name, len(lines)), []).append(lines)
+    return tables
+
+
+def cubin_lines(path) -> tuple[str, list[str]] | None:
+    """A one-kernel cubin's kernel name and each instruction's "file:line" (None without a
+    line table). A cubin has .debug_line but no .debug_info, so pyelftools' public path (by
+    compilation unit) finds nothing: its line programs are read at their offsets."""
     from elftools.dwarf.structs import DWARFStructs
     from elftools.elf.elffile import ELFFile
 
-    tables = {}
-    for path in sorted(pathlib.Path(folder).rglob("*.cubin")):
-        with open(path, "rb") as f:
-            elf = ELFFile(f)
-            texts = [section for section in elf.iter_sections() if section.name.startswith(".text.")]
-            dwarf = elf.get_dwarf_info(relocate_dwarf_sections=False)
-            if len(texts) != 1 or dwarf.debug_line_sec is None:
-                continue
-            count = texts[0]["sh_size"] // INSTRUCTION_BYTES
-            lines = [""] * count
-            data, offset = dwarf.debug_line_sec.stream.getvalue(), 0
-            while offset < dwarf.debug_line_sec.size:  # a line program a unit (DWARF 32-bit)
-                version = int.from_bytes(data[offset + 4:offset + 6], "little")
-                program = dwarf._parse_line_program_at_offset(
-                    offset, DWARFStructs(little_endian=True, dwarf_format=32, address_size=8, dwarf_version=version))
-                directories = [d.decode() for d in program["include_directory"]]
-                files = [f"{directories[e.dir_index - 1]}/{e.name.decode()}" if e.dir_index else e.name.decode()
-                         for e in program["file_entry"]]
-                states = [e.state for e in program.get_entries() if e.state is not None]
-                for state, following in zip(states, states[1:]):  # a state holds until the next one's address
-                    name = files[state.file - 1].split("kimi_ops/", 1)[-1]
-                    for index in range(state.address // INSTRUCTION_BYTES,
-                                       min(following.address // INSTRUCTION_BYTES, count)):
-                        lines[index] = f"{name}:{state.line}"
-                offset += program.header["unit_length"] + 4
-            tables.setdefault((texts[0].name.removeprefix(".text."), count), []).append(lines)
-    return tables
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        texts = [section for section in elf.iter_sections() if section.name.startswith(".text.")]
+        dwarf = elf.get_dwarf_info(relocate_dwarf_sections=False)
+        if len(texts) != 1 or dwarf.debug_line_sec is None:
+            return None
+        lines = [""] * (texts[0]["sh_size"] // INSTRUCTION_BYTES)
+        data, offset = dwarf.debug_line_sec.stream.getvalue(), 0
+        while offset < dwarf.debug_line_sec.size:  # a line program a unit (DWARF 32-bit)
+            version = int.from_bytes(data[offset + 4:offset + 6], "little")
+            program = dwarf._parse_line_program_at_offset(
+                offset, DWARFStructs(little_endian=True, dwarf_format=32, address_size=8, dwarf_version=version))
+            directories = [d.decode() for d in program["include_directory"]]
+            files = [f"{directories[e.dir_index - 1]}/{e.name.decode()}" if e.dir_index else e.name.decode()
+                     for e in program["file_entry"]]
+            states = [e.state for e in program.get_entries() if e.state is not None]
+            for state, following in zip(states, states[1:]):  # a state holds until the next one's address
+                name = files[state.file - 1].split("kimi_ops/", 1)[-1]
+                for index in range(state.address // INSTRUCTION_BYTES,
+                                   min(following.address // INSTRUCTION_BYTES, len(lines))):
+                    lines[index] = f"{name}:{state.line}"
+            offset += program.header["unit_length"] + 4
+        return texts[0].name.removeprefix(".text."), lines
 
 
 def report(path: str, top: int, context: int, kernel: str = "", cubins: str = "") -> None:
