@@ -7,9 +7,9 @@ the clusters of C CTAs the plan expects to need, all resident at once (plan.grid
 one a pair the rank expects, up to the SMs); cluster c serves items c, c + clusters, … in
 turn, so each routed expert's weights are read once a step per T of its tokens, a popular
 expert's tokens spread over clusters, a routing heavier than expected runs more items a
-cluster rather than more waves, and no CTA is spent on a pair it does not serve (the
-pair grid before it launched B·16 CTAs, most of them only to write a zero row, another
-rank's pair, or to end, a pair of an expert another CTA served: benchmarks/NOTES.md). Every CTA writes its share of those zero rows (pairs c, c + clusters,
+cluster rather than more waves, and no CTA is spent on another rank's pair (the pair grid
+before it launched B·16 CTAs, ~7/8 of them at a TP8 rank only to write a zero row or end:
+benchmarks/NOTES.md). Every CTA writes its share of those zero rows (pairs c, c + clusters,
 …: another rank's expert or an id outside [0, E)), each CTA of a cluster its slice. CTA r
 of a cluster takes 1/C of L (:func:`cluster_size`): gate/up columns [r·L/C, (r+1)·L/C)
 and the same down rows, so a token's FP64 sums and the expert's bytes spread over C SMs
@@ -37,16 +37,16 @@ token, are stored times 2^896 (packets.wide_operand), so each product is the exa
 
 A group of P = L/(8C) threads takes a chunk, P a CTA's packets of a row (rounded up to
 whole warps: the butterflies need every lane); with the whole slice in flight G groups take
-chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 4 rows of
-the slice: thread t < P takes row t % 4 and packets t // 4 + (P/4)·j (j < 4), rows padded
-by 2 packets in the slot (conflict-free reads). A down chunk is 4L/(C·I) rows of the
-slice: thread t takes the 32/I rows t·32/I … (4 packets). An item's first ring of chunks
-is issued at its start, or, with a ring shorter than the stream, by the last item's final
-slots once read (the ring's chunks are numbered across the CTA's items, so its barriers'
-phases carry on and its stream does not drain between items); the item then finds its
-tokens (masks, then warp 0's ballots list the item's tokens in order) and widens their
-latent slices into shared memory once, each packet's pairs beside the warp's other
-packets' (conflict-free reads): every gate/up chunk reads them there, not from L2.
+chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
+packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflict-free
+reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
+(4 packets). An item's first ring of
+chunks is issued at its start, or, with a ring shorter than the stream, by the last item's
+final slots once read (the ring's chunks are numbered across the CTA's items, so its
+barriers' phases carry on and its stream does not drain between items); the item then finds its tokens (masks, then warp 0's ballots list the item's
+tokens in order) and widens their latent slices into shared memory once, each packet's
+pairs beside the warp's other packets' (conflict-free reads): every gate/up chunk reads
+them there, not from L2.
 
 ``counted`` (the decoder's routing beside the fused shared expert, runtime/prepared.py):
 the ids and latent are the route poll's, which counts its 2B CTAs into ``ready`` once
