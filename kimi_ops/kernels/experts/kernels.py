@@ -40,10 +40,9 @@ whole warps: the butterflies need every lane); with the whole slice in flight G 
 chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
 packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflict-free
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
-(4 packets). An item's first ring of
-chunks is issued at its start, or, with a ring shorter than the stream, by the last item's
-final slots once read (the ring's chunks are numbered across the CTA's items, so its
-barriers' phases carry on and its stream does not drain between items); the item then finds its tokens (masks, then warp 0's ballots list the item's
+(4 packets). An item first issues the
+ring's first chunks (the ring's chunks numbered across the CTA's items, so its barriers'
+phases carry on), then finds its tokens (masks, then warp 0's ballots list the item's
 tokens in order) and widens their latent slices into shared memory once, each packet's
 pairs beside the warp's other packets' (conflict-free reads): every gate/up chunk reads
 them there, not from L2.
@@ -173,16 +172,10 @@ class RoutedExperts:
         self.zero_rows(out, space.others, batch, index, clusters, part, tid)
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # the relaxed arrive's
-        base, ours = rank * per_rank, (items - index + clusters - 1) // clusters
-        for served in cutlass.range(ours, unroll=1):
-            item = index + served * clusters
-            expert, nth = item_of(space.ends, per_rank, item)
-            following = Int32(-1)  # the next item's expert, where this item's last slots issue its first chunks
-            if cutlass.const_expr(self.depth < self.chunks):
-                if served + 1 < ours:
-                    following = base + item_of(space.ends, per_rank, item + clusters)[0]
-            self.serve(latent, ids, gate_up, down, out, batch, base + expert, nth, following, served, part, tid,
-                       space)
+        for served in cutlass.range((items - index + clusters - 1) // clusters, unroll=1):
+            expert, group = item_of(space.ends, per_rank, index + served * clusters)
+            self.serve(latent, ids, gate_up, down, out, batch, rank * per_rank + expert, group,
+                       served, part, tid, space)
 
     @cute.jit
     def list_items(self, ids, batch, base, per_rank, space, tid) -> Int32:
@@ -248,21 +241,15 @@ class RoutedExperts:
                             [Uint32(0)] * 4)
 
     @cute.jit
-    def serve(self, latent, ids, gate_up, down, out, batch, expert, nth, following, served, part, tid, space):
-        """Item ``nth`` of ``expert``: its tokens T·nth … (in token order; their masks: which
-        of a token's 16 slots hold it), the cluster's ``served``-th item: our slice's stream,
-        steps 1-3. With a ring shorter than the stream, its last slots, once read, take the
-        first chunks of the next item (of expert ``following``, −1: none), so the CTA's
-        stream runs on across its items."""
+    def serve(self, latent, ids, gate_up, down, out, batch, expert, group, served, part, tid, space):
+        """Item ``group`` of ``expert``: its tokens T·group … (in token order; their masks:
+        which of a token's 16 slots hold it), the cluster's ``served``-th item: our slice's
+        stream, steps 1-3."""
         ring, full, xs, parts, received, hidden, acts, masks, matched = space[:9]
         policy = l2_evict_first()
         first = served * self.chunks  # the item's first chunk in the ring's sequence
         cute.arch.sync_threads()  # the last item read its slots, masks, matched and stash
-        issues_ring = Int32(1)
-        if cutlass.const_expr(self.depth < self.chunks):
-            if served > 0:
-                issues_ring = Int32(0)  # the last item's slots issued them
-        if (tid == 0) & (issues_ring != 0):  # the first ring of chunks at once
+        if tid == 0:  # the first ring of chunks at once
             for i in cutlass.range_constexpr(self.depth):
                 slot = (first + i) % self.depth
                 self.issue(gate_up, down, expert, part, i, ring + slot * self.slot_words, full + slot, policy)
@@ -278,12 +265,12 @@ class RoutedExperts:
                     if masks[b] != 0:
                         hit = Int32(1)
                 ballot = cute.arch.vote_ballot_sync(hit != 0)
-                n = count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1))) - nth * self.tokens
+                n = count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1))) - group * self.tokens
                 if (hit != 0) & (n >= 0) & (n < self.tokens):
                     matched[1 + n] = b
                 count = count + cute.arch.popc(ballot)
             if tid == 0:
-                matched[0] = clamp(count - nth * self.tokens, Int32(self.tokens))
+                matched[0] = clamp(count - group * self.tokens, Int32(self.tokens))
         cute.arch.sync_threads()
         self.stash_latent(latent, xs, matched, part, tid)  # every gate/up chunk reads them
         group, local = tid // self.group_threads, tid % self.group_threads
@@ -302,9 +289,6 @@ class RoutedExperts:
                 if tid == 0:
                     if chunk + self.depth < self.chunks:
                         self.issue(gate_up, down, expert, part, chunk + self.depth, words, full + slot, policy)
-                    elif following >= 0:
-                        self.issue(gate_up, down, following, part, chunk + self.depth - self.chunks, words,
-                                   full + slot, policy)
             elif last_gate:
                 cute.arch.sync_threads()  # the whole slice in flight: only the partials need one
             if last_gate:
