@@ -6,8 +6,6 @@ repeated experts across tokens (past one wave a cluster serves TOKENS of an expe
 outside [0, E), −0 and NaN latent rows, extreme finite weights and latent values; it replays
 from a CUDA graph."""
 
-import collections
-
 import pytest
 import torch
 
@@ -106,65 +104,6 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
             sizes = [c for c in range(1, 9) if (latent // 8) % (experts_plan.GATE_ROWS * c) == 0]
             fits = 6 * intermediate * latent // cluster <= experts_plan.SLICE_BYTES
             assert cluster in sizes and (fits or cluster == max(sizes))  # the most where none fits
-
-
-def items_model(ids, base, per_rank, tokens, threads):
-    """RoutedExperts.list_items and item_of in Python, as the kernel computes them: the
-    counts (a token once an expert), the scan by runs of experts a thread and warps in order,
-    then each item's expert and group by the binary search's steps."""
-    counts = [0] * per_rank
-    for row in ids:
-        for k, e in enumerate(row):
-            if base <= e < base + per_rank and e not in row[:k]:
-                counts[e - base] += 1
-    run = -(-per_rank // threads)
-    owns = [sum(-(-counts[e] // tokens) for e in range(t * run, min((t + 1) * run, per_rank)))
-            for t in range(threads)]
-    ends, running = [0] * per_rank, 0
-    for e in range(per_rank):
-        running += -(-counts[e] // tokens)
-        ends[e] = running
-    assert sum(owns) == running
-
-    def item_of(item):
-        low, high = 0, per_rank
-        for _ in range(experts_plan.MAX_EXPERTS.bit_length()):
-            if low < high:
-                middle = (low + high) // 2
-                low, high = (low, middle) if ends[middle] > item else (middle + 1, high)
-        return low, item - (ends[low - 1] if low else 0)
-
-    return running, item_of
-
-
-@pytest.mark.parametrize("experts, tp, batch", [(112, 1, 64), (896, 1, 64), (64, 8, 256), (1024, 1, 8), (16, 1, 256)])
-def test_items_serve_every_pair_of_ours_once(experts, tp, batch):
-    """The item list (kernels.RoutedExperts.list_items, item_of and serve's matched tokens)
-    in a CPU model: over the grid's clusters, every (token, slot) of this rank's experts is
-    written once by its expert's item, every other pair is a zero row once; repeated ids
-    in a token, ids outside [0, E), and experts with more tokens than T·clusters."""
-    gen = torch.Generator().manual_seed(experts + batch)
-    ids = torch.randint(-2, experts + 2, (batch, 16), generator=gen)
-    ids[:, 1] = ids[:, 0]  # a repeated id
-    ids[: batch // 2, 2] = 3  # a popular expert
-    ids = ids.tolist()
-    per_rank = experts // tp
-    for rank in {0, tp - 1}:
-        base = rank * per_rank
-        for tokens in (1, experts_plan.TOKENS):
-            items, item_of = items_model(ids, base, per_rank, tokens, threads=256)
-            written = collections.Counter()
-            for item in range(items):
-                expert, group = item_of(item)
-                holders = [b for b in range(batch) if base + expert in ids[b]]
-                mine = holders[group * tokens:(group + 1) * tokens]
-                assert mine, "an item with no token"
-                written.update((b, k) for b in mine for k in range(16) if ids[b][k] == base + expert)
-            for clusters in (7, 264):  # zero_rows: cluster c's pairs c, c + clusters, …
-                zeros = collections.Counter(divmod(pair, 16) for c in range(clusters)
-                                            for pair in range(c, batch * 16, clusters)
-                                            if not base <= ids[pair // 16][pair % 16] < base + per_rank)
-                assert written + zeros == collections.Counter({(b, k): 1 for b in range(batch) for k in range(16)})
 
 
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
