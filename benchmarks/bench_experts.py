@@ -55,7 +55,7 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), composite
                 launch = experts.compile_routed_experts(*key)  # the adapter's cache key
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, unused, error, batch, 0,
-                    count, experts_plan.grid_clusters(batch, cluster, per_sm, 0)), routings), calls=CALLS))
+                    count, count, int(experts_plan.one_wave(batch, cluster, 0, 1))), routings), calls=CALLS))
             if composites:
                 for form in (composite, compiled):
                     times.append(graph_us(rotating(lambda ids: form(

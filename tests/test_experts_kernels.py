@@ -59,21 +59,19 @@ def test_cluster_size(monkeypatch):
     assert [experts_plan.cluster_for(3584, 16, batch, 0) for batch in (1, 2, 3, 8)] == [4, 4, 1, 1]
     assert [experts_plan.cluster_for(3584, 16, batch, 0, 8) for batch in (1, 16, 17, 64)] == [4, 4, 1, 1]
     assert [experts_plan.cluster_for(512, 16, batch, 0) for batch in (1, 8)] == [1, 1]
-    # the grid: a cluster a pair the rank expects (B·16/TP), up to those the SMs hold at once
-    assert [experts_plan.call_plan(3584, 16, b, 0).clusters for b in (1, 2, 8, 9, 16, 17, 64)] == \
-        [16, 32, 128, 144, 256, 132, 132]
-    assert [experts_plan.call_plan(512, 16, b, 0, 8).clusters for b in (1, 8, 64, 66, 67, 133)] == \
-        [2, 16, 128, 132, 134, 264]
+    # dependents released at entry while the pairs served are one wave
+    assert [experts_plan.call_plan(3584, 16, b, 0).wave for b in (1, 2, 8, 9)] == [True, True, True, False]
+    assert [experts_plan.call_plan(512, 16, b, 0, 8).wave for b in (64, 66, 67)] == [True, True, False]
     # in one wave a CTA an SM serving one token; while the pairs fit two an SM, two serving
     # one token each; past that two an SM serving up to TOKENS (kimi_k3's FP64 latent slices
     # at T = 4 take one an SM)
-    one, shared = (1, 1), (experts_plan.PAST_WAVE_PER_SM, 1)
-    past = (1, experts_plan.TOKENS)
+    one, shared = (1, 1, True), (experts_plan.PAST_WAVE_PER_SM, 1, False)
+    past = (1, experts_plan.TOKENS, False)
     plans = [experts_plan.call_plan(3584, 16, b, 0) for b in (1, 2, 3, 8, 9, 16, 17, 64)]
     assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1, 1, 1]
-    assert [p[1:3] for p in plans] == [one, one, one, one, shared, shared, past, past]
-    past = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS)
-    assert [experts_plan.call_plan(512, 16, b, 0, 8)[1:3] for b in (66, 67, 132, 133)] == [one, shared, shared, past]
+    assert [p[1:] for p in plans] == [one, one, one, one, shared, shared, past, past]
+    past = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False)
+    assert [experts_plan.call_plan(512, 16, b, 0, 8)[1:] for b in (66, 67, 132, 133)] == [one, shared, shared, past]
 
 
 def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
@@ -152,7 +150,7 @@ def test_launcher_takes_the_adapters_arguments():
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
                cuda((count * latent, intermediate)), cuda((batch * 16, latent)), cuda((2,), "i64"), cuda((1,), "i32"),
-               batch, 0, count, 16)
+               batch, 0, count, count, 0)
 
 
 def args_of(batch, shape, seed, device="cuda"):

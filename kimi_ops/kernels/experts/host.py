@@ -34,7 +34,7 @@ def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm:
         RoutedExperts(latent, intermediate, cluster, per_sm, tokens, counted), fake(BFloat16, (batch, latent)),
         fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
         fake(BFloat16, (rows, latent)), fake(Int64, (2,), align=8), fake(Int32, (1,), align=4), Int32(1), Int32(0),
-        Int32(1), Int32(1), fake_stream(), options=compile_options(),
+        Int32(1), Int32(1), Int32(0), fake_stream(), options=compile_options(),
     )
 
 
@@ -99,7 +99,7 @@ class RoutedExpertsKernel:
                 ready, error = placeholder(ids, torch.int64, elements=2), placeholder(ids, torch.int32)
             experts_variant(width, intermediate, batch, *plan.variant, self.counted).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width),
-                ready, error, batch, rank, experts // tp, plan.clusters)
+                ready, error, batch, rank, experts // tp, experts, int(plan.wave))
         return out
 
 

@@ -1,21 +1,18 @@
 """The routed experts' stand-in on Hopper (``kimi::routed_experts``; not a seed kernel).
 
-The work is a list of items, built alike in every CTA once the ids are in (no sort, no
-gather): item (e, g) is expert e of this rank with its tokens g·T … g·T + T − 1 (in token
-order; a token with e in several slots once; T: ``tokens``), experts in order. The grid is
-the clusters of C CTAs the plan expects to need, all resident at once (plan.grid_clusters:
-one a pair the rank expects, up to the SMs); cluster c serves items c, c + clusters, … in
-turn, so each routed expert's weights are read once a step per T of its tokens, a popular
-expert's tokens spread over clusters, a routing heavier than expected runs more items a
-cluster rather than more waves, and no CTA is spent on another rank's pair (the pair grid
-before it launched B·16 CTAs, ~7/8 of them at a TP8 rank only to write a zero row or end:
-benchmarks/NOTES.md). Every CTA writes its share of those zero rows (pairs c, c + clusters,
-…: another rank's expert or an id outside [0, E)), each CTA of a cluster its slice. CTA r
-of a cluster takes 1/C of L (:func:`cluster_size`): gate/up columns [r·L/C, (r+1)·L/C)
-and the same down rows, so a token's FP64 sums and the expert's bytes spread over C SMs
-while the SMs would otherwise idle (:func:`cluster_for`: B ≤ 2 at L = 3584), and a CTA
-takes the whole expert (C = 1) past that; the gate/up partial sums meet over DSMEM, added
-in rank order in every CTA (the same bits in each). A CTA streams its slice of the
+One cluster of C CTAs a (token, expert) pair: the grid is B·16·C CTAs, which the hardware
+hands to SMs as others end (a balanced schedule, no persistent loop). For pair (b, k),
+expert e = ids[b, k]: if e is this rank's, k is e's first slot in token b, and b is e's
+token number 0, T, 2·T, … (token-major; the CTA's threads count the tokens before it
+that hold e; T: ``tokens``), the cluster serves e for that token and the next T − 1
+routed to it; any other pair of e ends at once. So each routed expert's weights are read
+once a step per T of its tokens, with no gather and no sort, and a popular expert's
+tokens spread over clusters. CTA r of a cluster takes 1/C of L (:func:`cluster_size`):
+gate/up columns [r·L/C, (r+1)·L/C) and the same down rows, so a token's FP64 sums and the
+expert's bytes spread over C SMs while the SMs would otherwise idle (:func:`cluster_for`:
+B ≤ 2 at L = 3584), and a CTA takes the whole expert (C = 1) past that; the gate/up partial sums meet
+over DSMEM, added in rank order in every CTA (the same bits in each). A pair of another
+rank's expert (or an id outside [0, E)) gets a zero row, each CTA its slice. A CTA streams its slice of the
 expert (2I rows of L/C gate/up values, L/C down rows of I) by bulk copies (TMA, no tensor
 map) through a ring of chunks of 8·L/C bytes, the whole slice in flight where shared
 memory allows (the version with plain loads kept few in flight: benchmarks/NOTES.md).
@@ -40,12 +37,11 @@ whole warps: the butterflies need every lane); with the whole slice in flight G 
 chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
 packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflict-free
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
-(4 packets). An item first issues the
-ring's first chunks (the ring's chunks numbered across the CTA's items, so its barriers'
-phases carry on), then finds its tokens (masks, then warp 0's ballots list the item's
-tokens in order) and widens their latent slices into shared memory once, each packet's
-pairs beside the warp's other packets' (conflict-free reads): every gate/up chunk reads
-them there, not from L2.
+(4 packets). The serve first issues the
+ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
+tokens in order, up to T; at T = 1 its own token alone) and widens their latent slices into
+shared memory once, each packet's pairs beside the warp's other packets' (conflict-free
+reads): every gate/up chunk reads them there, not from L2.
 
 ``counted`` (the decoder's routing beside the fused shared expert, runtime/prepared.py):
 the ids and latent are the route poll's, which counts its 2B CTAs into ``ready`` once
@@ -60,7 +56,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from ...config import MAX_EXPERTS, TOP_K
+from ...config import TOP_K
 from ...mailbox import EXPERTS_READY
 from ..launch import PDL
 from ..mailbox import await_arrivals
@@ -139,144 +135,147 @@ class RoutedExperts:
     @cute.jit
     def __call__(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
                  out: cute.Tensor, ready: cute.Tensor, error: cute.Tensor, batch: Int32, rank: Int32,
-                 per_rank: Int32, clusters: Int32, stream):
+                 per_rank: Int32, experts: Int32, wave: Int32, stream):
         """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]; ``ready``
-        [2] and ``error`` [1] (``counted`` only); ``clusters``: the grid's clusters
-        (:attr:`~.plan.CallPlan.clusters`, all resident at once)."""
-        self.kernel(latent, ids, gate_up, down, out, ready, error, batch, rank, per_rank, clusters).launch(
-            grid=[clusters * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
+        [2] and ``error`` [1] (``counted`` only); ``wave``: 1 where the pairs served are one
+        wave (:attr:`~.plan.CallPlan.wave`)."""
+        self.kernel(latent, ids, gate_up, down, out, ready, error, batch, rank, per_rank, experts, wave).launch(
+            grid=[batch * TOP_K * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
             stream=stream, use_pdl=PDL, **shares_sm(self.per_sm))
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
                out: cute.Tensor, ready: cute.Tensor, error: cute.Tensor, batch: Int32, rank: Int32,
-               per_rank: Int32, clusters: Int32):
+               per_rank: Int32, experts: Int32, wave: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        index, part = cta // self.cluster, cta % self.cluster
-        # The grid is one wave (plan.call_plan): a dependent launched now shares the SMs only
-        # with our CTAs, and streams its weights beside our latency-bound items.
-        cute.arch.griddepcontrol_launch_dependents()
+        pair, part = cta // self.cluster, cta % self.cluster
+        if wave != 0:
+            # A dependent launches once every CTA of ours has released or ended: with the
+            # pairs served in one wave (the others end at once) that is at once, and it
+            # streams its weights beside our latency-bound CTAs.
+            cute.arch.griddepcontrol_launch_dependents()
         space = self.allocate()
+        full = space.full
         if tid == 0:
             for slot in cutlass.range_constexpr(self.depth):
-                cute.arch.mbarrier_init(space.full + slot, 1)
+                cute.arch.mbarrier_init(full + slot, 1)
             cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
         if cutlass.const_expr(self.counted):  # ids and latent: the routing's
-            await_arrivals(ready, Int64(2 * batch), clusters * self.cluster, error, EXPERTS_READY)
+            await_arrivals(ready, Int64(2 * batch), batch * TOP_K * self.cluster, error, EXPERTS_READY)
         else:
             cute.arch.griddepcontrol_wait()
-        items = self.list_items(ids, batch, rank * per_rank, per_rank, space, tid)
-        self.zero_rows(out, space.others, batch, index, clusters, part, tid)
+        served = self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid, space)
         if cutlass.const_expr(self.cluster > 1):
-            cute.arch.cluster_wait()  # the relaxed arrive's
-        for served in cutlass.range((items - index + clusters - 1) // clusters, unroll=1):
-            expert, group = item_of(space.ends, per_rank, index + served * clusters)
-            self.serve(latent, ids, gate_up, down, out, batch, rank * per_rank + expert, group,
-                       served, part, tid, space)
+            if served == 0:
+                cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
+        if wave == 0:
+            # At the end, not at entry (launch.py): kernels launched beside a grid of several
+            # waves shared the SMs of its last wave (3-5 µs slower at B <= 8, benchmarks/timeline.py).
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def list_items(self, ids, batch, base, per_rank, space, tid) -> Int32:
-        """The rank's items, alike in every CTA: ``ends[e]`` the items of experts 0 … e of
-        ours (expert ``base`` + e: ⌈its tokens / T⌉, a token with the expert in several
-        slots once), ``others[b]`` bit k where slot k of token b is another rank's expert
-        (or outside [0, E)); returns the item count. A thread a token (16 ids, 4 loads),
-        the counts by shared atomics, then the scan: a thread a run of experts, the warps
-        by shuffles, their totals in order."""
-        ends, others, runs = space.ends, space.others, space.runs
-        for e in cutlass.range(tid, per_rank, self.threads, unroll=1):
-            ends[e] = Int32(0)
-        cute.arch.sync_threads()
-        for b in cutlass.range(tid, batch, self.threads, unroll=1):
-            slots = [Int32(w) for q in range(TOP_K // 4) for w in load_words(ids.iterator + b * TOP_K + 4 * q)]
-            other = Int32(0)
-            for k in cutlass.range_constexpr(TOP_K):
-                if (slots[k] >= base) & (slots[k] < base + per_rank):
-                    repeated = Int32(0)  # an earlier slot holds it: the token counted there
-                    for j in cutlass.range_constexpr(k):
-                        repeated = repeated | Int32(slots[j] == slots[k])
-                    if repeated == 0:
-                        cute.arch.atomic_add(ends.iterator + (slots[k] - base), Int32(1))
-                else:
-                    other = other | Int32(1 << k)
-            others[b] = other
-        cute.arch.sync_threads()
-        run = (per_rank + self.threads - 1) // self.threads
-        own = Int32(0)
-        for i in cutlass.range(run, unroll=1):
-            if tid * run + i < per_rank:
-                own = own + (ends[tid * run + i] + (self.tokens - 1)) // self.tokens
+    def take(self, latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid, space) -> Int32:
+        """Pair ``pair``: its zero row, nothing (another pair of its expert serves it), or its
+        expert's service; 1 if it served. Every CTA of a cluster decides alike (the same
+        pair): all serve, or none."""
+        expert = self.expert_of(ids, pair, rank, per_rank, experts)
+        serves = Int32(0)
+        if expert < 0:
+            self.zero_row(out, pair, part, tid)
+        elif self.leads_its_tokens(ids, expert, pair, space.counts, tid) != 0:
+            self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space)
+            serves = Int32(1)
+        return serves
+
+    @cute.jit
+    def expert_of(self, ids, pair, rank, per_rank, experts) -> Int32:
+        """The pair's expert where this rank serves it, else −1 (another rank's, or an id
+        outside [0, E))."""
+        expert = ids[pair]
+        mine = Int32(-1)
+        if expert >= 0:
+            if expert < experts:
+                if expert // per_rank == rank:
+                    mine = expert
+        return mine
+
+    @cute.jit
+    def zero_row(self, out, pair, part, tid):
+        """The zero row of a pair no expert of ours serves: our slice of it."""
+        if tid < self.packets:
+            store_words(out.iterator + pair * self.latent + part * self.slice + 8 * tid, [Uint32(0)] * 4)
+
+    @cute.jit
+    def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:
+        """1 if slot k of token b (``pair``) is ``expert``'s first in b and the tokens before b
+        that hold it are a multiple of T: the CTA's warps count them by ballots (the
+        barrier before the warps' sum also publishes the ring's initialized barriers)."""
+        token, slot = pair // TOP_K, pair % TOP_K
         warp, lane = tid // 32, tid % 32
-        inclusive = own
-        for shift in cutlass.range_constexpr(5):
-            before = cute.arch.shuffle_sync_up(inclusive, 1 << shift)
-            if lane >= (1 << shift):
-                inclusive = inclusive + before
-        if lane == 31:
-            runs[warp] = inclusive
+        total = Int32(0)  # the tokens before ours that hold the expert (T = 1: every token leads)
+        if cutlass.const_expr(self.tokens > 1):
+            before = Int32(0)  # lane 0's running count of the warp's tokens
+            for base in cutlass.range(0, token, self.threads, unroll=1):
+                b = base + tid
+                hit = Int32(0)
+                if b < token:
+                    if slot_mask(ids, b, expert) != 0:
+                        hit = Int32(1)
+                before = before + cute.arch.popc(cute.arch.vote_ballot_sync(hit != 0))
+            if lane == 0:
+                counts[warp] = before
+        # an earlier slot of the token holds the expert (a repeated id)
+        earlier = slot_mask(ids, token, expert) & ((Int32(1) << slot) - Int32(1))
         cute.arch.sync_threads()
-        total, running = Int32(0), inclusive - own
-        for w in cutlass.range_constexpr(self.warps):
-            if w < warp:
-                running = running + runs[w]
-            total = total + runs[w]
-        for i in cutlass.range(run, unroll=1):
-            if tid * run + i < per_rank:
-                running = running + (ends[tid * run + i] + (self.tokens - 1)) // self.tokens
-                ends[tid * run + i] = running
-        cute.arch.sync_threads()
-        return total
+        if cutlass.const_expr(self.tokens > 1):
+            for w in cutlass.range_constexpr(self.warps):
+                total = total + counts[w]
+        leads = Int32(0)
+        if (earlier == 0) & (total % self.tokens == 0):
+            leads = Int32(1)
+        return leads
 
     @cute.jit
-    def zero_rows(self, out, others, batch, index, clusters, part, tid):
-        """Our slice of the zero rows of pairs index, index + clusters, … that no expert of
-        ours serves."""
-        rows = (batch * TOP_K - index + clusters - 1) // clusters
-        for item in cutlass.range(tid, rows * self.packets, self.threads, unroll=1):
-            pair = index + (item // self.packets) * clusters
-            if ((others[pair // TOP_K] >> (pair % TOP_K)) & Int32(1)) != 0:
-                store_words(out.iterator + pair * self.latent + part * self.slice + 8 * (item % self.packets),
-                            [Uint32(0)] * 4)
-
-    @cute.jit
-    def serve(self, latent, ids, gate_up, down, out, batch, expert, group, served, part, tid, space):
-        """Item ``group`` of ``expert``: its tokens T·group … (in token order; their masks:
-        which of a token's 16 slots hold it), the cluster's ``served``-th item: our slice's
-        stream, steps 1-3."""
-        ring, full, xs, parts, received, hidden, acts, masks, matched = space[:9]
+    def serve(self, latent, ids, gate_up, down, out, batch, expert, token, part, tid, space):
+        """``token`` and the next T − 1 tokens routed to ``expert`` (their masks: which
+        of a token's 16 slots hold it): our slice's stream, steps 1-3."""
+        ring, full, xs, parts, received, hidden, acts, masks, matched, _ = space
         policy = l2_evict_first()
-        first = served * self.chunks  # the item's first chunk in the ring's sequence
-        cute.arch.sync_threads()  # the last item read its slots, masks, matched and stash
         if tid == 0:  # the first ring of chunks at once
             for i in cutlass.range_constexpr(self.depth):
-                slot = (first + i) % self.depth
-                self.issue(gate_up, down, expert, part, i, ring + slot * self.slot_words, full + slot, policy)
-        for b in cutlass.range(tid, batch, self.threads, unroll=1):
-            masks[b] = slot_mask(ids, b, expert)
-        cute.arch.sync_threads()  # the masks
-        if tid < 32:  # the item's tokens in order: matched[0] their count (up to T), matched[1 + n] the n-th
-            count = Int32(0)  # the expert's tokens before this round of 32
-            for start in cutlass.range(0, batch, 32, unroll=1):
-                b = start + tid
-                hit = Int32(0)
-                if b < batch:
-                    if masks[b] != 0:
-                        hit = Int32(1)
-                ballot = cute.arch.vote_ballot_sync(hit != 0)
-                n = count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1))) - group * self.tokens
-                if (hit != 0) & (n >= 0) & (n < self.tokens):
-                    matched[1 + n] = b
-                count = count + cute.arch.popc(ballot)
+                self.issue(gate_up, down, expert, part, i, ring + i * self.slot_words, full + i, policy)
+        if cutlass.const_expr(self.tokens == 1):  # our token alone: no scan of the later ones
             if tid == 0:
-                matched[0] = clamp(count - group * self.tokens, Int32(self.tokens))
+                masks[token] = slot_mask(ids, token, expert)
+                matched[0] = Int32(1)
+                matched[1] = token
+        else:
+            for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
+                masks[b] = slot_mask(ids, b, expert)
+            cute.arch.sync_threads()  # the masks
+            if tid < 32:  # the matched tokens in order: matched[0] their count (up to T), matched[1 + n] the n-th
+                count = Int32(0)
+                for start in cutlass.range(token, batch, 32, unroll=1):
+                    b = start + tid
+                    hit = Int32(0)
+                    if b < batch:
+                        if masks[b] != 0:
+                            hit = Int32(1)
+                    ballot = cute.arch.vote_ballot_sync(hit != 0)
+                    if hit != 0:
+                        matched[1 + count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1)))] = b
+                    count = count + cute.arch.popc(ballot)
+                if tid == 0:
+                    matched[0] = clamp(count, Int32(self.tokens))
         cute.arch.sync_threads()
         self.stash_latent(latent, xs, matched, part, tid)  # every gate/up chunk reads them
         group, local = tid // self.group_threads, tid % self.group_threads
         for chunk in cutlass.range(group, self.chunks, self.groups, unroll=1):
-            slot = (first + chunk) % self.depth
-            cute.arch.mbarrier_wait(full + slot, ((first + chunk) // self.depth) % 2)
+            slot = chunk % self.depth
+            cute.arch.mbarrier_wait(full + slot, (chunk // self.depth) % 2)
             words = ring + slot * self.slot_words
             if chunk < self.gate_chunks:
                 self.gate_chunk(xs, words, parts, matched, chunk, local)
@@ -292,7 +291,7 @@ class RoutedExperts:
             elif last_gate:
                 cute.arch.sync_threads()  # the whole slice in flight: only the partials need one
             if last_gate:
-                self.activate(parts, received, hidden, acts, served % 2, part, tid)
+                self.activate(parts, received, hidden, acts, part, tid)
 
     @cute.jit
     def issue(self, gate_up, down, expert, part, chunk, words, barrier, policy: Int64):
@@ -348,21 +347,21 @@ class RoutedExperts:
                     parts[n, chunk * GATE_ROWS + r, tid // 32] = total
 
     @cute.jit
-    def activate(self, parts, received, hidden, acts, parity, part, tid):
+    def activate(self, parts, received, hidden, acts, part, tid):
         """Steps 1-2's ends for the T token slots (unused slots: values never stored):
         our slice's sums (the warps in order) to every CTA of the cluster, their sum in rank
-        order. ``parity``: the item's half of ``received`` (a CTA a cluster barrier ahead may
-        send its next item's sums while we read these)."""
+        order."""
         double = 2 * self.intermediate
-        first = parity * (self.tokens * double if self.cluster > 1 else 0)
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()  # every CTA of the cluster has started (the relaxed arrive)
         for item in cutlass.range(tid, self.tokens * double, self.threads, unroll=1):
             total = Float64(0.0)
             for w in cutlass.range_constexpr(self.group_warps):
                 total += parts[item // double, item % double, w]
-            send_to_cluster(received, first + item, total, part, self.cluster)
+            send_to_cluster(received, item, total, part, self.cluster)
         cluster_barrier(self.cluster)
         for item in cutlass.range(tid, self.tokens * double, self.threads, unroll=1):
-            hidden[item // double, item % double] = Float32(cluster_total(received, first + item, self.cluster))
+            hidden[item // double, item % double] = Float32(cluster_total(received, item, self.cluster))
         cute.arch.sync_threads()
         for item in cutlass.range(tid, self.tokens * self.intermediate, self.threads, unroll=1):
             n, j = item // self.intermediate, item % self.intermediate
@@ -411,25 +410,21 @@ class RoutedExperts:
         parts = smem.allocate_tensor(
             Float64, cute.make_layout((self.tokens, double, self.group_warps),
                                       stride=(double * self.group_warps, self.group_warps, 1)), 16)
-        halves = 2 if self.cluster > 1 else 1  # activate's parity
         received = smem.allocate_tensor(
-            Float64, cute.make_layout((halves * self.tokens * double, self.cluster), stride=(self.cluster, 1)), 16)
+            Float64, cute.make_layout((self.tokens * double, self.cluster), stride=(self.cluster, 1)), 16)
         hidden = smem.allocate_tensor(Float32, cute.make_layout((self.tokens, double), stride=(double, 1)), 16)
         acts = smem.allocate_tensor(Float64, cute.make_layout((self.tokens, self.intermediate), stride=(self.intermediate, 1)),
                                     16)
         masks = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
         matched = smem.allocate_tensor(Int32, cute.make_layout(1 + MAX_BATCH), 16)
-        ends = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), 16)
-        others = smem.allocate_tensor(Int32, cute.make_layout(MAX_BATCH), 16)
-        runs = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
-        return ExpertsSpace(ring, full, xs, parts, received, hidden, acts, masks, matched, ends, others, runs)
+        counts = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
+        return ExpertsSpace(ring, full, xs, parts, received, hidden, acts, masks, matched, counts)
 
 
 def shares_sm(per_sm: int) -> dict:
-    """Launch attributes: ptxas's register target, ``per_sm`` CTAs an SM (without one it
-    took 64 registers a thread and spilled the item loop's state); the carveout attribute of
-    a CTA that shares its SM lets it compile without a device (tail/fronts.py)."""
-    return {"min_blocks_per_mp": per_sm, **({"preferred_smem_carveout": -1} if per_sm > 1 else {})}
+    """Launch attributes of a CTA that shares its SM: ptxas's register target (the carveout
+    attribute lets it compile without a device: tail/fronts.py); none for a CTA an SM."""
+    return {"min_blocks_per_mp": per_sm, "preferred_smem_carveout": -1} if per_sm > 1 else {}
 
 
 class ExpertsSpace(NamedTuple):
@@ -445,28 +440,8 @@ class ExpertsSpace(NamedTuple):
     hidden: object  # [T, 2I] FP32
     acts: object  # [T, I] FP64 times 2^896 (packets.wide_operand)
     masks: object  # [MAX_BATCH]
-    matched: object  # the item's tokens: count, then the list
-    ends: object  # [MAX_EXPERTS]: the items of our experts 0 … e (list_items)
-    others: object  # [MAX_BATCH]: a token's slots of other ranks' experts (bits)
-    runs: object  # the warps' item counts (list_items' scan)
-
-
-@cute.jit
-def item_of(ends, per_rank, item) -> tuple:
-    """(e, g): item ``item`` is expert e's (of ours) g-th: the first e with ends[e] > item
-    (a binary search, in every thread: MAX_EXPERTS ≤ 2^10)."""
-    low, high = Int32(0), per_rank
-    for _ in cutlass.range_constexpr(MAX_EXPERTS.bit_length()):
-        if low < high:
-            middle = (low + high) // 2
-            if ends[middle] > item:
-                high = middle
-            else:
-                low = middle + 1
-    start = Int32(0)
-    if low > 0:
-        start = ends[low - 1]
-    return low, item - start
+    matched: object  # the matched tokens: count, then the list
+    counts: object  # the warps' token counts
 
 
 @cute.jit

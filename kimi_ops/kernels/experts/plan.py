@@ -1,15 +1,15 @@
-"""The routed experts' plan: the CTAs of an item (a cluster while the items fit the SMs),
-the CTAs an SM, the tokens an item, the grid's clusters; the bounds of a variant."""
+"""The routed experts' plan: a cluster of CTAs per (token group, expert) pair while the
+grid fits the SMs, the bounds of a variant."""
 
 import functools
 from typing import NamedTuple
 
-from ...config import MAX_EXPERTS, TOP_K
+from ...config import TOP_K
 from ..launch import SMEM_BYTES, multiprocessors
 
 GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)
 MAX_CLUSTER = 8  # portable cluster size
-TOKENS = 4  # an item's most tokens past one wave (call_plan): one pass over the expert's weights
+TOKENS = 4  # the most tokens a CTA serves in its pass over the expert's weights past one wave (call_plan)
 MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
@@ -52,13 +52,15 @@ def one_wave(batch: int, cluster: int, device: int, tp: int, per_sm: int = 1) ->
 
 
 class CallPlan(NamedTuple):
-    """A call's variant and its grid (:func:`call_plan`)."""
+    """A call's variant and its release (:func:`call_plan`)."""
 
-    cluster: int  # C, the CTAs of an item (cluster_for)
+    cluster: int  # C, the CTAs of a pair (cluster_for)
     per_sm: int  # the CTAs an SM holds at once
-    tokens: int  # T, an item's most tokens
-    clusters: int  # the grid's clusters (grid_clusters): all resident at once
-
+    tokens: int  # T, the most of an expert's tokens a CTA serves
+    # the pairs served are one wave: the dependents are released at entry, and share SMs only
+    # with those CTAs (bench_layer at the TP8 rank against a release at the end: 67.9 / 78.8 /
+    # 107.2 against 68.3 / 81.5 / 107.0 µs at B = 1 / 8 / 64, benchmarks/NOTES.md)
+    wave: bool
 
     @property
     def variant(self) -> tuple[int, int, int]:
@@ -67,34 +69,24 @@ class CallPlan(NamedTuple):
 
 
 def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1) -> CallPlan:
-    """While the pairs served are one wave, each CTA takes its SM's whole share and an item
-    is one token: a repeated expert's weights are re-read from L2 (with T = TOKENS a CTA
-    served up to 4 tokens one after another: a TP8 rank at B = 8 took 8.45 µs against 3.85
-    at B = 1). While they are one wave at :func:`per_sm_for` CTAs an SM (more than one),
-    an item is still one token (B = 16: a TP8 rank's 6.07 µs against 8.48 at T = TOKENS,
-    kimi_k3's 32.45 against 41.16). Past that an item is up to TOKENS tokens (an expert's
-    weights read once per TOKENS) and up to PAST_WAVE_PER_SM CTAs share an SM: a CTA's
+    """While the pairs served are one wave, each CTA takes its SM's whole share and serves
+    one token: a pair of a repeated expert re-reads its weights from L2, the grid ends with
+    its slowest pair (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8
+    rank at B = 8 took 8.45 µs against 3.85 at B = 1). While they are one wave at
+    :func:`per_sm_for` CTAs an SM (more than one), each still serves one token (B = 16:
+    a TP8 rank's 6.07 µs against 8.48 at T = TOKENS, kimi_k3's 32.45 against 41.16).
+    Past that most pairs' CTAs end at once, so each CTA serves TOKENS tokens (an expert's
+    weights read once per TOKENS) and up to PAST_WAVE_PER_SM share an SM: a serving CTA's
     latency (its stream, its barriers) leaves its SM idle unless another CTA shares it (a
     TP8 rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
     benchmarks/NOTES.md)."""
     cluster = cluster_for(latent, intermediate, batch, device, tp)
     _, shared, past = variants(latent, intermediate)
     if one_wave(batch, cluster, device, tp):
-        variant = (cluster, 1, 1)
-    elif shared and one_wave(batch, 1, device, tp, shared[1]):
-        variant = shared
-    else:
-        variant = past
-    return CallPlan(*variant, grid_clusters(batch, variant[0], variant[1], device, tp))
-
-
-def grid_clusters(batch: int, cluster: int, per_sm: int, device: int, tp: int = 1) -> int:
-    """The clusters of C CTAs the grid launches: one a pair this rank expects to serve
-    (B·16/TP, a uniform routing) up to those the SMs hold at once at ``per_sm`` CTAs an SM.
-    Each takes the items c, c + clusters, … of the rank's list, so a routing that sends a
-    rank more than expected runs more items a cluster, not more waves; and no CTA is spent
-    on another rank's pair (the zero rows are spread over the grid)."""
-    return max(1, min(-(-batch * TOP_K // tp), per_sm * multiprocessors(device) // cluster))
+        return CallPlan(cluster, 1, 1, True)
+    if shared and one_wave(batch, 1, device, tp, shared[1]):
+        return CallPlan(*shared, False)
+    return CallPlan(*past, False)
 
 
 @functools.cache
@@ -125,14 +117,12 @@ def slot_words(latent: int, cluster: int) -> int:
 def smem_bytes(latent: int, intermediate: int, cluster: int, tokens: int, depth: int) -> int:
     """A CTA's shared memory with a ring of ``depth`` (kernels.RoutedExperts.allocate, each
     piece 16-byte aligned): the ring, its barriers, the tokens' latent slices and sums in
-    FP64 (the cluster's in two halves), hidden, the acts in FP64, masks, matched, the item
-    list's ends, others and runs."""
+    FP64, hidden, the acts in FP64, masks, matched, counts."""
     packets, double = latent // cluster // 8, 2 * intermediate
     group_warps = -(-packets // 32)
-    halves = 2 if cluster > 1 else 1
     pieces = (4 * depth * slot_words(latent, cluster), 8 * depth, 64 * tokens * packets,
-              8 * tokens * double * group_warps, 8 * halves * tokens * double * cluster, 4 * tokens * double,
-              8 * tokens * intermediate, 4 * MAX_BATCH, 4 * (1 + MAX_BATCH), 4 * MAX_EXPERTS, 4 * MAX_BATCH, 4 * 32)
+              8 * tokens * double * group_warps, 8 * tokens * double * cluster, 4 * tokens * double,
+              8 * tokens * intermediate, 4 * MAX_BATCH, 4 * (1 + MAX_BATCH), 4 * 32)
     return sum(-(-piece // 16) * 16 for piece in pieces)
 
 
