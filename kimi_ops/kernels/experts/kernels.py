@@ -38,8 +38,8 @@ chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 
 packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflict-free
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
 (4 packets). The serve first issues the
-ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
-tokens in order, up to T; at T = 1 its own token alone) and widens their latent slices into
+ring's first chunks, then finds its tokens (warp 0's ballots over the masks the lead's
+test stored list the matched tokens in order, up to T; at T = 1 its own token alone) and widens their latent slices into
 shared memory once, each packet's pairs beside the warp's other packets' (conflict-free
 reads): every gate/up chunk reads them there, not from L2.
 
@@ -185,7 +185,7 @@ class RoutedExperts:
         serves = Int32(0)
         if expert < 0:
             self.zero_row(out, pair, part, tid)
-        elif self.leads_its_tokens(ids, expert, pair, space.counts, tid) != 0:
+        elif self.leads_its_tokens(ids, expert, pair, batch, space.masks, space.counts, tid) != 0:
             self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space)
             serves = Int32(1)
         return serves
@@ -209,26 +209,35 @@ class RoutedExperts:
             store_words(out.iterator + pair * self.latent + part * self.slice + 8 * tid, [Uint32(0)] * 4)
 
     @cute.jit
-    def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:
+    def leads_its_tokens(self, ids, expert, pair, batch, masks, counts, tid) -> Int32:
         """1 if slot k of token b (``pair``) is ``expert``'s first in b and the tokens before b
-        that hold it are a multiple of T: the CTA's warps count them by ballots (the
-        barrier before the warps' sum also publishes the ring's initialized barriers)."""
+        that hold it are a multiple of T: past T = 1 every token's mask of the expert goes
+        into ``masks`` at once (one pass over the ids: serve lists the later tokens from
+        there, after its stream is issued, without a second pass from L2), then the CTA's
+        warps count the earlier tokens by ballots (the first barrier also publishes the
+        ring's initialized barriers)."""
         token, slot = pair // TOP_K, pair % TOP_K
         warp, lane = tid // 32, tid % 32
         total = Int32(0)  # the tokens before ours that hold the expert (T = 1: every token leads)
+        mask = Int32(0)  # the slots of our token that hold the expert
         if cutlass.const_expr(self.tokens > 1):
+            for b in cutlass.range(tid, batch, self.threads, unroll=1):
+                masks[b] = slot_mask(ids, b, expert)
+            cute.arch.sync_threads()
+            mask = masks[token]
             before = Int32(0)  # lane 0's running count of the warp's tokens
             for base in cutlass.range(0, token, self.threads, unroll=1):
                 b = base + tid
                 hit = Int32(0)
                 if b < token:
-                    if slot_mask(ids, b, expert) != 0:
+                    if masks[b] != 0:
                         hit = Int32(1)
                 before = before + cute.arch.popc(cute.arch.vote_ballot_sync(hit != 0))
             if lane == 0:
                 counts[warp] = before
-        # an earlier slot of the token holds the expert (a repeated id)
-        earlier = slot_mask(ids, token, expert) & ((Int32(1) << slot) - Int32(1))
+        else:
+            mask = slot_mask(ids, token, expert)
+        earlier = mask & ((Int32(1) << slot) - Int32(1))  # an earlier slot holds the expert (a repeated id)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.tokens > 1):
             for w in cutlass.range_constexpr(self.warps):
@@ -253,10 +262,7 @@ class RoutedExperts:
                 matched[0] = Int32(1)
                 matched[1] = token
         else:
-            for b in cutlass.range(token + tid, batch, self.threads, unroll=1):
-                masks[b] = slot_mask(ids, b, expert)
-            cute.arch.sync_threads()  # the masks
-            if tid < 32:  # the matched tokens in order: matched[0] their count (up to T), matched[1 + n] the n-th
+            if tid < 32:  # the masks are leads_its_tokens'; the matched tokens in order: matched[0] their count (up to T), matched[1 + n] the n-th
                 count = Int32(0)
                 for start in cutlass.range(token, batch, 32, unroll=1):
                     b = start + tid
