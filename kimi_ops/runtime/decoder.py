@@ -185,6 +185,10 @@ class KimiDecoder(nn.Module):
             ranks = [RankLayer(config, attention, moe, group.tp, r, i, num_layers) for r in group.ranks]
             self.layers.append(nn.ModuleList(ranks))
             self.attn_res.append(res)
+        # AttnRes's zero partial (the embedding's, and each block's first): rows of a buffer
+        # no op writes, so a step launches no fill for them
+        self.register_buffer("zero_partial", torch.zeros(config.capacity, config.hidden, dtype=torch.bfloat16),
+                             persistent=False)
         self.to(device)
         self.boxes = DecodeBoxes(group, config, device)  # after .to(): static addresses
         # The tail publishes and polls in one op at TP1. A simulated group runs its ranks in
@@ -286,7 +290,7 @@ class KimiDecoder(nn.Module):
         blocks, partial, x, h = {}, {}, {}, {}
         for r in ranks:
             blocks[r] = empty
-            partial[r], h[r], x[r] = self.residual(self.embed_res, empty, torch.zeros_like(hidden), hidden[None])
+            partial[r], h[r], x[r] = self.residual(self.embed_res, empty, self.zero_partial[:batch], hidden[None])
         for i, (layer, (attn_res, moe_res)) in enumerate(zip(self.layers, self.attn_res)):
             for r, part in zip(ranks, layer):
                 part.attention(x[r], slots, boxes)
@@ -311,9 +315,10 @@ class KimiDecoder(nn.Module):
             for r in ranks:
                 partial[r], h[r], x[r] = self.residual_take(moe_res, boxes.own("out", r), blocks[r], partial[r],
                                                             batch, boxes.error(r))
-                if (i + 1) % config.attn_res_block == 0:  # a block boundary (static)
+                # a block boundary (static); after the last layer the blocks and partial are dead
+                if (i + 1) % config.attn_res_block == 0 and i + 1 < self.num_layers:
                     blocks[r] = torch.cat([blocks[r], partial[r][None]])
-                    partial[r] = torch.zeros_like(partial[r])
+                    partial[r] = self.zero_partial[:batch]
         # Host checks sync: not while tracing (short-circuits) nor capturing.
         if not torch.compiler.is_compiling() and not (
             hidden.is_cuda and torch.cuda.is_current_stream_capturing()
