@@ -37,11 +37,11 @@ whole warps: the butterflies need every lane); with the whole slice in flight G 
 chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
 packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflict-free
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
-(4 packets). The serve first issues the
-ring's first chunks, then finds its tokens (warp 0's ballots over the masks the lead's
-test stored list the matched tokens in order, up to T; at T = 1 its own token alone) and widens their latent slices into
-shared memory once, each packet's pairs beside the warp's other packets' (conflict-free
-reads): every gate/up chunk reads them there, not from L2.
+(4 packets). The serve first issues the ring's first chunks, then finds its tokens (warp
+0's ballots over the masks the lead's test stored list the matched tokens in order, up to
+T; at T = 1 its own token alone) and widens their latent slices into shared memory once,
+each packet's pairs beside the warp's other packets' (conflict-free reads): every gate/up
+chunk reads them there, not from L2.
 
 ``counted`` (the decoder's routing beside the fused shared expert, runtime/prepared.py):
 the ids and latent are the route poll's, which counts its 2B CTAs into ``ready`` once
@@ -262,7 +262,9 @@ class RoutedExperts:
                 matched[0] = Int32(1)
                 matched[1] = token
         else:
-            if tid < 32:  # the masks are leads_its_tokens'; the matched tokens in order: matched[0] their count (up to T), matched[1 + n] the n-th
+            # the masks are leads_its_tokens'; the matched tokens in order: matched[0] their
+            # count (up to T), matched[1 + n] the n-th
+            if tid < 32:
                 count = Int32(0)
                 for start in cutlass.range(token, batch, 32, unroll=1):
                     b = start + tid
