@@ -219,12 +219,11 @@ class RoutedExperts:
         token, slot = pair // TOP_K, pair % TOP_K
         warp, lane = tid // 32, tid % 32
         total = Int32(0)  # the tokens before ours that hold the expert (T = 1: every token leads)
-        mask = Int32(0)  # the slots of our token that hold the expert
         if cutlass.const_expr(self.tokens > 1):
             for b in cutlass.range(tid, batch, self.threads, unroll=1):
                 masks[b] = slot_mask(ids, b, expert)
             cute.arch.sync_threads()
-            mask = masks[token]
+            mask = masks[token]  # the slots of our token that hold the expert
             before = Int32(0)  # lane 0's running count of the warp's tokens
             for base in cutlass.range(0, token, self.threads, unroll=1):
                 b = base + tid
