@@ -227,7 +227,7 @@ class LatentReduce:
     def __call__(self, recv_box: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, parity: Int32,
                  rearm_parity: Int32, rearm_batch: Int32, rank: Int32, batch: Int32, stream):
         launch(self.kernel(recv_box, peers, error, parity, rearm_parity, rearm_batch, rank, batch),
-               [batch, self.parts], stream)
+               [batch, self.parts], stream, min_blocks_per_mp=1)  # the TP sources' polls in flight: ptxas's register target
 
     @cute.kernel
     def kernel(self, recv_box: cute.Tensor, peers: cute.Tensor, error: cute.Tensor, parity: Int32,
