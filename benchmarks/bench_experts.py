@@ -7,7 +7,8 @@ experts) and ``torch.compile`` of it, on the same routings. The torch forms of t
 benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the floor.
 
     python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--per-sm 1 2]
-                                       [--tokens 1 4] [--shapes kimi_k3 tp8_rank] [--composites]
+                                       [--tokens 1 4] [--spreads -1 1 2] [--shapes kimi_k3 tp8_rank]
+                                       [--composites]
 """
 
 import argparse
@@ -22,9 +23,10 @@ SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): 
 CALLS = 20
 
 
-def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), composites=False) -> list[tuple]:
-    """Columns: every (C, CTAs an SM, T) of the lists (0: the call's own, call_plan's; a
-    bare letter in the header), then (``composites``) eager and compiled."""
+def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(0,), composites=False) -> list[tuple]:
+    """Columns: every (C, CTAs an SM, T, spread) of the lists (0: the call's own, call_plan's;
+    a bare letter in the header; spread −1: a cluster a pair, s > 0: by expert, s CTAs an
+    expert), then (``composites``) eager and compiled."""
     from kimi_ops.kernels.experts import host as experts
     from kimi_ops.kernels.experts import plan as experts_plan
     from kimi_ops.ops.experts import routed_experts as composite
@@ -48,21 +50,25 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), composite
             error = torch.zeros(1, dtype=torch.int32, device="cuda")
             floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
             times = []
-            plan = experts_plan.call_plan(width, intermediate, batch, 0)
-            for cluster, per_sm, tokens in ((c, p, t) for c in clusters for p in per_sms for t in tokens_list):
+            plan = experts_plan.call_plan(width, intermediate, batch, 0, 1, count)
+            for cluster, per_sm, tokens, spread in ((c, p, t, s) for c in clusters for p in per_sms
+                                                    for t in tokens_list for s in spreads):
                 cluster, per_sm, tokens = cluster or plan.cluster, per_sm or plan.per_sm, tokens or plan.tokens
-                key = (width, intermediate, cluster, per_sm, tokens, False)
+                spread = max(spread or plan.spread, 0)
+                key = (width, intermediate, cluster, per_sm, tokens, spread > 0, False)
                 launch = experts.compile_routed_experts(*key)  # the adapter's cache key
+                wave = spread > 0 or experts_plan.one_wave(batch, cluster, 0, 1)
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, unused, error, batch, 0,
-                    count, count, int(experts_plan.one_wave(batch, cluster, 0, 1))), routings), calls=CALLS))
+                    count, count, int(wave), spread), routings), calls=CALLS))
             if composites:
                 for form in (composite, compiled):
                     times.append(graph_us(rotating(lambda ids: form(
                         latent, ids.view(batch, 16), gate_up, down, 0, 1), routings), calls=CALLS))
             rows.append((name, batch, *times, floor))
     columns = [f"{f'C={c}' if c else 'C'} {f'{p}/SM' if p else '-/SM'} {f'T={t}' if t else 'T'}"
-               for c in clusters for p in per_sms for t in tokens_list]
+               f"{'' if s == 0 else ' pairs' if s < 0 else f' E×{s}'}"
+               for c in clusters for p in per_sms for t in tokens_list for s in spreads]
     print_table(rows, ("shape", "B", *columns, *(("eager", "compiled") if composites else ()), "floor"))
     return rows
 
@@ -76,11 +82,13 @@ def main() -> None:
                         help="CTAs an SM holds at once (0: the call's own, call_plan)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[0],
                         help="the most of an expert's tokens a CTA serves (0: the call's own)")
+    parser.add_argument("--spreads", type=int, nargs="+", default=[0],
+                        help="by expert, CTAs an expert (0: the call's own; -1: a cluster a pair)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--composites", action="store_true", help="time the eager and compiled composites too")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")
-    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens, args.composites)
+    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens, args.spreads, args.composites)
 
 
 if __name__ == "__main__":

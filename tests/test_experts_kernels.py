@@ -36,7 +36,19 @@ TP8_RANK = (512, 16, 112)  # bench_layer --tp8-rank's: a CTA the expert, 8 chunk
 @pytest.mark.parametrize("tokens", [1, experts_plan.TOKENS])
 def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, clean_ptxas):
     """T = 1 (a CTA a pair in one wave: no count of the tokens before) and TOKENS."""
-    assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm, tokens, False) is not None
+    assert experts.compile_routed_experts.build(latent, intermediate, cluster, per_sm, tokens, False,
+                                                False) is not None
+    clean_ptxas()
+
+
+@pytest.mark.parametrize("latent, intermediate", [(512, 16), (128, 16), (64, 8), (320, 16)])
+@pytest.mark.parametrize("counted", [False, True])
+def test_routed_experts_by_expert_compiles(latent, intermediate, counted, clean_ptxas):
+    """The grid by expert (call_plan's past one wave where a CTA holds a whole expert)."""
+    per_sm = experts_plan.per_sm_for(latent, intermediate, experts_plan.TOKENS)
+    assert experts_plan.whole_slice(latent, intermediate, per_sm)
+    assert experts.compile_routed_experts.build(latent, intermediate, 1, per_sm, experts_plan.TOKENS, True,
+                                                counted) is not None
     clean_ptxas()
 
 
@@ -47,7 +59,7 @@ def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, 
 def test_routed_experts_counted_compiles(latent, cluster, per_sm, tokens, clean_ptxas):
     """The wait for the route poll's ready count instead of the PDL wait: in clusters, a CTA
     the pair, and past one wave."""
-    assert experts.compile_routed_experts.build(latent, 16, cluster, per_sm, tokens, True) is not None
+    assert experts.compile_routed_experts.build(latent, 16, cluster, per_sm, tokens, False, True) is not None
     clean_ptxas()
 
 
@@ -64,14 +76,19 @@ def test_cluster_size(monkeypatch):
     assert [experts_plan.call_plan(512, 16, b, 0, 8).wave for b in (64, 66, 67)] == [True, True, False]
     # in one wave a CTA an SM serving one token; while the pairs fit two an SM, two serving
     # one token each; past that two an SM serving up to TOKENS (kimi_k3's FP64 latent slices
-    # at T = 4 take one an SM)
-    one, shared = (1, 1, True), (experts_plan.PAST_WAVE_PER_SM, 1, False)
-    past = (1, experts_plan.TOKENS, False)
-    plans = [experts_plan.call_plan(3584, 16, b, 0) for b in (1, 2, 3, 8, 9, 16, 17, 64)]
+    # at T = 4 take one an SM), or by expert where a CTA holds a whole one (L = 512): the
+    # rank's E/TP experts at MAX_SPREAD CTAs each where 2·132 CTAs hold them, else fewer
+    one, shared = (1, 1, True, 0), (experts_plan.PAST_WAVE_PER_SM, 1, False, 0)
+    past = (1, experts_plan.TOKENS, False, 0)
+    plans = [experts_plan.call_plan(3584, 16, b, 0, 1, 896) for b in (1, 2, 3, 8, 9, 16, 17, 64)]
     assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1, 1, 1]
     assert [p[1:] for p in plans] == [one, one, one, one, shared, shared, past, past]
-    past = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False)
-    assert [experts_plan.call_plan(512, 16, b, 0, 8)[1:] for b in (66, 67, 132, 133)] == [one, shared, shared, past]
+    assert experts_plan.call_plan(3584, 16, 200, 0, 8, 896)[1:] == past  # 344 KB experts: never by expert
+    by_expert = [(experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, True, spread) for spread in (2, 1)]
+    assert [experts_plan.call_plan(512, 16, b, 0, 8, 896)[1:] for b in (66, 67, 132, 133)] == [
+        one, shared, shared, by_expert[0]]  # 112 experts a rank
+    assert experts_plan.call_plan(512, 16, 133, 0, 1, 200)[1:] == by_expert[1]  # 2 · 200 > 2 · 132
+    assert experts_plan.call_plan(512, 16, 133, 0, 1, 300)[1:] == (*by_expert[0][:2], False, 0)  # past 2 · 132
 
 
 def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
@@ -88,12 +105,14 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
             experts.RoutedExpertsKernel(counted=True).prepare(latent, 16)
         assert sorted(key[1][2:] for key in needed) == sorted((*key, True) for key in keys)
         assert experts_plan.per_sm_for(latent, 16, 1) == experts_plan.PAST_WAVE_PER_SM  # the shared band's
-        assert len(keys) == 3 + (experts_plan.cluster_size(latent, 16) > 1)  # L = 512: C = 1 in one wave too
+        # L = 512: C = 1 in one wave too; by expert where a CTA holds a whole expert
+        assert len(keys) == 3 + (experts_plan.cluster_size(latent, 16) > 1) + (latent == 512)
         for sms in (78, 132):
             monkeypatch.setattr(experts_plan, "multiprocessors", lambda device, sms=sms: sms)
             for tp in (1, 2, 8):
-                for batch in range(1, experts_plan.MAX_BATCH + 1):
-                    assert experts_plan.call_plan(latent, 16, batch, 0, tp).variant in keys
+                for count in (64, 112, 896):
+                    for batch in range(1, experts_plan.MAX_BATCH + 1):
+                        assert experts_plan.call_plan(latent, 16, batch, 0, tp, count).variant in keys
     assert experts_plan.cluster_size(3584, 16) == 4 and experts_plan.cluster_size(3584, 8) == 2
     assert experts_plan.cluster_size(512, 16) == 1 and experts_plan.cluster_size(4096, 16) == 4
     for latent in range(64, 4097, 64):
@@ -104,13 +123,49 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
             assert cluster in sizes and (fits or cluster == max(sizes))  # the most where none fits
 
 
+@pytest.mark.parametrize("batch, tp, rank, spread", [(64, 1, 0, 2), (33, 8, 5, 2), (256, 3, 2, 1), (5, 1, 0, 2)])
+def test_by_expert_writes_every_row_once(batch, tp, rank, spread):
+    """CPU model of the grid by expert (RoutedExperts.serve_expert, zero_rows_of_others): CTA
+    c serves share c % spread of expert rank·E/TP + c // spread's tokens, in passes of T,
+    each token's rows at its mask's slots; the zero rows of pairs c, c + grid, … whose id
+    is another rank's or outside [0, E): every row of [B·16] written once."""
+    count, threads, packets, tokens = 112, 256, 64, experts_plan.TOKENS
+    per_rank = count // tp
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.stack([torch.randperm(count // 4, generator=gen)[:16] for _ in range(batch)])  # shared experts
+    ids[0, 3], ids[1, 0], ids[1, 1] = ids[0, 2], -1, count  # a repeated id, ids outside [0, E)
+    grid = per_rank * spread
+    written = torch.zeros(batch * 16, dtype=torch.int64)
+    for cta in range(grid):
+        expert = rank * per_rank + cta // spread
+        masks = [sum(1 << k for k in range(16) if ids[b, k] == expert) for b in range(batch)]
+        matched = [b for b in range(batch) if masks[b]]
+        each = -(-len(matched) // spread)
+        first = cta % spread * each
+        last = min(len(matched), first + each)
+        for start in range(first, last, tokens):
+            for n in range(min(last - start, tokens)):
+                b = matched[start + n]
+                for k in range(16):
+                    if masks[b] >> k & 1:
+                        written[b * 16 + k] += 1
+        rows = threads // packets
+        for tid in range(rows * packets):
+            for pair in range(cta + grid * (tid // packets), batch * 16, grid * rows):
+                expert_id = int(ids.view(-1)[pair])
+                if tid % packets == 0 and not (0 <= expert_id < count and expert_id // per_rank == rank):
+                    written[pair] += 1
+    assert written.tolist() == [1] * (batch * 16)
+
+
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
             # every variant a call takes, and T = TOKENS a CTA an SM
-            for cluster, per_sm, tokens in sorted(experts.prepared_variants(latent, intermediate)
-                                                  | {(1, 1, experts_plan.TOKENS)}):
-                kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm, tokens)
+            for cluster, per_sm, tokens, by_expert in sorted(experts.prepared_variants(latent, intermediate)
+                                                             | {(1, 1, experts_plan.TOKENS, False)}):
+                kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm, tokens,
+                                                       by_expert=by_expert)
                 group = kernel.group_threads
                 assert group % 32 == 0 and kernel.packets <= group < kernel.packets + 32
                 # groups take whole gate chunks at once only with the whole slice in flight
@@ -146,11 +201,11 @@ def test_launcher_takes_the_adapters_arguments():
     (latent, intermediate, count), batch = K3, 4
     launch = experts.compile_routed_experts.build(latent, intermediate, 1,
                                                   experts_plan.per_sm_for(latent, intermediate, experts_plan.TOKENS),
-                                                  experts_plan.TOKENS, True)
+                                                  experts_plan.TOKENS, False, True)
     with pytest.raises(RuntimeError, match="(?i)cuda"):
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
                cuda((count * latent, intermediate)), cuda((batch * 16, latent)), cuda((2,), "i64"), cuda((1,), "i32"),
-               batch, 0, count, count, 0)
+               batch, 0, count, count, 0, 0)
 
 
 def args_of(batch, shape, seed, device="cuda"):
@@ -277,9 +332,9 @@ def test_routed_experts_kernel_at_other_cluster_sizes(cluster):
     latent, ids, gate_up, down = args_of(batch, K3, seed=cluster)
     out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")
     unused = torch.zeros(2, dtype=torch.int64, device="cuda")  # the uncounted variant's ready and error
-    experts.compile_routed_experts(width, intermediate, cluster, 1, 1, False)(
+    experts.compile_routed_experts(width, intermediate, cluster, 1, 1, False, False)(
         latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), unused,
-        unused[:1].view(torch.int32)[:1], batch, 0, count, count, 0)
+        unused[:1].view(torch.int32)[:1], batch, 0, count, count, 0, 0)
     assert_matches(out, reference(kimi.routed_experts, latent, ids, gate_up, down, 0, 1))
 
 

@@ -26,15 +26,17 @@ from .plan import (
 
 
 @compiled
-def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm: int, tokens: int, counted: bool):
-    """A :class:`~.plan.CallPlan`'s variant: C, the CTAs an SM, T; ``counted``: the ids'
-    wait is the route poll's ready count (kernels.RoutedExperts)."""
+def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm: int, tokens: int, by_expert: bool,
+                           counted: bool):
+    """A :class:`~.plan.CallPlan`'s variant: C, the CTAs an SM, T, by expert; ``counted``:
+    the ids' wait is the route poll's ready count (kernels.RoutedExperts)."""
     batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
     return cute.compile(
-        RoutedExperts(latent, intermediate, cluster, per_sm, tokens, counted), fake(BFloat16, (batch, latent)),
-        fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)), fake(BFloat16, (down_rows, intermediate)),
-        fake(BFloat16, (rows, latent)), fake(Int64, (2,), align=8), fake(Int32, (1,), align=4), Int32(1), Int32(0),
-        Int32(1), Int32(1), Int32(0), fake_stream(), options=compile_options(),
+        RoutedExperts(latent, intermediate, cluster, per_sm, tokens, counted, by_expert),
+        fake(BFloat16, (batch, latent)), fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)),
+        fake(BFloat16, (down_rows, intermediate)), fake(BFloat16, (rows, latent)), fake(Int64, (2,), align=8),
+        fake(Int32, (1,), align=4), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), fake_stream(),
+        options=compile_options(),
     )
 
 
@@ -52,23 +54,23 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
 
 @functools.cache  # asked by the call: built once a shape
 def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int, tokens: int,
-                    counted: bool = False) -> Variant:
-    """A call's variant: L, I, and its :class:`~.plan.CallPlan`'s CTAs a pair, CTAs an SM
-    and tokens a CTA (:func:`~.plan.call_plan` picks them per call), with or without the
-    ready count; the kernel takes the adapter's arguments. Unsupported (why) where it does
-    not take the shape."""
+                    by_expert: bool, counted: bool = False) -> Variant:
+    """A call's variant: L, I, and its :class:`~.plan.CallPlan`'s CTAs a pair, CTAs an SM,
+    tokens a CTA and grid by expert (:func:`~.plan.call_plan` picks them per call), with or
+    without the ready count; the kernel takes the adapter's arguments. Unsupported (why)
+    where it does not take the shape."""
     why = unsupported_shape(latent, intermediate, batch)
     if why:
         raise Unsupported(why)
-    return single(lambda: compile_routed_experts(latent, intermediate, cluster, per_sm, tokens, counted),
-                  (cluster, per_sm, tokens, counted))
+    return single(lambda: compile_routed_experts(latent, intermediate, cluster, per_sm, tokens, by_expert, counted),
+                  (cluster, per_sm, tokens, by_expert, counted))
 
 
-def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int]]:
-    """Every key :func:`~.plan.call_plan` returns at any batch, TP and SM count (its
+def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int, bool]]:
+    """Every key :func:`~.plan.call_plan` returns at any batch, TP, E and SM count (its
     :func:`~.plan.variants`, and C = 1 in one wave where cluster_for takes it; no device
     asked: a cache warms without one)."""
-    return {(1, 1, 1)} | {variant for variant in variants(latent, intermediate) if variant}
+    return {(1, 1, 1, False)} | {variant for variant in variants(latent, intermediate) if variant}
 
 
 class RoutedExpertsKernel:
@@ -94,12 +96,12 @@ class RoutedExpertsKernel:
         experts, intermediate = gate_up.shape[0], down.shape[2]
         out = latent.new_empty((batch, TOP_K, width))
         if batch:
-            plan = call_plan(width, intermediate, batch, latent.device.index, tp)
+            plan = call_plan(width, intermediate, batch, latent.device.index, tp, experts)
             if not self.counted:  # arguments the kernel's mode never touches
                 ready, error = placeholder(ids, torch.int64, elements=2), placeholder(ids, torch.int32)
             experts_variant(width, intermediate, batch, *plan.variant, self.counted).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width),
-                ready, error, batch, rank, experts // tp, experts, int(plan.wave))
+                ready, error, batch, rank, experts // tp, experts, int(plan.wave), plan.spread)
         return out
 
 

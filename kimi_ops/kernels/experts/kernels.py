@@ -37,11 +37,20 @@ whole warps: the butterflies need every lane); with the whole slice in flight G 
 chunks g, g + G, … at once (:attr:`RoutedExperts.groups`). A gate/up chunk is 4 rows of the slice: thread t < P takes row t % 4 and
 packets t // 4 + (P/4)·j (j < 4), rows padded by 2 packets in the slot (conflict-free
 reads). A down chunk is 4L/(C·I) rows of the slice: thread t takes the 32/I rows t·32/I …
-(4 packets). The serve first issues the ring's first chunks, then finds its tokens (warp
-0's ballots over the masks the lead's test stored list the matched tokens in order, up to
-T; at T = 1 its own token alone) and widens their latent slices into shared memory once,
-each packet's pairs beside the warp's other packets' (conflict-free reads): every gate/up
-chunk reads them there, not from L2.
+(4 packets). The serve first issues the
+ring's first chunks, then finds its tokens (masks, then warp 0's ballots list the matched
+tokens in order, up to T; at T = 1 its own token alone) and widens their latent slices into
+shared memory once, each packet's pairs beside the warp's other packets' (conflict-free
+reads): every gate/up chunk reads them there, not from L2.
+
+By expert (``by_expert``: past one wave where a CTA holds a whole expert, the TP8 rank's L =
+512; :func:`~.plan.call_plan`): the grid is the rank's E/TP experts, ``spread`` CTAs each,
+one wave. A CTA knows its expert at launch, so its whole stream is in flight before the
+wait; then it lists the expert's tokens (masks, warp 0's ballots, in token order), takes
+share s of ``spread`` of them and serves them T at a time over the weights in shared
+memory, the same steps 1-3; CTA c writes the zero rows of pairs c, c + grid, … that no
+expert of the rank serves. No CTA is spent on a pair another serves (the pair grid's ~700
+of 1024 CTAs at the TP8 rank's B = 64 each ran a prologue for nothing).
 
 ``counted`` (the decoder's routing beside the fused shared expert, runtime/prepared.py):
 the ids and latent are the route poll's, which counts its 2B CTAs into ``ready`` once
@@ -97,13 +106,14 @@ class RoutedExperts:
     """Latent width ``latent``, expert width ``intermediate`` (see the module doc)."""
 
     def __init__(self, latent: int, intermediate: int, cluster: int | None, per_sm: int, tokens: int,
-                 counted: bool = False):
+                 counted: bool = False, by_expert: bool = False):
         """``cluster``: C (None: :func:`cluster_size`'s); ``per_sm``: the CTAs an SM is to
         hold at once: each takes at most 1/per_sm of its shared memory and registers, and of
         its threads past one chunk group; ``tokens``: T, the most of an expert's tokens a CTA
-        serves (:func:`~.plan.call_plan` picks both); ``counted``: see the module doc."""
+        serves (by expert: a pass; :func:`~.plan.call_plan` picks both); ``counted``: see the
+        module doc; ``by_expert``: a grid of the rank's experts (the module doc)."""
         self.latent, self.intermediate, self.per_sm, self.tokens = latent, intermediate, per_sm, tokens
-        self.counted = counted
+        self.counted, self.by_expert = counted, by_expert
         self.cluster = cluster or cluster_size(latent, intermediate)
         self.slice = latent // self.cluster  # a CTA's columns of gate/up and rows of down
         self.packets = self.slice // 8  # P: a slice row's packets
@@ -127,6 +137,7 @@ class RoutedExperts:
                               default=1)
         self.threads = self.groups * self.group_threads
         self.warps = self.threads // 32
+        assert not by_expert or (self.cluster == 1 and self.depth == self.chunks), "by expert: whole experts a CTA"
 
     def smem_bytes(self, depth: int | None = None) -> int:
         """What :meth:`allocate` takes with a ring of ``depth`` (ours by default)."""
@@ -135,20 +146,22 @@ class RoutedExperts:
     @cute.jit
     def __call__(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
                  out: cute.Tensor, ready: cute.Tensor, error: cute.Tensor, batch: Int32, rank: Int32,
-                 per_rank: Int32, experts: Int32, wave: Int32, stream):
+                 per_rank: Int32, experts: Int32, wave: Int32, spread: Int32, stream):
         """``ids`` [B·16]; ``gate_up`` [E·2I, L]; ``down`` [E·L, I]; ``out`` [B·16, L]; ``ready``
-        [2] and ``error`` [1] (``counted`` only); ``wave``: 1 where the pairs served are one
-        wave (:attr:`~.plan.CallPlan.wave`)."""
-        self.kernel(latent, ids, gate_up, down, out, ready, error, batch, rank, per_rank, experts, wave).launch(
-            grid=[batch * TOP_K * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
-            stream=stream, use_pdl=PDL, **shares_sm(self.per_sm))
+        [2] and ``error`` [1] (``counted`` only); ``wave``: 1 where the CTAs served are one
+        wave (:attr:`~.plan.CallPlan.wave`); ``spread``: by expert, the CTAs an expert."""
+        grid = per_rank * spread if cutlass.const_expr(self.by_expert) else batch * TOP_K * self.cluster
+        self.kernel(latent, ids, gate_up, down, out, ready, error, batch, rank, per_rank, experts, wave,
+                    spread).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
+                                   stream=stream, use_pdl=PDL, **shares_sm(self.per_sm))
 
     @cute.kernel
     def kernel(self, latent: cute.Tensor, ids: cute.Tensor, gate_up: cute.Tensor, down: cute.Tensor,
                out: cute.Tensor, ready: cute.Tensor, error: cute.Tensor, batch: Int32, rank: Int32,
-               per_rank: Int32, experts: Int32, wave: Int32):
+               per_rank: Int32, experts: Int32, wave: Int32, spread: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
         pair, part = cta // self.cluster, cta % self.cluster
         if wave != 0:
             # A dependent launches once every CTA of ours has released or ended: with the
@@ -157,17 +170,27 @@ class RoutedExperts:
             cute.arch.griddepcontrol_launch_dependents()
         space = self.allocate()
         full = space.full
+        if cutlass.const_expr(self.by_expert):
+            expert = rank * per_rank + cta // spread  # ours
         if tid == 0:
             for slot in cutlass.range_constexpr(self.depth):
                 cute.arch.mbarrier_init(full + slot, 1)
             cute.arch.mbarrier_init_fence()
+            if cutlass.const_expr(self.by_expert):  # the weights do not depend on the routing
+                self.issue_ring(gate_up, down, expert, 0, space.ring, full)
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()  # DSMEM needs every CTA of the cluster started
         if cutlass.const_expr(self.counted):  # ids and latent: the routing's
-            await_arrivals(ready, Int64(2 * batch), batch * TOP_K * self.cluster, error, EXPERTS_READY)
+            await_arrivals(ready, Int64(2 * batch), grid, error, EXPERTS_READY)
         else:
             cute.arch.griddepcontrol_wait()
-        served = self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid, space)
+        served = Int32(0)
+        if cutlass.const_expr(self.by_expert):
+            self.zero_rows_of_others(out, ids, batch, rank, per_rank, experts, cta, grid, tid)
+            self.serve_expert(latent, ids, gate_up, down, out, batch, expert, cta % spread, spread, tid, space)
+        else:
+            served = self.take(latent, ids, gate_up, down, out, batch, rank, per_rank, experts, pair, part, tid,
+                               space)
         if cutlass.const_expr(self.cluster > 1):
             if served == 0:
                 cute.arch.cluster_wait()  # the relaxed arrive's (serve waits before its DSMEM stores)
@@ -185,7 +208,7 @@ class RoutedExperts:
         serves = Int32(0)
         if expert < 0:
             self.zero_row(out, pair, part, tid)
-        elif self.leads_its_tokens(ids, expert, pair, batch, space.masks, space.counts, tid) != 0:
+        elif self.leads_its_tokens(ids, expert, pair, space.counts, tid) != 0:
             self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space)
             serves = Int32(1)
         return serves
@@ -209,34 +232,26 @@ class RoutedExperts:
             store_words(out.iterator + pair * self.latent + part * self.slice + 8 * tid, [Uint32(0)] * 4)
 
     @cute.jit
-    def leads_its_tokens(self, ids, expert, pair, batch, masks, counts, tid) -> Int32:
+    def leads_its_tokens(self, ids, expert, pair, counts, tid) -> Int32:
         """1 if slot k of token b (``pair``) is ``expert``'s first in b and the tokens before b
-        that hold it are a multiple of T: past T = 1 every token's mask of the expert goes
-        into ``masks`` at once (one pass over the ids: serve lists the later tokens from
-        there, after its stream is issued, without a second pass from L2), then the CTA's
-        warps count the earlier tokens by ballots (the first barrier also publishes the
-        ring's initialized barriers)."""
+        that hold it are a multiple of T: the CTA's warps count them by ballots (the
+        barrier before the warps' sum also publishes the ring's initialized barriers)."""
         token, slot = pair // TOP_K, pair % TOP_K
         warp, lane = tid // 32, tid % 32
         total = Int32(0)  # the tokens before ours that hold the expert (T = 1: every token leads)
         if cutlass.const_expr(self.tokens > 1):
-            for b in cutlass.range(tid, batch, self.threads, unroll=1):
-                masks[b] = slot_mask(ids, b, expert)
-            cute.arch.sync_threads()
-            mask = masks[token]  # the slots of our token that hold the expert
             before = Int32(0)  # lane 0's running count of the warp's tokens
             for base in cutlass.range(0, token, self.threads, unroll=1):
                 b = base + tid
                 hit = Int32(0)
                 if b < token:
-                    if masks[b] != 0:
+                    if slot_mask(ids, b, expert) != 0:
                         hit = Int32(1)
                 before = before + cute.arch.popc(cute.arch.vote_ballot_sync(hit != 0))
             if lane == 0:
                 counts[warp] = before
-        else:
-            mask = slot_mask(ids, token, expert)
-        earlier = mask & ((Int32(1) << slot) - Int32(1))  # an earlier slot holds the expert (a repeated id)
+        # an earlier slot of the token holds the expert (a repeated id)
+        earlier = slot_mask(ids, token, expert) & ((Int32(1) << slot) - Int32(1))
         cute.arch.sync_threads()
         if cutlass.const_expr(self.tokens > 1):
             for w in cutlass.range_constexpr(self.warps):
@@ -250,44 +265,76 @@ class RoutedExperts:
     def serve(self, latent, ids, gate_up, down, out, batch, expert, token, part, tid, space):
         """``token`` and the next T − 1 tokens routed to ``expert`` (their masks: which
         of a token's 16 slots hold it): our slice's stream, steps 1-3."""
-        ring, full, xs, parts, received, hidden, acts, masks, matched, _ = space
-        policy = l2_evict_first()
+        masks, matched = space.masks, space.matched
         if tid == 0:  # the first ring of chunks at once
-            for i in cutlass.range_constexpr(self.depth):
-                self.issue(gate_up, down, expert, part, i, ring + i * self.slot_words, full + i, policy)
+            self.issue_ring(gate_up, down, expert, part, space.ring, space.full)
+        count = Int32(1)
         if cutlass.const_expr(self.tokens == 1):  # our token alone: no scan of the later ones
             if tid == 0:
                 masks[token] = slot_mask(ids, token, expert)
-                matched[0] = Int32(1)
                 matched[1] = token
+            cute.arch.sync_threads()
         else:
-            # the masks are leads_its_tokens'; the matched tokens in order: matched[0] their
-            # count (up to T), matched[1 + n] the n-th
-            if tid < 32:
-                count = Int32(0)
-                for start in cutlass.range(token, batch, 32, unroll=1):
-                    b = start + tid
-                    hit = Int32(0)
-                    if b < batch:
-                        if masks[b] != 0:
-                            hit = Int32(1)
-                    ballot = cute.arch.vote_ballot_sync(hit != 0)
-                    if hit != 0:
-                        matched[1 + count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1)))] = b
-                    count = count + cute.arch.popc(ballot)
-                if tid == 0:
-                    matched[0] = clamp(count, Int32(self.tokens))
+            count = clamp(self.list_tokens(ids, expert, token, batch, masks, matched, tid), Int32(self.tokens))
+        self.serve_tokens(latent, gate_up, down, out, expert, 0, count, part, tid, space)
+
+    @cute.jit
+    def serve_expert(self, latent, ids, gate_up, down, out, batch, expert, share, spread, tid, space):
+        """By expert: share ``share`` of ``spread`` of the tokens routed to ``expert`` (in
+        token order), in passes of T over the weights in shared memory (issued at entry)."""
+        count = self.list_tokens(ids, expert, Int32(0), batch, space.masks, space.matched, tid)
+        each = (count + spread - 1) // spread
+        first = share * each
+        last = clamp(first + each, count)
+        for start in cutlass.range(first, last, self.tokens, unroll=1):
+            cute.arch.sync_threads()  # the previous pass's reads of xs and acts are done
+            self.serve_tokens(latent, gate_up, down, out, expert, start, clamp(last - start, Int32(self.tokens)),
+                              0, tid, space)
+        if tid == 0:  # the stream has landed before the CTA ends (a share with no tokens read none of it)
+            for slot in cutlass.range_constexpr(self.depth):
+                cute.arch.mbarrier_wait(space.full + slot, 0)
+
+    @cute.jit
+    def list_tokens(self, ids, expert, start, batch, masks, matched, tid) -> Int32:
+        """The tokens from ``start`` on that hold ``expert``: masks[b] (which of b's 16 slots),
+        and matched[n] the n-th in order; returns their count (every thread)."""
+        for b in cutlass.range(start + tid, batch, self.threads, unroll=1):
+            masks[b] = slot_mask(ids, b, expert)
+        cute.arch.sync_threads()  # the masks
+        if tid < 32:
+            count = Int32(0)
+            for base in cutlass.range(start, batch, 32, unroll=1):
+                b = base + tid
+                hit = Int32(0)
+                if b < batch:
+                    if masks[b] != 0:
+                        hit = Int32(1)
+                ballot = cute.arch.vote_ballot_sync(hit != 0)
+                if hit != 0:
+                    matched[1 + count + cute.arch.popc(ballot & ((Uint32(1) << Uint32(tid)) - Uint32(1)))] = b
+                count = count + cute.arch.popc(ballot)
+            if tid == 0:
+                matched[0] = count
         cute.arch.sync_threads()
-        self.stash_latent(latent, xs, matched, part, tid)  # every gate/up chunk reads them
+        return matched[0]
+
+    @cute.jit
+    def serve_tokens(self, latent, gate_up, down, out, expert, first, count, part, tid, space):
+        """Steps 1-3 for ``count`` (≤ T) matched tokens from the ``first``-th over our slice's
+        stream (its first ring issued; a ring shorter than the stream re-issued here)."""
+        ring, full, xs, parts, received, hidden, acts, masks, matched, _ = space
+        policy = l2_evict_first()
+        self.stash_latent(latent, xs, matched, first, count, part, tid)  # every gate/up chunk reads them
         group, local = tid // self.group_threads, tid % self.group_threads
         for chunk in cutlass.range(group, self.chunks, self.groups, unroll=1):
             slot = chunk % self.depth
             cute.arch.mbarrier_wait(full + slot, (chunk // self.depth) % 2)
             words = ring + slot * self.slot_words
             if chunk < self.gate_chunks:
-                self.gate_chunk(xs, words, parts, matched, chunk, local)
+                self.gate_chunk(xs, words, parts, count, chunk, local)
             else:
-                self.down_chunk(out, words, acts, masks, matched, part, chunk - self.gate_chunks, local)
+                self.down_chunk(out, words, acts, masks, matched, first, count, part, chunk - self.gate_chunks,
+                                local)
             # every group's last gate chunk is its iteration gate_chunks / G − 1 (G divides them)
             last_gate = (chunk < self.gate_chunks) & (chunk + self.groups >= self.gate_chunks)
             if cutlass.const_expr(self.depth < self.chunks):
@@ -299,6 +346,23 @@ class RoutedExperts:
                 cute.arch.sync_threads()  # the whole slice in flight: only the partials need one
             if last_gate:
                 self.activate(parts, received, hidden, acts, part, tid)
+
+    @cute.jit
+    def issue_ring(self, gate_up, down, expert, part, ring, full):
+        """The stream's first ``depth`` chunks (thread 0)."""
+        policy = l2_evict_first()
+        for i in cutlass.range_constexpr(self.depth):
+            self.issue(gate_up, down, expert, part, i, ring + i * self.slot_words, full + i, policy)
+
+    @cute.jit
+    def zero_rows_of_others(self, out, ids, batch, rank, per_rank, experts, cta, grid, tid):
+        """By expert: the zero rows of the pairs no expert of ours serves, CTA c those of
+        pairs c, c + grid, … (threads//P rows at once)."""
+        rows = self.threads // self.packets
+        if tid < rows * self.packets:
+            for pair in cutlass.range(cta + grid * (tid // self.packets), batch * TOP_K, grid * rows, unroll=1):
+                if self.expert_of(ids, pair, rank, per_rank, experts) < 0:
+                    self.zero_row(out, pair, 0, tid % self.packets)
 
     @cute.jit
     def issue(self, gate_up, down, expert, part, chunk, words, barrier, policy: Int64):
@@ -316,26 +380,27 @@ class RoutedExperts:
             bulk_copy(words, down.iterator + first, Int32(8 * self.slice), barrier, policy)
 
     @cute.jit
-    def stash_latent(self, latent, xs, matched, part, tid):
-        """Slice ``part`` of the matched tokens' latent rows into ``xs`` [T, 4, P, 2] as FP64
-        times 2^896 (:func:`~..packets.wide_operand`: the other operand of every widened
-        weight), then the barrier."""
-        for item in cutlass.range(tid, matched[0] * self.packets, self.threads, unroll=1):
+    def stash_latent(self, latent, xs, matched, first, count, part, tid):
+        """Slice ``part`` of the latent rows of the ``count`` matched tokens from the
+        ``first``-th into ``xs`` [T, 4, P, 2] as FP64 times 2^896
+        (:func:`~..packets.wide_operand`: the other operand of every widened weight), then
+        the barrier."""
+        for item in cutlass.range(tid, count * self.packets, self.threads, unroll=1):
             n, c = item // self.packets, item % self.packets
-            values = unpack_words(load_words(latent.iterator + matched[1 + n] * self.latent + part * self.slice + c * 8))
+            token = matched[1 + first + n]
+            values = unpack_words(load_words(latent.iterator + token * self.latent + part * self.slice + c * 8))
             for q in cutlass.range_constexpr(4):
                 store_shared_doubles(xs + ((n * 4 + q) * self.packets + c) * 2, wide_operand(values[2 * q]),
                                      wide_operand(values[2 * q + 1]))
         cute.arch.sync_threads()
 
     @cute.jit
-    def gate_chunk(self, xs, words, parts, matched, chunk, tid):
-        """Step 1's share of gate/up chunk ``chunk`` for the matched tokens: each token's 4
-        row sums of the warp into ``parts`` (``tid``: the thread's in its group). A weight
-        packet is widened once for every token (token n's sum in the packets' order: the
-        module doc's step 1)."""
+    def gate_chunk(self, xs, words, parts, count, chunk, tid):
+        """Step 1's share of gate/up chunk ``chunk`` for the ``count`` stashed tokens: each
+        token's 4 row sums of the warp into ``parts`` (``tid``: the thread's in its group). A
+        weight packet is widened once for every token (token n's sum in the packets' order:
+        the module doc's step 1)."""
         r, group = tid % GATE_ROWS, tid // GATE_ROWS
-        count = matched[0]
         totals = cute.make_rmem_tensor(self.tokens, Float64)
         for n in cutlass.range_constexpr(self.tokens):
             totals[n] = Float64(0.0)
@@ -379,11 +444,10 @@ class RoutedExperts:
         cute.arch.sync_threads()
 
     @cute.jit
-    def down_chunk(self, out, words, acts, masks, matched, part, chunk, tid):
+    def down_chunk(self, out, words, acts, masks, matched, first, count, part, chunk, tid):
         """Step 3 on down chunk ``chunk`` of slice ``part`` (its rows chunk·4L/(C·I) …) for
-        the matched tokens (``tid``: the thread's in its group)."""
+        the ``count`` matched tokens from the ``first``-th (``tid``: the thread's in its group)."""
         if tid < self.packets:
-            count = matched[0]
             words_of_row = self.intermediate // 2
             packed_words = [w for m in range(4) for w in load_shared(words + (4 * tid + m) * 4)]
             rows = cute.make_rmem_tensor((self.tokens, self.down_rows), Float32)
@@ -395,7 +459,7 @@ class RoutedExperts:
             column = part * self.slice + chunk * (4 * self.slice // self.intermediate) + tid * self.down_rows
             for n in cutlass.range_constexpr(self.tokens):
                 if n < count:
-                    b = matched[1 + n]
+                    b = matched[1 + first + n]
                     mask = masks[b]
                     packed = pack_values([rows[n, i] for i in range(self.down_rows)])
                     for k in cutlass.range_constexpr(TOP_K):

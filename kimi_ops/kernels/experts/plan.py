@@ -15,6 +15,7 @@ MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
 MAX_THREADS = 512  # a CTA's chunk groups (kernels.RoutedExperts.groups): 128 registers a thread
 PAST_WAVE_PER_SM = 2  # CTAs an SM holds at once past one wave (call_plan), where MIN_RING fits
+MAX_SPREAD = 2  # by expert: the most CTAs an expert (call_plan)
 MIN_RING = 2  # chunks in flight a CTA keeps at least past one wave
 SM_SHARED = SMEM_BYTES + 1024  # an SM's shared memory; each resident CTA's share keeps 1 KB for the system
 
@@ -56,19 +57,20 @@ class CallPlan(NamedTuple):
 
     cluster: int  # C, the CTAs of a pair (cluster_for)
     per_sm: int  # the CTAs an SM holds at once
-    tokens: int  # T, the most of an expert's tokens a CTA serves
-    # the pairs served are one wave: the dependents are released at entry, and share SMs only
+    tokens: int  # T, the most of an expert's tokens a CTA serves (by expert: a pass)
+    # the CTAs served are one wave: the dependents are released at entry, and share SMs only
     # with those CTAs (bench_layer at the TP8 rank against a release at the end: 67.9 / 78.8 /
     # 107.2 against 68.3 / 81.5 / 107.0 µs at B = 1 / 8 / 64, benchmarks/NOTES.md)
     wave: bool
+    spread: int = 0  # by expert: the CTAs of each of the rank's experts (0: a cluster a pair)
 
     @property
-    def variant(self) -> tuple[int, int, int]:
-        """The compile key past (L, I)."""
-        return self.cluster, self.per_sm, self.tokens
+    def variant(self) -> tuple[int, int, int, bool]:
+        """The compile key past (L, I): C, CTAs an SM, T, by expert."""
+        return self.cluster, self.per_sm, self.tokens, self.spread > 0
 
 
-def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1) -> CallPlan:
+def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1, experts: int = 0) -> CallPlan:
     """While the pairs served are one wave, each CTA takes its SM's whole share and serves
     one token: a pair of a repeated expert re-reads its weights from L2, the grid ends with
     its slowest pair (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8
@@ -79,24 +81,47 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     weights read once per TOKENS) and up to PAST_WAVE_PER_SM share an SM: a serving CTA's
     latency (its stream, its barriers) leaves its SM idle unless another CTA shares it (a
     TP8 rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
-    benchmarks/NOTES.md)."""
+    benchmarks/NOTES.md). There, where a CTA holds a whole expert, the grid goes by
+    expert instead (``experts``: E; :func:`spread_for`): one wave, each CTA's weights in
+    flight before the wait, no CTA for a pair another serves."""
     cluster = cluster_for(latent, intermediate, batch, device, tp)
-    _, shared, past = variants(latent, intermediate)
+    _, shared, past, _ = variants(latent, intermediate)
     if one_wave(batch, cluster, device, tp):
         return CallPlan(cluster, 1, 1, True)
     if shared and one_wave(batch, 1, device, tp, shared[1]):
-        return CallPlan(*shared, False)
-    return CallPlan(*past, False)
+        return CallPlan(*shared[:3], False)
+    spread = spread_for(latent, intermediate, experts // tp, device)
+    return CallPlan(*past[:3], spread > 0, spread)
+
+
+def spread_for(latent: int, intermediate: int, per_rank: int, device: int) -> int:
+    """By expert (the rank's experts known at launch, each streamed before the wait, its
+    tokens served in passes of TOKENS over its weights in shared memory): the CTAs an
+    expert, up to MAX_SPREAD, at which the rank's experts fit the SMs at once at
+    :func:`per_sm_for`'s CTAs an SM, where a CTA holds its expert's whole slice; 0 where
+    none does (kimi_k3's 344 KB experts)."""
+    per_sm = per_sm_for(latent, intermediate, TOKENS)
+    if per_rank <= 0 or not whole_slice(latent, intermediate, per_sm):
+        return 0
+    return min(MAX_SPREAD, per_sm * multiprocessors(device) // per_rank)
+
+
+@functools.cache
+def whole_slice(latent: int, intermediate: int, per_sm: int) -> bool:
+    """A CTA of a cluster of one serving TOKENS tokens holds the whole expert at ``per_sm`` CTAs an SM."""
+    return smem_bytes(latent, intermediate, 1, TOKENS, 3 * intermediate // GATE_ROWS) <= smem_share(per_sm)
 
 
 @functools.cache
 def variants(latent: int, intermediate: int) -> tuple:
     """:func:`call_plan`'s variants past C: in one wave (C, 1 an SM, T = 1); while the pairs
     fit :func:`per_sm_for` CTAs an SM (None where that is one) (1, that many, 1); past that
-    (1, :func:`per_sm_for`'s at TOKENS, TOKENS)."""
+    (1, :func:`per_sm_for`'s at TOKENS, TOKENS), or by expert at it (None where a CTA does
+    not hold the whole expert)."""
     shared = per_sm_for(latent, intermediate, 1)
-    return ((cluster_size(latent, intermediate), 1, 1), (1, shared, 1) if shared > 1 else None,
-            (1, per_sm_for(latent, intermediate, TOKENS), TOKENS))
+    past = (1, per_sm_for(latent, intermediate, TOKENS), TOKENS)
+    return ((cluster_size(latent, intermediate), 1, 1, False), (1, shared, 1, False) if shared > 1 else None,
+            (*past, False), (*past, True) if whole_slice(latent, intermediate, past[1]) else None)
 
 
 @functools.cache
