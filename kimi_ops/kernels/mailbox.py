@@ -164,15 +164,15 @@ def arrived(words):
 
 
 @cute.jit
-def count_arrival(counter: cute.Tensor):
-    """This CTA's outputs stored (every thread's): one arrival on ``counter[0]`` (release,
-    GPU scope), for a consumer that waits for the count instead of our end
+def count_arrival(counter: cute.Tensor, amount: cutlass.Constexpr[int] = 1):
+    """This CTA's outputs stored (every thread's): ``amount`` arrivals on ``counter[0]``
+    (release, GPU scope), for a consumer that waits for the count instead of our end
     (:func:`await_arrivals`)."""
     cute.arch.sync_threads()
     tid, _, _ = cute.arch.thread_idx()
     if tid == 0:
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.atomic_add(counter.iterator, Int64(1), sem="release", scope="gpu")
+        cute.arch.atomic_add(counter.iterator, Int64(amount), sem="release", scope="gpu")
 
 
 @cute.jit

@@ -4,7 +4,8 @@ and ``kimi::attn_res_take``."""
 import functools
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from ... import backend
 from ...mailbox import box_row as host_box_row
@@ -26,17 +27,20 @@ from .plan import (
 
 
 @compiled
-def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool = False):
+def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool = False, counted: bool = False,
+                     arrives: bool = False):
     """AttnRes, or ``polled`` AttnResTake (the box and the error word after ``sublayer``'s
-    place, the box's first row and CAP after ``count``)."""
+    place, the partial counters after h_normed, the box's first row and CAP after
+    ``count``; ``counted``, ``arrives``: AttnResTake's)."""
     batch, block_rows, source_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
     vectors = [fake(BFloat16, (hidden,)) for _ in range(3)]
     token_rows = [fake(BFloat16, (batch, hidden)) for _ in range(4)]
-    kernel = (AttnResTake if polled else AttnRes)(hidden, tp, cluster, rows)
+    kernel = AttnResTake(hidden, tp, cluster, rows, counted, arrives) if polled else AttnRes(hidden, tp, cluster, rows)
     box = [fake(BFloat16, (source_rows, hidden))] + [fake(Int32, (1,), align=4)] * polled
+    counters = [fake(Int64, (2,), align=8) for _ in range(2 * polled)]
     return cute.compile(
-        kernel, fake(BFloat16, (block_rows, hidden)), token_rows[0], *box, *vectors, *token_rows[1:], Int32(0),
-        *[Int32(0), Int32(1)] * polled, Float32(1e-6), fake_stream(), options=compile_options(),
+        kernel, fake(BFloat16, (block_rows, hidden)), token_rows[0], *box, *vectors, *token_rows[1:], *counters,
+        Int32(0), *[Int32(0), Int32(1)] * polled, Float32(1e-6), fake_stream(), options=compile_options(),
     )
 
 
@@ -54,16 +58,18 @@ def unsupported_shape(hidden: int, tp: int, count: int, batch: int = 1) -> str |
 
 
 @functools.cache  # asked by unsupported and the call: built once a shape
-def attn_res_variant(hidden: int, tp: int, count: int, polled: bool, batch: int) -> Variant:
+def attn_res_variant(hidden: int, tp: int, count: int, polled: bool, batch: int, counted: bool = False,
+                     arrives: bool = False) -> Variant:
     """A call's variant: H, the sources, N's stash bucket, the batch (its plan: (cluster,
-    stash rows)); the kernel takes the adapter's arguments as they are. Unsupported (why)
-    where no variant takes the shape."""
+    stash rows)), and a take's partial counters; the kernel takes the adapter's arguments
+    as they are. Unsupported (why) where no variant takes the shape."""
     why = unsupported_shape(hidden, tp, count, batch)
     if why:
         raise Unsupported(why)
     rows = stash_rows(count)
     cluster = cluster_for(hidden, batch, rows)
-    return single(lambda: compile_attn_res(hidden, tp, cluster, rows, polled), (cluster, rows))
+    return single(lambda: compile_attn_res(hidden, tp, cluster, rows, polled, counted, arrives),
+                  (cluster, rows, counted, arrives))
 
 
 class AttnResKernel:
@@ -71,13 +77,15 @@ class AttnResKernel:
 
     check = staticmethod(attn_res_op.check_attn_res)
     polled = False
+    COUNTERS = ((False, False),)  # the (awaited, arrived) forms prepare compiles
 
     def prepare(self, hidden: int, tps, counts, batches=(1,)) -> None:
         """Every variant calls with these source counts (TP, or the box's sources), block
         counts and batches take."""
         buckets = sorted({stash_rows(count) for count in counts})  # a bucket is its own bucket
-        prepare_all(lambda tp=tp, rows=rows, batch=batch: attn_res_variant(hidden, tp, rows, self.polled, batch)
-                    for tp in tps for rows in buckets for batch in sorted(set(batches)))
+        prepare_all(lambda tp=tp, rows=rows, batch=batch, counters=counters: attn_res_variant(
+            hidden, tp, rows, self.polled, batch, *counters)
+            for tp in tps for rows in buckets for batch in sorted(set(batches)) for counters in self.COUNTERS)
 
     def unsupported_call(self, hidden, tp, count, batch, tensors) -> str | None:
         why = reason(lambda: attn_res_variant(hidden, tp, count, self.polled, batch))
@@ -105,23 +113,32 @@ class AttnResTakeKernel(AttnResKernel):
 
     check = staticmethod(attn_res_op.check_attn_res_take)
     polled = True
+    # the decoder's: its first take after the embedding arrives only, the last awaits only,
+    # the others both (runtime/decoder.py); a functional call's (neither) compiles when asked
+    COUNTERS = ((False, True), (True, True), (True, False))
 
-    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
+    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited=None,
+                    arrived=None):
         return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0], batch,
                                      (box, blocks, partial, query, key_norm_w, out_norm_w))
 
-    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
-        return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
+    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited=None,
+                 arrived=None):
+        return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, None, awaited,
+                         arrived)
 
-    def take(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed=None):
+    def take(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed=None,
+             awaited=None, arrived=None):
         """(new_partial, h, h_normed): h_normed into the given rows, if any."""
         hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
         check_marks_room("attn_res_take", error)
         outputs = [partial.new_empty((batch, hidden)) for _ in range(2)]
         outputs.append(partial.new_empty((batch, hidden)) if h_normed is None else h_normed)
-        attn_res_variant(hidden, tp, blocks.shape[0], True, batch).run(
+        unread = partial.view(-1)[:8].view(torch.int64)  # an absent counter's place: never read (H ≥ 8)
+        counters = [unread if counter is None else counter for counter in (awaited, arrived)]
+        attn_res_variant(hidden, tp, blocks.shape[0], True, batch, awaited is not None, arrived is not None).run(
             block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
-            *outputs, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
+            *outputs, *counters, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
         return tuple(outputs)
 
 
@@ -130,13 +147,15 @@ class AttnResTakeIntoKernel(AttnResTakeKernel):
 
     check = staticmethod(attn_res_op.check_attn_res_take_into)
 
-    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
+    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
+                    awaited=None, arrived=None):
         return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0], batch,
                                      (box, blocks, partial, query, key_norm_w, out_norm_w, h_normed))
 
-    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
+    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
+                 awaited=None, arrived=None):
         return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                         h_normed[:batch])[:2]
+                         h_normed[:batch], awaited, arrived)[:2]
 
 
 def block_rows(blocks, partial):
