@@ -36,7 +36,11 @@ queues the next kernel's prefetch fills (benchmarks/NOTES.md, nineteenth session
 
 ``AttnResTake`` (``kimi::attn_res_take``, ``mailbox_take`` fused): the same kernel, the
 sublayer's rows polled from the box after step 1 (bounded, into the error word), re-armed,
-and only then the wait (for ``partial`` and the outputs).
+and only then the wait (for ``partial`` and the outputs). Counted (the decoder's takes
+after its first): ``partial`` comes by its writer's count instead, so steps 2-5 run before
+the wait, which then only orders the stores behind the outputs' earlier readers (the
+predecessor's drain, 0.7-1.8 µs a take on the marks, and the load of ``partial`` were on
+the path: benchmarks/NOTES.md).
 
 Shared memory a CTA: the stash (H = 7168: 1.75 KB a row), 8 bytes a slot per warp and per
 CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 CTAs an
