@@ -44,7 +44,7 @@ def test_attn_res_compiles(hidden, tp, rows, clean_ptxas):
 
 
 @pytest.mark.parametrize("hidden, tp, rows", [(HIDDEN, 1, 0), (HIDDEN, 8, 4), (TINY, 2, 3)])
-@pytest.mark.parametrize("counters", [(False, False), *attn_res.AttnResTakeKernel.COUNTERS])
+@pytest.mark.parametrize("counters", [(False, False), (False, True), (True, True), (True, False)])
 def test_attn_res_take_compiles(hidden, tp, rows, counters, clean_ptxas):
     """Every (awaited, arrived) form: the functional call's and the decoder's three."""
     assert attn_res.compile_attn_res.build(hidden, tp, attn_res_plan.cluster_for(hidden), rows, True,
@@ -129,12 +129,15 @@ def test_prepare_compiles_each_bucket_once(monkeypatch):
     attn_res.AttnResKernel().prepare(HIDDEN, (8, 1), range(0, 6))
     assert compiled == [(HIDDEN, tp, 8, rows, False, False, False) for tp in (8, 1) for rows in (0, 1, 2, 3, 4, 6)]
     compiled.clear()
-    forms = attn_res.AttnResTakeKernel.COUNTERS  # the decoder's (awaited, arrived)
+    # the decoder's (awaited, arrived): the first take (no blocks) arrives only, the last
+    # (the most blocks) awaits only, every take both
     attn_res.AttnResTakeKernel().prepare(HIDDEN, (2,), [0, 3, 30])
-    assert compiled == [(HIDDEN, 2, 8, rows, True, *form) for rows in (0, 3, 32) for form in forms]
+    forms = [(0, False, True), *((rows, True, True) for rows in (0, 3, 32)), (32, True, False)]
+    assert compiled == [(HIDDEN, 2, 8, rows, True, *form) for rows, *form in forms]
     compiled.clear()
     attn_res.AttnResTakeKernel().prepare(HIDDEN, (1,), [1], batches=(8, 64))
-    assert compiled == [(HIDDEN, 1, cluster, 1, True, *form) for cluster in (8, 1) for form in forms]
+    forms = [(1, False, True), (1, True, True), (1, True, False)]
+    assert compiled == [(HIDDEN, 1, cluster, 1, True, *form) for rows, *form in forms for cluster in (8, 1)]
 
 
 def kernel_model(blocks, partial, sublayer, query, key_w, out_w, eps, cluster):

@@ -77,15 +77,18 @@ class AttnResKernel:
 
     check = staticmethod(attn_res_op.check_attn_res)
     polled = False
-    COUNTERS = ((False, False),)  # the (awaited, arrived) forms prepare compiles
+
+    def forms(self, buckets) -> list[tuple[int, bool, bool]]:
+        """(stash bucket, awaited, arrived) of the variants :meth:`prepare` compiles."""
+        return [(rows, False, False) for rows in buckets]
 
     def prepare(self, hidden: int, tps, counts, batches=(1,)) -> None:
         """Every variant calls with these source counts (TP, or the box's sources), block
         counts and batches take."""
         buckets = sorted({stash_rows(count) for count in counts})  # a bucket is its own bucket
-        prepare_all(lambda tp=tp, rows=rows, batch=batch, counters=counters: attn_res_variant(
-            hidden, tp, rows, self.polled, batch, *counters)
-            for tp in tps for rows in buckets for batch in sorted(set(batches)) for counters in self.COUNTERS)
+        prepare_all(lambda tp=tp, form=form, batch=batch: attn_res_variant(hidden, tp, form[0], self.polled, batch,
+                                                                           *form[1:])
+                    for tp in tps for form in self.forms(buckets) for batch in sorted(set(batches)))
 
     def unsupported_call(self, hidden, tp, count, batch, tensors) -> str | None:
         why = reason(lambda: attn_res_variant(hidden, tp, count, self.polled, batch))
@@ -113,9 +116,11 @@ class AttnResTakeKernel(AttnResKernel):
 
     check = staticmethod(attn_res_op.check_attn_res_take)
     polled = True
-    # the decoder's: its first take after the embedding arrives only, the last awaits only,
-    # the others both (runtime/decoder.py); a functional call's (neither) compiles when asked
-    COUNTERS = ((False, True), (True, True), (True, False))
+    def forms(self, buckets) -> list[tuple[int, bool, bool]]:
+        """The decoder's (runtime/decoder.py): its first take (no blocks yet) arrives only,
+        its last (the most blocks) awaits only, every take both; a functional call's
+        (neither) compiles when first asked, outside a capture."""
+        return [(buckets[0], False, True), *((rows, True, True) for rows in buckets), (buckets[-1], True, False)]
 
     def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited=None,
                     arrived=None):

@@ -411,6 +411,7 @@ class AttnResTake(AttnRes):
 
     def __init__(self, hidden: int, tp: int, cluster: int, rows: int, counted: bool = False, arrives: bool = False):
         super().__init__(hidden, tp, cluster, rows)
+        assert PARTIAL_ARRIVALS % cluster == 0, "a CTA's arrivals: PARTIAL_ARRIVALS / cluster, whole"
         self.counted, self.arrives = counted, arrives
 
     @cute.jit
