@@ -1,6 +1,13 @@
 """The TMA ↔ MMA ring of the tail and the projection engine: a producer streams CHUNK-column
 boxes into ``depth`` shared-memory slots (full and empty mbarriers per slot), the MMA warps
-read them; the slots' 128-byte swizzle and wgmma's descriptor of it."""
+read them; the slots' 128-byte swizzle and wgmma's descriptor of it.
+
+Not CUTLASS's ``pipeline.PipelineTmaAsync``: its stage is armed once, for one ``tx_count``,
+by the producer's acquire, while a slot here takes the weights' bytes and x's from two warps
+at different times (x's only after the PDL wait, the first slots' weights before it), or
+the raw-rows producers' plain arrivals after generic-proxy stores (gemm/engine.py), and the
+producer itself reads the full barriers to pace its stream (:func:`paced`); its phases
+would be the same mbarrier waits as these helpers'."""
 
 import cutlass
 import cutlass.cute as cute
