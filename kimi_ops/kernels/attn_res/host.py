@@ -10,7 +10,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from ... import backend
 from ...mailbox import box_row as host_box_row
 from ...ops import attn_res as attn_res_op
-from ..arguments import aligned
+from ..arguments import aligned, placeholder
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import SMEM_BYTES, check_marks_room
 from ..variant import Unsupported, Variant, prepare_all, reason, single
@@ -116,6 +116,7 @@ class AttnResTakeKernel(AttnResKernel):
 
     check = staticmethod(attn_res_op.check_attn_res_take)
     polled = True
+
     def forms(self, buckets) -> list[tuple[int, bool, bool]]:
         """The decoder's (runtime/decoder.py): its first take (no blocks yet) arrives only,
         its last (the most blocks) awaits only, every take both; a functional call's
@@ -139,8 +140,8 @@ class AttnResTakeKernel(AttnResKernel):
         check_marks_room("attn_res_take", error)
         outputs = [partial.new_empty((batch, hidden)) for _ in range(2)]
         outputs.append(partial.new_empty((batch, hidden)) if h_normed is None else h_normed)
-        unread = partial.view(-1)[:8].view(torch.int64)  # an absent counter's place: never read (H ≥ 8)
-        counters = [unread if counter is None else counter for counter in (awaited, arrived)]
+        counters = [placeholder(partial, torch.int64, elements=2) if counter is None else counter
+                    for counter in (awaited, arrived)]
         attn_res_variant(hidden, tp, blocks.shape[0], True, batch, awaited is not None, arrived is not None).run(
             block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
             *outputs, *counters, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
