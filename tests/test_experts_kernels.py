@@ -45,9 +45,9 @@ def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, 
 @pytest.mark.parametrize("counted", [False, True])
 def test_routed_experts_by_expert_compiles(latent, intermediate, counted, clean_ptxas):
     """The grid by expert (call_plan's past one wave where a CTA holds a whole expert)."""
-    per_sm = experts_plan.per_sm_for(latent, intermediate, experts_plan.TOKENS)
+    per_sm = experts_plan.per_sm_for(latent, intermediate, experts_plan.MMA_TOKENS)
     assert experts_plan.whole_slice(latent, intermediate, per_sm)
-    assert experts.compile_routed_experts.build(latent, intermediate, 1, per_sm, experts_plan.TOKENS, True,
+    assert experts.compile_routed_experts.build(latent, intermediate, 1, per_sm, experts_plan.MMA_TOKENS, True,
                                                 counted) is not None
     clean_ptxas()
 
@@ -77,18 +77,20 @@ def test_cluster_size(monkeypatch):
     # in one wave a CTA an SM serving one token; while the pairs fit two an SM, two serving
     # one token each; past that two an SM serving up to TOKENS (kimi_k3's FP64 latent slices
     # at T = 4 take one an SM), or by expert where a CTA holds a whole one (L = 512): the
-    # rank's E/TP experts at MAX_SPREAD CTAs each where 2·132 CTAs hold them, else fewer
+    # rank's E/TP experts at MAX_SPREAD CTAs each where 2·132 CTAs hold them, else fewer,
+    # in passes of MMA_TOKENS
     one, shared = (1, 1, True, 0), (experts_plan.PAST_WAVE_PER_SM, 1, False, 0)
     past = (1, experts_plan.TOKENS, False, 0)
     plans = [experts_plan.call_plan(3584, 16, b, 0, 1, 896) for b in (1, 2, 3, 8, 9, 16, 17, 64)]
     assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1, 1, 1]
     assert [p[1:] for p in plans] == [one, one, one, one, shared, shared, past, past]
     assert experts_plan.call_plan(3584, 16, 200, 0, 8, 896)[1:] == past  # 344 KB experts: never by expert
-    by_expert = [(experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, True, spread) for spread in (2, 1)]
+    by_expert = [(experts_plan.PAST_WAVE_PER_SM, experts_plan.MMA_TOKENS, True, spread) for spread in (2, 1)]
     assert [experts_plan.call_plan(512, 16, b, 0, 8, 896)[1:] for b in (66, 67, 132, 133)] == [
         one, shared, shared, by_expert[0]]  # 112 experts a rank
     assert experts_plan.call_plan(512, 16, 133, 0, 1, 200)[1:] == by_expert[1]  # 2 · 200 > 2 · 132
-    assert experts_plan.call_plan(512, 16, 133, 0, 1, 300)[1:] == (*by_expert[0][:2], False, 0)  # past 2 · 132
+    two_an_sm = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False, 0)
+    assert experts_plan.call_plan(512, 16, 133, 0, 1, 300)[1:] == two_an_sm  # past 2 · 132: pairs
 
 
 def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
@@ -129,7 +131,7 @@ def test_by_expert_writes_every_row_once(batch, tp, rank, spread):
     c serves share c % spread of expert rank·E/TP + c // spread's tokens, in passes of T,
     each token's rows at its mask's slots; the zero rows of pairs c, c + grid, … whose id
     is another rank's or outside [0, E): every row of [B·16] written once."""
-    count, threads, packets, tokens = 112, 256, 64, experts_plan.TOKENS
+    count, threads, packets, tokens = 112, 256, 64, experts_plan.MMA_TOKENS
     per_rank = count // tp
     gen = torch.Generator().manual_seed(batch)
     ids = torch.stack([torch.randperm(count // 4, generator=gen)[:16] for _ in range(batch)])  # shared experts

@@ -264,6 +264,16 @@ def mma_bf16(a, b, c):
     )
 
 
+@cute.jit
+def mma_f64(a: Float64, b: Float64, c):
+    """D = A·B + C, mma.sync m8n8k4 in FP64 (DMMA): lane l holds A[l // 4, l % 4],
+    B[l % 4, l // 4] and C, D[l // 4, 2·(l % 4) + i] for i = 0, 1."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 { {$w0}, {$w1} }, { {$r0} }, { {$r1} }, { {$r2}, {$r3} };",
+        write_only_types=[Float64] * 2, read_only_args=[a, b, *c],
+    )
+
+
 @dsl_user_op
 def wgmma_bf16(acc, a, b, accumulate: bool = True, *, loc=None, ip=None):
     """acc + A·B by wgmma.mma_async m64nNk16 (N = 2 · len(acc)), BF16 → FP32 (``accumulate``

@@ -47,9 +47,11 @@ By expert (``by_expert``: past one wave where a CTA holds a whole expert, the TP
 512; :func:`~.plan.call_plan`): the grid is the rank's E/TP experts, ``spread`` CTAs each,
 one wave. A CTA knows its expert at launch, so its whole stream is in flight before the
 wait; then it lists the expert's tokens (masks, warp 0's ballots, in token order), takes
-share s of ``spread`` of them and serves them T at a time over the weights in shared
-memory, the same steps 1-3; CTA c writes the zero rows of pairs c, c + grid, … that no
-expert of the rank serves. No CTA is spent on a pair another serves (the pair grid's ~700
+share s of ``spread`` of them and serves them T = 8 at a time over the weights in shared
+memory, the same steps 1-3, step 1 on tensor cores (:meth:`RoutedExperts.gate_mma`: FP64
+mma, each product exact, every token slot of the pass at once, where the per-token FMA
+chains each waited for the one before); CTA c writes the zero rows of pairs c, c + grid, …
+that no expert of the rank serves. No CTA is spent on a pair another serves (the pair grid's ~700
 of 1024 CTAs at the TP8 rank's B = 64 each ran a prologue for nothing).
 
 ``counted`` (the decoder's routing beside the fused shared expert, runtime/prepared.py):
@@ -85,7 +87,9 @@ from ..ptx import (
     bulk_copy,
     l2_evict_first,
     load_shared,
+    load_shared_doubles,
     load_words,
+    mma_f64,
     pack_values,
     store_shared_doubles,
     store_word,
@@ -95,6 +99,7 @@ from .plan import (
     GATE_ROWS,
     MAX_BATCH,
     MAX_THREADS,
+    MMA_TOKENS,
     cluster_size,
     slot_words,
     smem_bytes,
@@ -137,7 +142,8 @@ class RoutedExperts:
                               default=1)
         self.threads = self.groups * self.group_threads
         self.warps = self.threads // 32
-        assert not by_expert or (self.cluster == 1 and self.depth == self.chunks), "by expert: whole experts a CTA"
+        assert not by_expert or (self.cluster == 1 and self.depth == self.chunks and tokens == MMA_TOKENS), \
+            "by expert: whole experts a CTA, passes of the mma's N tokens"
 
     def smem_bytes(self, depth: int | None = None) -> int:
         """What :meth:`allocate` takes with a ring of ``depth`` (ours by default)."""
@@ -326,6 +332,17 @@ class RoutedExperts:
         policy = l2_evict_first()
         self.stash_latent(latent, xs, matched, first, count, part, tid)  # every gate/up chunk reads them
         group, local = tid // self.group_threads, tid % self.group_threads
+        if cutlass.const_expr(self.by_expert):  # the whole expert in shared memory: step 1 at once, then the down
+            for chunk in cutlass.range_constexpr(self.gate_chunks):
+                cute.arch.mbarrier_wait(full + chunk, 0)
+            self.gate_mma(xs, ring, parts, tid)
+            cute.arch.sync_threads()
+            self.activate(parts, received, hidden, acts, part, tid)
+            for chunk in cutlass.range(self.gate_chunks + group, self.chunks, self.groups, unroll=1):
+                cute.arch.mbarrier_wait(full + chunk, 0)
+                self.down_chunk(out, ring + chunk * self.slot_words, acts, masks, matched, first, count, part,
+                                chunk - self.gate_chunks, local)
+            return
         for chunk in cutlass.range(group, self.chunks, self.groups, unroll=1):
             slot = chunk % self.depth
             cute.arch.mbarrier_wait(full + slot, (chunk // self.depth) % 2)
@@ -417,6 +434,34 @@ class RoutedExperts:
                 total = butterfly(totals[n], 32, stride=GATE_ROWS)  # the warp's lanes of row r
                 if tid % 32 < GATE_ROWS:
                     parts[n, chunk * GATE_ROWS + r, tid // 32] = total
+
+    @cute.jit
+    def gate_mma(self, xs, ring, parts, tid):
+        """By expert, step 1 for the pass's T = 8 token slots at once by FP64 mma (m8n8k4:
+        each product exact, as :meth:`gate_chunk`'s): a warp's task is 8 gate/up rows over
+        a group warp's share of the columns (its sums go where that warp's would, so
+        :meth:`activate` adds them alike). K goes in blocks of 4 packets, k-step s of a
+        block taking value s of the packet of lane % 4, so A (the widened weights) and B
+        (the stashed latent) are a 16-byte load a lane each 8 k-steps; two accumulators
+        take alternate k-steps, added at the end. Slots past the pass's count read stale
+        xs: D's column n is B's column n alone, and those sums are never used."""
+        warp, lane = tid // 32, tid % 32
+        splits, blocks = self.group_warps, self.packets // 4
+        token = lane // 4  # B's column
+        for task in cutlass.range(warp, 2 * self.intermediate // 8 * splits, self.warps, unroll=1):
+            split = task % splits
+            row = task // splits * 8 + lane // 4  # A's row
+            weights_row = ring + row // GATE_ROWS * self.slot_words + row % GATE_ROWS * self.row_words
+            even0, even1, odd0, odd1 = Float64(0.0), Float64(0.0), Float64(0.0), Float64(0.0)
+            for block in cutlass.range(split * blocks // splits, (split + 1) * blocks // splits, unroll=1):
+                packet = block * 4 + lane % 4
+                weights = widened_packet(load_shared(weights_row + packet * 4))
+                for q in cutlass.range_constexpr(4):
+                    low, high = load_shared_doubles(xs + ((token * 4 + q) * self.packets + packet) * 2)
+                    even0, even1 = mma_f64(weights[2 * q], low, (even0, even1))
+                    odd0, odd1 = mma_f64(weights[2 * q + 1], high, (odd0, odd1))
+            parts[2 * (lane % 4), row, split] = even0 + odd0
+            parts[2 * (lane % 4) + 1, row, split] = even1 + odd1
 
     @cute.jit
     def activate(self, parts, received, hidden, acts, part, tid):

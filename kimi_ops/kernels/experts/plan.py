@@ -10,6 +10,7 @@ from ..launch import SMEM_BYTES, multiprocessors
 GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)
 MAX_CLUSTER = 8  # portable cluster size
 TOKENS = 4  # the most tokens a CTA serves in its pass over the expert's weights past one wave (call_plan)
+MMA_TOKENS = 8  # by expert: a pass's tokens, the N of step 1's FP64 mma (kernels.RoutedExperts.gate_mma)
 MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
@@ -85,22 +86,22 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     expert instead (``experts``: E; :func:`spread_for`): one wave, each CTA's weights in
     flight before the wait, no CTA for a pair another serves."""
     cluster = cluster_for(latent, intermediate, batch, device, tp)
-    _, shared, past, _ = variants(latent, intermediate)
+    _, shared, past, by_expert = variants(latent, intermediate)
     if one_wave(batch, cluster, device, tp):
         return CallPlan(cluster, 1, 1, True)
     if shared and one_wave(batch, 1, device, tp, shared[1]):
         return CallPlan(*shared[:3], False)
     spread = spread_for(latent, intermediate, experts // tp, device)
-    return CallPlan(*past[:3], spread > 0, spread)
+    return CallPlan(*by_expert[:3], True, spread) if spread else CallPlan(*past[:3], False)
 
 
 def spread_for(latent: int, intermediate: int, per_rank: int, device: int) -> int:
     """By expert (the rank's experts known at launch, each streamed before the wait, its
-    tokens served in passes of TOKENS over its weights in shared memory): the CTAs an
+    tokens served in passes of MMA_TOKENS over its weights in shared memory): the CTAs an
     expert, up to MAX_SPREAD, at which the rank's experts fit the SMs at once at
     :func:`per_sm_for`'s CTAs an SM, where a CTA holds its expert's whole slice; 0 where
     none does (kimi_k3's 344 KB experts)."""
-    per_sm = per_sm_for(latent, intermediate, TOKENS)
+    per_sm = per_sm_for(latent, intermediate, MMA_TOKENS)
     if per_rank <= 0 or not whole_slice(latent, intermediate, per_sm):
         return 0
     return min(MAX_SPREAD, per_sm * multiprocessors(device) // per_rank)
@@ -108,20 +109,22 @@ def spread_for(latent: int, intermediate: int, per_rank: int, device: int) -> in
 
 @functools.cache
 def whole_slice(latent: int, intermediate: int, per_sm: int) -> bool:
-    """A CTA of a cluster of one serving TOKENS tokens holds the whole expert at ``per_sm`` CTAs an SM."""
-    return smem_bytes(latent, intermediate, 1, TOKENS, 3 * intermediate // GATE_ROWS) <= smem_share(per_sm)
+    """A CTA of a cluster of one serving passes of MMA_TOKENS tokens holds the whole expert at
+    ``per_sm`` CTAs an SM."""
+    return smem_bytes(latent, intermediate, 1, MMA_TOKENS, 3 * intermediate // GATE_ROWS) <= smem_share(per_sm)
 
 
 @functools.cache
 def variants(latent: int, intermediate: int) -> tuple:
     """:func:`call_plan`'s variants past C: in one wave (C, 1 an SM, T = 1); while the pairs
     fit :func:`per_sm_for` CTAs an SM (None where that is one) (1, that many, 1); past that
-    (1, :func:`per_sm_for`'s at TOKENS, TOKENS), or by expert at it (None where a CTA does
-    not hold the whole expert)."""
+    (1, :func:`per_sm_for`'s at TOKENS, TOKENS), or by expert (1, :func:`per_sm_for`'s at
+    MMA_TOKENS, MMA_TOKENS; None where a CTA does not hold the whole expert)."""
     shared = per_sm_for(latent, intermediate, 1)
     past = (1, per_sm_for(latent, intermediate, TOKENS), TOKENS)
+    by_expert = (1, per_sm_for(latent, intermediate, MMA_TOKENS), MMA_TOKENS)
     return ((cluster_size(latent, intermediate), 1, 1, False), (1, shared, 1, False) if shared > 1 else None,
-            (*past, False), (*past, True) if whole_slice(latent, intermediate, past[1]) else None)
+            (*past, False), (*by_expert, True) if whole_slice(latent, intermediate, by_expert[1]) else None)
 
 
 @functools.cache
