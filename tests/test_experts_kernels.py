@@ -160,6 +160,51 @@ def test_by_expert_writes_every_row_once(batch, tp, rank, spread):
     assert written.tolist() == [1] * (batch * 16)
 
 
+@pytest.mark.parametrize("latent, intermediate", [(512, 16), (640, 8), (320, 16), (64, 8)])
+def test_gate_mma_sums_every_product_once(latent, intermediate):
+    """CPU model of RoutedExperts.gate_mma's fragments (mma m8n8k4: lane l holds A[l // 4,
+    l % 4], B[l % 4, l // 4], D[l // 4, 2·(l % 4) + i]): the warps' tasks over a by-expert
+    variant's rows and K blocks, the weights' row in the ring, the stash's [T, 4, P, 2]
+    layout; summed over the group warps (activate's order) the parts are W·Xᵀ for every
+    token slot, an uneven split of the blocks included (640: 20 blocks over 3 warps)."""
+    per_sm = experts_plan.per_sm_for(latent, intermediate, experts_plan.MMA_TOKENS)
+    kernel = experts_kernels.RoutedExperts(latent, intermediate, 1, per_sm, experts_plan.MMA_TOKENS, by_expert=True)
+    packets, splits, tokens = kernel.packets, kernel.group_warps, kernel.tokens
+    gen = torch.Generator().manual_seed(latent)
+    weights = torch.randn(2 * intermediate, latent, generator=gen, dtype=torch.float64)
+    latents = torch.randn(tokens, latent, generator=gen, dtype=torch.float64)
+    ring = torch.zeros(kernel.depth * kernel.slot_words * 2)  # BF16 values: a word holds two
+    for row in range(2 * intermediate):
+        start = (row // experts_plan.GATE_ROWS * kernel.slot_words + row % experts_plan.GATE_ROWS * kernel.row_words) * 2
+        ring[start:start + latent] = weights[row].float()
+    ring = ring.double()
+    xs = torch.zeros(8 * tokens * packets, dtype=torch.float64)
+    for n in range(tokens):
+        for column in range(latent):
+            c, r = divmod(column, 8)
+            xs[((n * 4 + r // 2) * packets + c) * 2 + r % 2] = latents[n, column]
+    parts = torch.zeros(tokens, 2 * intermediate, splits, dtype=torch.float64)
+    blocks = packets // 4
+    for warp in range(kernel.warps):
+        for task in range(warp, 2 * intermediate // 8 * splits, kernel.warps):
+            split, rows = task % splits, [task // splits * 8 + lane // 4 for lane in range(32)]
+            d = torch.zeros(8, 8, dtype=torch.float64)
+            for block in range(split * blocks // splits, (split + 1) * blocks // splits):
+                for s in range(8):  # k-step s: value s of lane % 4's packet
+                    a, b = torch.zeros(8, 4, dtype=torch.float64), torch.zeros(4, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        packet, row = block * 4 + lane % 4, rows[lane]
+                        start = row // experts_plan.GATE_ROWS * kernel.slot_words + row % experts_plan.GATE_ROWS * kernel.row_words
+                        a[lane // 4, lane % 4] = ring[(start + packet * 4) * 2 + s]
+                        b[lane % 4, lane // 4] = xs[((lane // 4 * 4 + s // 2) * packets + packet) * 2 + s % 2]
+                    d += a @ b
+            for lane in range(32):
+                for i in range(2):
+                    parts[2 * (lane % 4) + i, rows[lane], split] = d[lane // 4, 2 * (lane % 4) + i]
+    want = latents @ weights.float().double().T
+    torch.testing.assert_close(parts.sum(-1), want, rtol=1e-12, atol=1e-12)
+
+
 def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
