@@ -8,7 +8,10 @@
 # Each arm runs from its own tree with a kernel cache of its own (KIMI_OPS_CACHE_DIR plus
 # /head or /REV: the trees' sources differ), N times each, head first, then each baseline in
 # turn; logs to ${OUT:-/tmp/ab}/{head,REV}_I.txt, each arm's last lines printed. Per-run
-# limit: T=300 s.
+# limit: T=300 s. bench_layer's caches can be compiled here first, without a GPU, and
+# carried (.gpu/cache: the device then loads instead of compiling, ~50 s an arm):
+#   bash scripts/ab.sh warm --tp8-rank     # here: .gpu/cache/{head,REV} (benchmarks/warm_cache.py)
+#   KIMI_OPS_CACHE_DIR=$PWD/.gpu/cache bash scripts/ab.sh run 2 -m benchmarks.bench_layer --tp8-rank ...
 set -u
 case "${1:-}" in
   base)
@@ -22,6 +25,16 @@ case "${1:-}" in
       rm -rf ".gpu/base/$short/benchmarks/results"  # plots and JSON: not needed to run, and they count against carry
       echo "$short in .gpu/base/$short"
     done
+    ;;
+  warm)
+    shift
+    root=$PWD; bases=$(cd .gpu/base 2> /dev/null && ls -d */ 2> /dev/null | tr -d /)
+    for arm in head $bases; do
+      tree=$root; [ "$arm" = head ] || tree=$root/.gpu/base/$arm
+      (cd "$tree" && PYTHONPATH=$tree CUTE_DSL_ARCH=sm_90a KIMI_OPS_CACHE_DIR=$root/.gpu/cache/$arm \
+        python3 "$root/benchmarks/warm_cache.py" "$@") || exit 1
+    done
+    du -sh .gpu/cache
     ;;
   run)
     runs=${2:?how many runs an arm}; shift 2
@@ -37,6 +50,6 @@ case "${1:-}" in
     tail -n "${LINES_SHOWN:-8}" "$OUT"/head_*.txt $(for rev in $bases; do echo "$OUT/${rev}_"*.txt; done)
     ;;
   *)
-    echo "usage: scripts/ab.sh base REV [REV …] | scripts/ab.sh run N PYTHON_ARGS..."; exit 2
+    echo "usage: scripts/ab.sh base REV [REV …] | scripts/ab.sh warm [--tp8-rank] | scripts/ab.sh run N PYTHON_ARGS..."; exit 2
     ;;
 esac
