@@ -15,7 +15,12 @@ call of a graph reading its own weight copy (the copies exceed the H200's L2):
   into every box (the reference's way).
 
     python -m benchmarks.bench_projection [--tp 1 2 8] [--shapes o_proj front ...] [--batches 1 8 64] [--autotune]
-        [--quack]
+        [--quack] [--partitions [--compile-only]]
+
+``--partitions``: instead, every (N, K)'s GEMM (``kimi::oproj``'s kernel) by each partition of
+its weight whose grid is resident (tiles a CTA × K split, ``kernels.gemm.plan.partitions``),
+the plan's marked; ``--compile-only`` compiles those variants into the kernel cache and
+exits (no GPU needed: CUTE_DSL_ARCH=sm_90a; carry the cache to the device).
 """
 
 import argparse
@@ -80,17 +85,68 @@ def compile_one(key: tuple) -> None:
     host.compile_gemm(*key)
 
 
-def prepare(jobs: int) -> None:
-    """Compile every variant at every bucket into the disk cache, ``jobs`` processes at once
-    (one process compiles one at a time: about 1.5 s each)."""
+def prepare(jobs: int, keys=None) -> None:
+    """Compile ``keys`` (compile_gemm's; by default every variant at every bucket) into the
+    disk cache, ``jobs`` processes at once (one process compiles one at a time: about 1.5 s each)."""
     import concurrent.futures
     import multiprocessing
 
     from kimi_ops.kernels.gemm.plan import TOKEN_TILES
 
-    keys = [compile_key(*v, t) for v in variants() for t in TOKEN_TILES]
+    keys = keys or [compile_key(*v, t) for v in variants() for t in TOKEN_TILES]
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(compile_one, keys))
+
+
+def resident_partitions(n: int, k: int, batch: int) -> list[tuple[int, int]]:
+    """(tiles, split) of every partition of an (N, K) weight whose grid is resident at once at
+    ``batch``'s bucket (the plan picks among them) and whose ring fits."""
+    from kimi_ops.kernels.gemm.plan import RESIDENT, GemmPlan, partitions, token_tile
+
+    tokens, found = token_tile(batch), []
+    for (split, tiles), (ctas, _) in sorted(partitions(n, k, tokens).items()):
+        try:
+            GemmPlan(n, k, tokens, (tiles, split))
+        except ValueError:
+            continue
+        if ctas <= RESIDENT[split]:
+            found.append((tiles, split))
+    return found
+
+
+def partition_keys(shapes, batches) -> list[tuple]:
+    """compile_gemm's keys of :func:`partition_rows`' variants."""
+    from kimi_ops.kernels.gemm.plan import token_tile
+
+    return sorted({(n, k, token_tile(b), False, 0, 0, False, None, parts)
+                   for _, n, k, _ in shapes for b in batches for parts in resident_partitions(n, k, b)})
+
+
+def partition_rows(name: str, n: int, k: int, tp: int, batches) -> list[tuple]:
+    """``kimi::oproj``'s kernel at (N, K) by each of :func:`resident_partitions`, µs a call
+    timed as :func:`measure` times it; the plan's partition marked."""
+    from kimi_ops.kernels.gemm import host
+    from kimi_ops.kernels.gemm.plan import partition, token_tile
+
+    weights, calls = weight_copies(n, k)
+    rows = []
+    for batch in batches:
+        x = torch.randn(batch, k, device="cuda").bfloat16()
+        chosen = partition(n, k, token_tile(batch))
+        for parts in resident_partitions(n, k, batch):
+            variant = host.forced_variant(n, k, batch, parts)
+            us = graph_us(rotating(lambda w, variant=variant: host.OprojKernel.rows(variant, x, w), weights), calls=calls)
+            rows.append((f"{name}/TP{tp}", batch, "{}×{}".format(*parts), -(-n // (64 * parts[0])) * parts[1], us,
+                         "*" if parts == chosen else "", n * k * 2 / HBM_BYTES_PER_US))
+    return rows
+
+
+def weight_copies(n: int, k: int) -> tuple[list[torch.Tensor], int]:
+    """Copies of an (N, K) weight that together exceed L2 (each call of a graph reads its
+    own), and the calls a timing takes."""
+    gen = torch.Generator(device="cuda").manual_seed(n * k)
+    copies = max(2, int(L2_BYTES // (n * k * 2)) + 1)
+    return [torch.randn(n, k, device="cuda", generator=gen).bfloat16() * k**-0.5 for _ in range(copies)], max(20, copies)
 
 
 def boxes_for(op: str, n: int, n_logits: int, tp: int, capacity: int = 64) -> list[torch.Tensor]:
@@ -139,10 +195,8 @@ def copier(op: str, n_logits: int, boxes, rank: int = 0):
 
 
 def measure(name, op, n, k, n_logits, tp, batches, autotune) -> list[tuple]:
-    gen = torch.Generator(device="cuda").manual_seed(n * k)
-    copies = max(2, int(L2_BYTES // (n * k * 2)) + 1)
-    weights = [torch.randn(n, k, device="cuda", generator=gen).bfloat16() * k**-0.5 for _ in range(copies)]
-    calls = max(20, copies)
+    gen = torch.Generator(device="cuda").manual_seed(n * k + 1)
+    weights, calls = weight_copies(n, k)
     matmul = lambda x, w: x @ w.T  # noqa: E731
     compiled = torch.compile(matmul, mode="max-autotune-no-cudagraphs", dynamic=False) if autotune else None
     rows = []
@@ -200,9 +254,22 @@ def main(argv=None) -> None:
     parser.add_argument("--autotune", action="store_true")
     parser.add_argument("--quack", action="store_true", help="quack-kernels' tuned GEMM column (pip install -e '.[bench]')")
     parser.add_argument("--prepare", type=int, default=0, help="first compile every variant in this many processes")
+    parser.add_argument("--partitions", action="store_true", help="each (N, K) by every resident partition instead")
+    parser.add_argument("--compile-only", action="store_true", help="--partitions: compile its variants, then exit")
     args = parser.parse_args(argv)
     if args.quack and importlib.util.find_spec("quack") is None:
         raise SystemExit("--quack needs quack-kernels: pip install -e '.[bench]'")
+    if args.partitions:
+        shapes = sorted({(name, n, k, tp) for tp in args.tp for name, _, n, k, _ in projections(tp)
+                         if not args.shapes or name in args.shapes}, key=lambda s: (s[3], s[0]))
+        shapes = [s for i, s in enumerate(shapes) if (s[1], s[2]) not in {(t[1], t[2]) for t in shapes[:i]}]
+        if args.compile_only:
+            prepare(args.prepare or os.cpu_count() or 1, partition_keys(shapes, args.batches))
+            return
+        print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, L2-cold weights")
+        print_table([row for name, n, k, tp in shapes for row in partition_rows(name, n, k, tp, args.batches)],
+                    ("shape", "B", "tiles×split", "CTAs", "µs", "plan", "floor"))
+        return
     if args.prepare:
         prepare(args.prepare)
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, L2-cold weights")

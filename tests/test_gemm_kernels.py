@@ -366,6 +366,31 @@ def test_oproj_kernel(n, k, batch):
     assert torch.equal(got, kimi.oproj(x, w))  # bit-identical across runs
 
 
+def test_forced_partitions_are_the_plans_choices_and_compile(clean_ptxas):
+    """bench_projection --partitions: the plan's partition is among the resident ones it
+    times; a forced one (the stacked GEMM at 64 tokens in clusters of 4, not the plan's)
+    compiles clean, as its own cache key."""
+    for n, k in ((1696, 7168), (7168, 1536), (560, 7168)):
+        for batch in (32, 64):
+            assert gemm_plans.partition(n, k, gemm_plans.token_tile(batch)) in bench.resident_partitions(n, k, batch)
+    assert (1, 4) != gemm_plans.partition(1696, 7168, 64)
+    assert gemm.compile_gemm.build(1696, 7168, 64, False, 0, 0, False, None, (1, 4)) is not None
+    clean_ptxas()
+    assert gemm.plan_of(1696, 7168, 64, None, (1, 4)).split == 4
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", [17, 64])
+def test_forced_partitions_give_the_oproj(batch):
+    """Every resident partition of the stacked GEMM's weight gives kimi::oproj's rows."""
+    n, k = 1696, 7168
+    x, w = inputs(batch, n, k, seed=batch)
+    want = reference(kimi.oproj, x, w)
+    for parts in bench.resident_partitions(n, k, batch):
+        poisoned_pool((batch, n))
+        assert_gemm_close(gemm.OprojKernel.rows(gemm.forced_variant(n, k, batch, parts), x, w), want, x, w)
+
+
 def test_a_single_row_gets_a_stride_tma_takes():
     """x goes to the engine by TMA: a [1, K] row with torch's arbitrary stride (a transposed
     column: (1, 1)) gets the compact one, the same data; other rows stay as they are."""

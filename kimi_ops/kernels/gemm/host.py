@@ -41,7 +41,8 @@ from .shared import SharedExpert, SharedPlan
 
 @compiled
 def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int = 0, tp: int = 0,
-                 scatter: bool = False, situ: tuple | None = None):
+                 scatter: bool = False, situ: tuple | None = None, parts: tuple[int, int] | None = None):
+    """``parts``: (tiles, split) instead of the plan's (:func:`forced_variant`)."""
     batch = cute.sym_int()
     if tp or not front:
         rows = fake(BFloat16, (batch, n // 2 if situ else n))
@@ -50,7 +51,7 @@ def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int
         latent = fake(BFloat16, (batch, n - n_logits)) if n > n_logits else fake(BFloat16, (1, 1))
         logits = fake(Float32, (batch, n_logits)) if n_logits else fake(Float32, (1, 1))
     return cute.compile(
-        DecodeGemm(plan_of(n, k, tokens, situ), Outputs(n, front, n_logits, tp, scatter, situ)),
+        DecodeGemm(plan_of(n, k, tokens, situ, parts), Outputs(n, front, n_logits, tp, scatter, situ)),
         fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)), latent, logits, fake(Int64, (max(tp, 1),), align=8),
         Int32(0), Int32(0), Int32(0), fake_stream(), options=compile_options(),
     )
@@ -61,9 +62,10 @@ def owned_rows(situ) -> int:
     return 2 * PAIRED if situ else 8
 
 
-def plan_of(n: int, k: int, tokens: int, situ) -> GemmPlan:
-    """A variant's plan: its CTAs own whole packets, or situ's pairs of them."""
-    return gemm_plan(n, k, tokens, owned_rows(situ))
+def plan_of(n: int, k: int, tokens: int, situ, parts: tuple[int, int] | None = None) -> GemmPlan:
+    """A variant's plan: its CTAs own whole packets, or situ's pairs of them; ``parts``:
+    (tiles, split) instead of :func:`~.plan.partition`'s."""
+    return GemmPlan(n, k, tokens, parts) if parts else gemm_plan(n, k, tokens, owned_rows(situ))
 
 
 def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0, owned: int = 8) -> str | None:
@@ -103,6 +105,14 @@ def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
         raise Unsupported(f"the reduce-scatter epilogue stores a CTA's {plan.owned} rows into one owner: "
                           f"N/TP must be a multiple of them (N={n}, TP={outputs[2]})")
     return engine_variant(lambda: compile_gemm(n, k, tokens, *outputs), plan)
+
+
+def forced_variant(n: int, k: int, batch: int, parts: tuple[int, int]) -> Variant:
+    """``kimi::oproj``'s variant at ``batch`` tokens with the weight partitioned as ``parts``
+    (tiles, split) instead of :func:`~.plan.partition`'s (bench_projection --partitions)."""
+    tokens = token_tile(batch)
+    return engine_variant(lambda: compile_gemm(n, k, tokens, False, 0, 0, False, None, parts),
+                          plan_of(n, k, tokens, None, parts))
 
 
 def engine_variant(kernel, plan: GemmPlan) -> Variant:
@@ -149,9 +159,14 @@ class OprojKernel(GemmKernel):
         self.prepare_buckets(n, k, (), batches)
 
     def __call__(self, x, w):
+        return self.rows(self.variant(x, w), x, w)
+
+    @staticmethod
+    def rows(variant: Variant, x, w):
+        """x · wᵀ by ``variant`` (the call's, or a :func:`forced_variant`)."""
         out = x.new_empty((x.shape[0], w.shape[0]))
         if x.shape[0]:
-            self.variant(x, w).run(x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0)
+            variant.run(x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0)
         return out
 
 
