@@ -51,10 +51,20 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(
             floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
             times = []
             plan = experts_plan.call_plan(width, intermediate, batch, 0, 1, count)
+            _, _, pairs, by_expert = experts_plan.variants(width, intermediate)
             for cluster, per_sm, tokens, spread in ((c, p, t, s) for c in clusters for p in per_sms
                                                     for t in tokens_list for s in spreads):
-                cluster, per_sm, tokens = cluster or plan.cluster, per_sm or plan.per_sm, tokens or plan.tokens
-                spread = max(spread or plan.spread, 0)
+                if spread > 0:
+                    own = by_expert and by_expert[:3]  # by expert (T: the mma's N)
+                elif spread < 0 and plan.spread:
+                    own = pairs[:3]  # a cluster a pair where the call goes by expert
+                else:
+                    own = plan.variant[:3]
+                spread = plan.spread if spread == 0 else max(spread, 0)
+                if not own or (spread and (tokens or own[2]) != experts_plan.MMA_TOKENS):
+                    times.append("-")  # no such variant
+                    continue
+                cluster, per_sm, tokens = cluster or own[0], per_sm or own[1], tokens or own[2]
                 key = (width, intermediate, cluster, per_sm, tokens, spread > 0, False)
                 launch = experts.compile_routed_experts(*key)  # the adapter's cache key
                 wave = spread > 0 or experts_plan.one_wave(batch, cluster, 0, 1)

@@ -260,9 +260,11 @@ def main(argv=None) -> None:
     if args.quack and importlib.util.find_spec("quack") is None:
         raise SystemExit("--quack needs quack-kernels: pip install -e '.[bench]'")
     if args.partitions:
-        shapes = sorted({(name, n, k, tp) for tp in args.tp for name, _, n, k, _ in projections(tp)
-                         if not args.shapes or name in args.shapes}, key=lambda s: (s[3], s[0]))
-        shapes = [s for i, s in enumerate(shapes) if (s[1], s[2]) not in {(t[1], t[2]) for t in shapes[:i]}]
+        shapes = []  # each (N, K) once
+        for tp in args.tp:
+            for name, _, n, k, _ in projections(tp):
+                if (not args.shapes or name in args.shapes) and (n, k) not in [s[1:3] for s in shapes]:
+                    shapes.append((name, n, k, tp))
         if args.compile_only:
             prepare(args.prepare or os.cpu_count() or 1, partition_keys(shapes, args.batches))
             return

@@ -327,7 +327,7 @@ def test_routed_experts_kernel_with_extreme_finite_values(batch):
     keep every finite product exact: ±0, BF16 denormals, the smallest normal and large
     weights among the trained-like ones, and the largest BF16 latent values, met by the
     smallest denormal weight (a product of ~0.03); in one wave (B = 6), one token a CTA at
-    two an SM (16), and TOKENS a CTA (40)."""
+    two an SM (16), and by expert (40: passes of MMA_TOKENS, step 1 by FP64 mma)."""
     latent, ids, gate_up, down = args_of(batch, TINY, seed=11 + batch)
     gen = torch.Generator().manual_seed(batch)
     specials = torch.tensor([0.0, -0.0, 2.0**-133, -(2.0**-130), 2.0**-126, 2.0**20]).bfloat16()
@@ -349,9 +349,9 @@ def test_routed_experts_kernel_with_extreme_finite_values(batch):
 @pytest.mark.parametrize("batch", [33, experts_plan.MAX_BATCH])
 def test_routed_experts_kernel_shared_experts_and_wide_batches(batch):
     """L = 64, I = 8 (a CTA the expert, 8 threads with packets a group) at batches past the mask loop's
-    stride and at the kernel's largest: every token on the same 16 experts (each served
-    by ⌈B/TOKENS⌉ CTAs), and a repeated id in a token that leads its CTA (8) and in one
-    that does not (5): both its rows written, the later tokens' ordinals one fewer."""
+    stride and at the kernel's largest: every token on the same 16 experts (by expert: each
+    expert's B tokens shared by its CTAs, in passes of MMA_TOKENS), and a repeated id in
+    two tokens (5, 8): both its rows written, the later tokens' places one fewer."""
     args = args_of(batch, (64, 8, 48), seed=batch)
     args[1][5, 7], args[1][8, 9] = args[1][5, 2], args[1][8, 1]
     served_by_the_kernel(*args, 2, 3)
