@@ -41,10 +41,11 @@ def test_routed_experts_compiles(latent, intermediate, cluster, per_sm, tokens, 
     clean_ptxas()
 
 
-@pytest.mark.parametrize("latent, intermediate", [(512, 16), (128, 16), (64, 8), (320, 16)])
+@pytest.mark.parametrize("latent, intermediate", [(512, 16), (128, 16), (64, 8), (320, 16), (1280, 16)])
 @pytest.mark.parametrize("counted", [False, True])
 def test_routed_experts_by_expert_compiles(latent, intermediate, counted, clean_ptxas):
-    """The grid by expert (call_plan's past one wave where a CTA holds a whole expert)."""
+    """The grid by expert (call_plan's past one wave where a CTA holds a whole expert; 1280:
+    at one CTA an SM, 512 threads)."""
     per_sm = experts_plan.per_sm_for(latent, intermediate, experts_plan.MMA_TOKENS)
     assert experts_plan.whole_slice(latent, intermediate, per_sm)
     assert experts.compile_routed_experts.build(latent, intermediate, 1, per_sm, experts_plan.MMA_TOKENS, True,
