@@ -9,7 +9,8 @@
 # /head or /REV: the trees' sources differ), N times each, head first, then each baseline in
 # turn; logs to ${OUT:-/tmp/ab}/{head,REV}_I.txt, each arm's last lines printed. Per-run
 # limit: T=300 s. bench_layer's caches can be compiled here first, without a GPU, and
-# carried (.gpu/cache: the device then loads instead of compiling, ~50 s an arm):
+# carried (.gpu/cache: the device then loads instead of compiling, ~50 s an arm; 3.4 MB an
+# arm, and what travels is at most 64 MiB with .gpu/b's 47.7 MB: carry the arms that fit):
 #   bash scripts/ab.sh warm --tp8-rank     # here: .gpu/cache/{head,REV} (benchmarks/warm_cache.py)
 #   KIMI_OPS_CACHE_DIR=$PWD/.gpu/cache bash scripts/ab.sh run 2 -m benchmarks.bench_layer --tp8-rank ...
 set -u
