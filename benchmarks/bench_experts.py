@@ -66,7 +66,11 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(
                     continue
                 cluster, per_sm, tokens = cluster or own[0], per_sm or own[1], tokens or own[2]
                 key = (width, intermediate, cluster, per_sm, tokens, spread > 0, False)
-                launch = experts.compile_routed_experts(*key)  # the adapter's cache key
+                try:
+                    launch = experts.compile_routed_experts(*key)  # the adapter's cache key
+                except ValueError:  # its CTA does not fit the SM share asked
+                    times.append("-")
+                    continue
                 wave = spread > 0 or experts_plan.one_wave(batch, cluster, 0, 1)
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, unused, error, batch, 0,

@@ -233,6 +233,8 @@ def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
                 assert (tokens == 1 and per_sm == 1) or kernel.depth >= experts_plan.MIN_RING  # past one wave
             # the whole slice in flight in one wave
             assert experts_kernels.RoutedExperts(latent, intermediate, None, 1, 1).depth == kernel.chunks
+    with pytest.raises(ValueError, match="does not fit 1/2 of an SM"):  # kimi_k3's FP64 stash at T = 4
+        experts_kernels.RoutedExperts(3584, 16, 1, 2, experts_plan.TOKENS)
     assert "multiple of 8" in experts.unsupported_shape(3584, 12, 1)
     assert "[8, 16]" in experts.unsupported_shape(3584, 32, 1)  # KimiConfig.tiny's I: the reference
     assert "multiple of 64" in experts.unsupported_shape(100, 16, 1)

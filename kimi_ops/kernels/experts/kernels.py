@@ -131,7 +131,10 @@ class RoutedExperts:
         self.row_words = self.slot_words // GATE_ROWS  # a gate/up row in a slot
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
         # the whole slice in flight where it fits (a B ≤ 8 step is the stream's latency)
-        self.depth = max(d for d in range(1, self.chunks + 1) if self.smem_bytes(d) <= smem_share(per_sm))
+        self.depth = max((d for d in range(1, self.chunks + 1) if self.smem_bytes(d) <= smem_share(per_sm)), default=0)
+        if not self.depth:
+            raise ValueError(f"the routed experts' CTA does not fit 1/{per_sm} of an SM's shared memory with a ring "
+                             f"(L={latent}, I={intermediate}, C={self.cluster}, T={tokens})")
         # With the whole slice in flight, groups of P threads take chunks g, g + G, … at once
         # (a chunk's serial ~400 clocks, benchmarks/NOTES.md, G times fewer); a ring shorter
         # than the stream is one group's, its slots re-issued in chunk order
