@@ -165,9 +165,11 @@ def test_by_expert_writes_every_row_once(batch, tp, rank, spread):
 def test_gate_mma_sums_every_product_once(latent, intermediate):
     """CPU model of RoutedExperts.gate_mma's fragments (mma m8n8k4: lane l holds A[l // 4,
     l % 4], B[l % 4, l // 4], D[l // 4, 2·(l % 4) + i]): the warps' tasks over a by-expert
-    variant's rows and K blocks, the weights' row in the ring, the stash's [T, 4, P, 2]
-    layout; summed over the group warps (activate's order) the parts are W·Xᵀ for every
-    token slot, an uneven split of the blocks included (640: 20 blocks over 3 warps)."""
+    variant's rows (A's rows permuted) and K blocks, the weights' row in the ring, the
+    stash's [T, 4, P, 2] layout (tokens token_doubles apart); summed over the group warps
+    (activate's order) the parts are W·Xᵀ for every token slot, an uneven split of the
+    blocks included (640: 20 blocks over 3 warps). Each quarter warp's 16-byte loads of A
+    and of B fall in 32 distinct banks."""
     per_sm = experts_plan.per_sm_for(latent, intermediate, experts_plan.MMA_TOKENS)
     kernel = experts_kernels.RoutedExperts(latent, intermediate, 1, per_sm, experts_plan.MMA_TOKENS, by_expert=True)
     packets, splits, tokens = kernel.packets, kernel.group_warps, kernel.tokens
@@ -179,25 +181,34 @@ def test_gate_mma_sums_every_product_once(latent, intermediate):
         start = (row // experts_plan.GATE_ROWS * kernel.slot_words + row % experts_plan.GATE_ROWS * kernel.row_words) * 2
         ring[start:start + latent] = weights[row].float()
     ring = ring.double()
-    xs = torch.zeros(8 * tokens * packets, dtype=torch.float64)
+    xs = torch.zeros(tokens * kernel.token_doubles, dtype=torch.float64)
     for n in range(tokens):
         for column in range(latent):
             c, r = divmod(column, 8)
-            xs[((n * 4 + r // 2) * packets + c) * 2 + r % 2] = latents[n, column]
+            xs[n * kernel.token_doubles + (r // 2 * packets + c) * 2 + r % 2] = latents[n, column]
     parts = torch.zeros(tokens, 2 * intermediate, splits, dtype=torch.float64)
     blocks = packets // 4
     for warp in range(kernel.warps):
         for task in range(warp, 2 * intermediate // 8 * splits, kernel.warps):
-            split, rows = task % splits, [task // splits * 8 + lane // 4 for lane in range(32)]
+            g = [lane // 4 for lane in range(32)]
+            split, rows = task % splits, [task // splits * 8 + (a & 4) + (a & 1) * 2 + (a & 2) // 2 for a in g]
             d = torch.zeros(8, 8, dtype=torch.float64)
             for block in range(split * blocks // splits, (split + 1) * blocks // splits):
                 for s in range(8):  # k-step s: value s of lane % 4's packet
                     a, b = torch.zeros(8, 4, dtype=torch.float64), torch.zeros(4, 8, dtype=torch.float64)
+                    a_words, b_words = [], []  # each lane's 16-byte load's first 32-bit word
                     for lane in range(32):
                         packet, row = block * 4 + lane % 4, rows[lane]
                         start = row // experts_plan.GATE_ROWS * kernel.slot_words + row % experts_plan.GATE_ROWS * kernel.row_words
                         a[lane // 4, lane % 4] = ring[(start + packet * 4) * 2 + s]
-                        b[lane % 4, lane // 4] = xs[((lane // 4 * 4 + s // 2) * packets + packet) * 2 + s % 2]
+                        xs_at = lane // 4 * kernel.token_doubles + (s // 2 * packets + packet) * 2
+                        b[lane % 4, lane // 4] = xs[xs_at + s % 2]
+                        a_words.append(start + packet * 4)
+                        b_words.append(xs_at * 2)
+                    for words in (a_words, b_words):
+                        for phase in range(4):
+                            banks = {(w + i) % 32 for w in words[8 * phase:8 * phase + 8] for i in range(4)}
+                            assert len(banks) == 32
                     d += a @ b
             for lane in range(32):
                 for i in range(2):

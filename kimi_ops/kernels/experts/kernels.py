@@ -103,6 +103,7 @@ from .plan import (
     cluster_size,
     slot_words,
     smem_bytes,
+    stash_doubles,
     smem_share,
 )
 
@@ -129,6 +130,7 @@ class RoutedExperts:
         self.chunks = self.gate_chunks + intermediate // GATE_ROWS  # then L·I/(4L) down chunks
         self.slot_words = slot_words(latent, self.cluster)
         self.row_words = self.slot_words // GATE_ROWS  # a gate/up row in a slot
+        self.token_doubles = stash_doubles(self.packets)  # a token's stride in the latent stash
         self.down_rows = 32 // intermediate  # a thread's rows of a down chunk
         # the whole slice in flight where it fits (a B ≤ 8 step is the stream's latency)
         self.depth = max((d for d in range(1, self.chunks + 1) if self.smem_bytes(d) <= smem_share(per_sm)), default=0)
@@ -402,7 +404,7 @@ class RoutedExperts:
     @cute.jit
     def stash_latent(self, latent, xs, matched, first, count, part, tid):
         """Slice ``part`` of the latent rows of the ``count`` matched tokens from the
-        ``first``-th into ``xs`` [T, 4, P, 2] as FP64 times 2^896
+        ``first``-th into ``xs`` [T, 4, P, 2] (tokens ``token_doubles`` apart) as FP64 times 2^896
         (:func:`~..packets.wide_operand`: the other operand of every widened weight), then
         the barrier."""
         for item in cutlass.range(tid, count * self.packets, self.threads, unroll=1):
@@ -410,8 +412,8 @@ class RoutedExperts:
             token = matched[1 + first + n]
             values = unpack_words(load_words(latent.iterator + token * self.latent + part * self.slice + c * 8))
             for q in cutlass.range_constexpr(4):
-                store_shared_doubles(xs + ((n * 4 + q) * self.packets + c) * 2, wide_operand(values[2 * q]),
-                                     wide_operand(values[2 * q + 1]))
+                store_shared_doubles(xs + n * self.token_doubles + (q * self.packets + c) * 2,
+                                     wide_operand(values[2 * q]), wide_operand(values[2 * q + 1]))
         cute.arch.sync_threads()
 
     @cute.jit
@@ -430,7 +432,7 @@ class RoutedExperts:
                 weights = widened_packet(load_shared(words + r * self.row_words + column * 4))
                 for n in cutlass.range_constexpr(self.tokens):
                     if n < count:
-                        totals[n] = wide_dot(weights, xs + (n * 4 * self.packets + column) * 2, totals[n],
+                        totals[n] = wide_dot(weights, xs + n * self.token_doubles + column * 2, totals[n],
                                              2 * self.packets)
         for n in cutlass.range_constexpr(self.tokens):
             if n < count:
@@ -446,21 +448,23 @@ class RoutedExperts:
         :meth:`activate` adds them alike). K goes in blocks of 4 packets, k-step s of a
         block taking value s of the packet of lane % 4, so A (the widened weights) and B
         (the stashed latent) are a 16-byte load a lane each 8 k-steps; two accumulators
-        take alternate k-steps, added at the end. Slots past the pass's count read stale
-        xs: D's column n is B's column n alone, and those sums are never used."""
+        take alternate k-steps, added at the end. A's row g is the tile's row (g & 4) + 2·(g &
+        1) + (g & 2) / 2, so that the two rows of a quarter-warp's loads sit 2 rows (16 banks)
+        apart, as the stash's tokens do (plan.TOKEN_PAD). Slots past the pass's count read
+        stale xs: D's column n is B's column n alone, and those sums are never used."""
         warp, lane = tid // 32, tid % 32
         splits, blocks = self.group_warps, self.packets // 4
-        token = lane // 4  # B's column
+        token, g = lane // 4, lane // 4  # B's column, A's row
         for task in cutlass.range(warp, 2 * self.intermediate // 8 * splits, self.warps, unroll=1):
             split = task % splits
-            row = task // splits * 8 + lane // 4  # A's row
+            row = task // splits * 8 + (g & 4) + (g & 1) * 2 + (g & 2) // 2  # the weight row of A's row g
             weights_row = ring + row // GATE_ROWS * self.slot_words + row % GATE_ROWS * self.row_words
             even0, even1, odd0, odd1 = Float64(0.0), Float64(0.0), Float64(0.0), Float64(0.0)
             for block in cutlass.range(split * blocks // splits, (split + 1) * blocks // splits, unroll=1):
                 packet = block * 4 + lane % 4
                 weights = widened_packet(load_shared(weights_row + packet * 4))
                 for q in cutlass.range_constexpr(4):
-                    low, high = load_shared_doubles(xs + ((token * 4 + q) * self.packets + packet) * 2)
+                    low, high = load_shared_doubles(xs + token * self.token_doubles + (q * self.packets + packet) * 2)
                     even0, even1 = mma_f64(weights[2 * q], low, (even0, even1))
                     odd0, odd1 = mma_f64(weights[2 * q + 1], high, (odd0, odd1))
             parts[2 * (lane % 4), row, split] = even0 + odd0
@@ -525,7 +529,7 @@ class RoutedExperts:
         double = 2 * self.intermediate
         ring = smem.allocate_tensor(Uint32, cute.make_layout(self.depth * self.slot_words), 16).iterator
         full = smem.allocate_tensor(Int64, cute.make_layout(self.depth), 16).iterator
-        xs = smem.allocate_tensor(Float64, cute.make_layout(8 * self.tokens * self.packets), 16).iterator
+        xs = smem.allocate_tensor(Float64, cute.make_layout(self.tokens * self.token_doubles), 16).iterator
         parts = smem.allocate_tensor(
             Float64, cute.make_layout((self.tokens, double, self.group_warps),
                                       stride=(double * self.group_warps, self.group_warps, 1)), 16)
@@ -551,8 +555,8 @@ class ExpertsSpace(NamedTuple):
 
     ring: object  # the ring (words)
     full: object  # its full barriers
-    # the matched tokens' latent slices [T, 4, P, 2] (a warp's packets' pairs side by side),
-    # FP64 times 2^896 (packets.wide_operand)
+    # the matched tokens' latent slices [T, 4, P, 2] (a warp's packets' pairs side by side,
+    # tokens plan.stash_doubles apart), FP64 times 2^896 (packets.wide_operand)
     xs: object
     parts: object  # [T, 2I, a group's warps] FP64
     received: object  # [T·2I, C] FP64: the cluster's slice sums

@@ -11,6 +11,9 @@ GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many byt
 MAX_CLUSTER = 8  # portable cluster size
 TOKENS = 4  # the most tokens a CTA serves in its pass over the expert's weights past one wave (call_plan)
 MMA_TOKENS = 8  # by expert: a pass's tokens, the N of step 1's FP64 mma (kernels.RoutedExperts.gate_mma)
+# FP64 values after each token's latent slice in the stash: a token's 16 banks from the next's
+# (RoutedExperts.gate_mma reads two tokens' packets in each quarter-warp phase)
+TOKEN_PAD = 8
 MAX_INTERMEDIATE = 16  # I = 8 or 16: whole down rows in a thread's 4 packets
 MAX_LATENT = 4096  # L/8 ≤ 512 threads at a cluster of one
 MAX_BATCH = 256  # the tokens' match masks in shared memory
@@ -142,13 +145,18 @@ def slot_words(latent: int, cluster: int) -> int:
     return GATE_ROWS * (latent // cluster // 8 + 2) * 4
 
 
+def stash_doubles(packets: int) -> int:
+    """A token's FP64 values in the latent stash: its slice's 8 a packet, then TOKEN_PAD."""
+    return 8 * packets + TOKEN_PAD
+
+
 def smem_bytes(latent: int, intermediate: int, cluster: int, tokens: int, depth: int) -> int:
     """A CTA's shared memory with a ring of ``depth`` (kernels.RoutedExperts.allocate, each
     piece 16-byte aligned): the ring, its barriers, the tokens' latent slices and sums in
     FP64, hidden, the acts in FP64, masks, matched, counts."""
     packets, double = latent // cluster // 8, 2 * intermediate
     group_warps = -(-packets // 32)
-    pieces = (4 * depth * slot_words(latent, cluster), 8 * depth, 64 * tokens * packets,
+    pieces = (4 * depth * slot_words(latent, cluster), 8 * depth, 8 * tokens * stash_doubles(packets),
               8 * tokens * double * group_warps, 8 * tokens * double * cluster, 4 * tokens * double,
               8 * tokens * intermediate, 4 * MAX_BATCH, 4 * (1 + MAX_BATCH), 4 * 32)
     return sum(-(-piece // 16) * 16 for piece in pieces)
