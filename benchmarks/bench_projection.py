@@ -98,19 +98,19 @@ def prepare(jobs: int, keys=None) -> None:
         list(pool.map(compile_one, keys))
 
 
-def resident_partitions(n: int, k: int, batch: int) -> list[tuple[int, int]]:
-    """(tiles, split) of every partition of an (N, K) weight whose grid is resident at once at
-    ``batch``'s bucket (the plan picks among them) and whose ring fits."""
+def resident_partitions(n: int, k: int, batch: int) -> dict[tuple[int, int], int]:
+    """(tiles, split) → CTAs of every partition of an (N, K) weight whose grid is resident at
+    once at ``batch``'s bucket (the plan picks among them) and whose ring fits."""
     from kimi_ops.kernels.gemm.plan import RESIDENT, GemmPlan, partitions, token_tile
 
-    tokens, found = token_tile(batch), []
+    tokens, found = token_tile(batch), {}
     for (split, tiles), (ctas, _) in sorted(partitions(n, k, tokens).items()):
         try:
             GemmPlan(n, k, tokens, (tiles, split))
         except ValueError:
             continue
         if ctas <= RESIDENT[split]:
-            found.append((tiles, split))
+            found[tiles, split] = ctas
     return found
 
 
@@ -133,11 +133,11 @@ def partition_rows(name: str, n: int, k: int, tp: int, batches) -> list[tuple]:
     for batch in batches:
         x = torch.randn(batch, k, device="cuda").bfloat16()
         chosen = partition(n, k, token_tile(batch))
-        for parts in resident_partitions(n, k, batch):
+        for parts, ctas in resident_partitions(n, k, batch).items():
             variant = host.forced_variant(n, k, batch, parts)
             us = graph_us(rotating(lambda w, variant=variant: host.OprojKernel.rows(variant, x, w), weights), calls=calls)
-            rows.append((f"{name}/TP{tp}", batch, "{}×{}".format(*parts), -(-n // (64 * parts[0])) * parts[1], us,
-                         "*" if parts == chosen else "", n * k * 2 / HBM_BYTES_PER_US))
+            rows.append((f"{name}/TP{tp}", batch, "{}×{}".format(*parts), ctas, us, "*" if parts == chosen else "",
+                         n * k * 2 / HBM_BYTES_PER_US))
     return rows
 
 

@@ -104,10 +104,10 @@ def spread_for(latent: int, intermediate: int, per_rank: int, device: int) -> in
     expert, up to MAX_SPREAD, at which the rank's experts fit the SMs at once at
     :func:`per_sm_for`'s CTAs an SM, where a CTA holds its expert's whole slice; 0 where
     none does (kimi_k3's 344 KB experts)."""
-    per_sm = per_sm_for(latent, intermediate, MMA_TOKENS)
-    if per_rank <= 0 or not whole_slice(latent, intermediate, per_sm):
+    by_expert = variants(latent, intermediate)[3]
+    if per_rank <= 0 or by_expert is None:
         return 0
-    return min(MAX_SPREAD, per_sm * multiprocessors(device) // per_rank)
+    return min(MAX_SPREAD, by_expert[1] * multiprocessors(device) // per_rank)
 
 
 @functools.cache
