@@ -98,3 +98,20 @@ def test_serves_asks_the_kernel_unless_the_reference_is_forced(kernels, monkeypa
     assert backend.serves("op", 8) and not backend.serves("op", 12)
     monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
     assert not backend.serves("op", 8)
+
+
+def test_every_kernels_check_takes_its_ops_arguments_in_order(kernels):
+    """The dispatch calls ``kernel.check(*args)`` with the op's arguments as they came: a
+    check whose parameters are not the schema's, in order, reads one argument as another
+    (attn_res_take's counters once went in as h_normed)."""
+    import inspect
+
+    pytest.importorskip("cutlass")
+    from kimi_ops import kernels as cute_kernels
+
+    assert cute_kernels.register()
+    assert kernels, "no kernel registered"
+    for name, kernel in kernels.items():
+        expected = [argument.name for argument in getattr(torch.ops.kimi, name).default._schema.arguments]
+        got = list(inspect.signature(kernel.check).parameters)[:len(expected)]  # then defaults (op)
+        assert got == expected, f"kimi::{name}: check's parameters {got}, the schema's {expected}"

@@ -60,9 +60,17 @@ def attn_res_fake(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, 
 
 
 def check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                        h_normed=None, awaited=None, arrived=None, op="attn_res_take") -> int:
-    """Returns H. ``h_normed`` (attn_res_take_into): the buffer whose rows [:batch] it
-    writes; ``awaited`` and ``arrived``: the partial counters (:func:`attn_res_take`)."""
+                        awaited=None, arrived=None) -> int:
+    """Returns H. ``awaited`` and ``arrived``: the partial counters (:func:`attn_res_take`).
+    In the op's argument order: the CUDA dispatch passes the op's arguments as they came."""
+    return check_take("attn_res_take", box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
+                      None, awaited, arrived)
+
+
+def check_take(op, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed, awaited,
+               arrived) -> int:
+    """Both takes' checks; ``h_normed`` (attn_res_take_into): the buffer whose rows [:batch]
+    it writes."""
     check_box(op, "box", box, parity, batch)
     check_error(op, error)
     hidden = box.shape[3]
@@ -97,8 +105,8 @@ def attn_res_take(box, parity: int, batch: int, error, blocks, partial, query, k
     ``partial`` and computes everything before the PDL wait, which then only orders its
     stores, and zeroes the counter; with ``arrived`` it adds PARTIAL_ARRIVALS · B to
     ``arrived[0]`` once its outputs are stored, for the next take to await."""
-    check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                        awaited=awaited, arrived=arrived)
+    check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited,
+                        arrived)
     if awaited is not None:
         error.bitwise_or_((awaited[0] < PARTIAL_ARRIVALS * batch).to(torch.int32) * TAKE_PARTIAL)
         awaited.zero_()
@@ -114,14 +122,14 @@ def attn_res_take(box, parity: int, batch: int, error, blocks, partial, query, k
 def attn_res_take_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited=None,
                        arrived=None):
     hidden = check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                                 awaited=awaited, arrived=arrived)
+                                 awaited, arrived)
     return tuple(partial.new_empty((batch, hidden)) for _ in range(3))
 
 
 def check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
                              h_normed, awaited=None, arrived=None) -> int:
-    return check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                               h_normed, awaited, arrived, "attn_res_take_into")
+    return check_take("attn_res_take_into", box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w,
+                      eps, h_normed, awaited, arrived)
 
 
 def attn_res_take_into(box, parity: int, batch: int, error, blocks, partial, query, key_norm_w, out_norm_w,
