@@ -113,16 +113,18 @@ def test_shared_expert_grid_is_one_size_and_resident():
 def test_front_and_gate_up_share_one_resident_grid():
     """The TP8 rank's front [624, 7168] beside the gate/up [1536, 7168]: alone they take 80 +
     96 CTAs, more than one wave; together joint_partition gives the gate/up three tiles a CTA
-    (owners of 32 rows, the last two of a cluster none) and the front two, in clusters of 8,
-    the down's 112 tiles the grid, at every bucket."""
+    (owners of 32 rows, the last two of a cluster none) and the front two at split 8 (one at
+    split 4 at 64 tokens, where two tiles' accumulators cost more), in clusters of 8, the
+    down's 112 tiles the grid, at every bucket."""
     assert (gemm_plans.partition(624, 7168, 8), gemm_plans.partition(1536, 7168, 8, 16)) == ((1, 8), (2, 8))
     for tokens in gemm_plans.TOKEN_TILES:
         plan = gemm.shared_plan(1536, 7168, 7168, tokens, 624)
-        assert (plan.front.tiles, plan.front.split, plan.front.ctas) == (2, 8, 40)
+        front = (1, 4, 40, 4) if tokens == 64 else (2, 8, 40, 8)
+        assert (plan.front.tiles, plan.front.split, plan.front.ctas, plan.front.receivers) == front
         assert (plan.gate_up.tiles, plan.gate_up.split, plan.gate_up.ctas, plan.gate_up.owned) == (3, 8, 64, 32)
         assert plan.grid == 112 and plan.cluster == 8 and plan.grid <= gemm_plans.RESIDENT[8]
         assert plan.gate_up.owned * (plan.gate_up.split - 2) == plan.gate_up.rows
-        assert plan.gate_up.receivers == 6 and plan.front.receivers == 8  # no block goes to an owner of nothing
+        assert plan.gate_up.receivers == 6  # no block goes to an owner of nothing
         assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 + 8 * 3 <= SMEM_BYTES
     assert gemm.SharedExpertKernel().prefers(1536, 7168, 7168, 624)
     assert not gemm.SharedExpertKernel().prefers(12288, 7168, 7168, 896 + 3584)  # kimi_k3 TP1: no fused shared expert
@@ -192,14 +194,15 @@ def test_rings_leave_the_room_asked(gemm_room):
 def test_a_ring_keeps_a_slot_and_no_more_chunks_in_flight_than_slots(gemm_room):
     """A room past what leaves one slot leaves what the ring and the K parts' exchange leave
     (no plan fails for it), and the chunks in flight (each in a slot until its sum is in)
-    never exceed the slots: at 180 KB the stacked DSA GEMM at 64 tokens keeps one slot, one
-    chunk in flight (two without the cap: the consumer would wait for a slot it holds)."""
+    never exceed the slots: at 180 KB the stacked DSA GEMM at 64 tokens in two tiles, split 8
+    (its plan at 32 tokens), keeps one slot, one chunk in flight (two without the cap: the
+    consumer would wait for a slot it holds)."""
     gemm_room(180)
-    plan = gemm_plans.gemm_plan(1696, 7168, 64)
+    plan = gemm_plans.GemmPlan(1696, 7168, 64, (2, 8))
     assert (plan.depth, plan.sets) == (1, 1) and plan.ring_bytes == 2 * plan.receive_bytes  # the exchange's
     assert plan.room == SMEM_BYTES - 2048 - plan.ring_bytes < 180 * 1024  # what the exchange leaves
     gemm_room(226)
-    plan = gemm_plans.gemm_plan(1696, 7168, 64)
+    plan = gemm_plans.GemmPlan(1696, 7168, 64, (2, 8))
     assert plan.depth == 1 and plan.room == SMEM_BYTES - 2048 - plan.ring_bytes
 
 
@@ -299,10 +302,12 @@ def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens
 def test_partition_trades_weight_bytes_per_cta_for_splits():
     """One wave of whole-K CTAs where it covers the SMs (o-proj at TP8, the shared down);
     K splits where it would leave most idle (the front, the DSA helpers) or where fewer x
-    reads pay (o-proj at 64 tokens)."""
+    reads pay (TP1's o-proj at 32 tokens), but one tile a CTA at 64 tokens, where two tiles'
+    accumulators cost more than the x reads they save."""
     assert gemm_plans.partition(7168, 1536, 8) == (1, 1) and gemm_plans.partition(7168, 768, 64) == (1, 1)
     assert gemm_plans.partition(4480, 7168, 8) == (3, 4) and gemm_plans.partition(32, 7168, 8) == (1, 8)
-    assert gemm_plans.partition(7168, 12288, 64) == (2, 2)
+    assert gemm_plans.partition(7168, 12288, 32) == (2, 2) and gemm_plans.partition(7168, 12288, 64) == (1, 1)
+    assert gemm_plans.partition(1696, 7168, 32) == (2, 8) and gemm_plans.partition(1696, 7168, 64) == (1, 4)
     assert gemm_plans.partition(7168, 100, 8) is None and gemm_plans.partition(100, 7168, 8) is None
 
 
@@ -368,15 +373,15 @@ def test_oproj_kernel(n, k, batch):
 
 def test_forced_partitions_are_the_plans_choices_and_compile(clean_ptxas):
     """bench_projection --partitions: the plan's partition is among the resident ones it
-    times; a forced one (the stacked GEMM at 64 tokens in clusters of 4, not the plan's)
-    compiles clean, as its own cache key."""
+    times; a forced one (the stacked GEMM at 64 tokens in two tiles and clusters of 8, not
+    the plan's) compiles clean, as its own cache key."""
     for n, k in ((1696, 7168), (7168, 1536), (560, 7168)):
         for batch in (32, 64):
             assert gemm_plans.partition(n, k, gemm_plans.token_tile(batch)) in bench.resident_partitions(n, k, batch)
-    assert (1, 4) != gemm_plans.partition(1696, 7168, 64)
-    assert gemm.compile_gemm.build(1696, 7168, 64, False, 0, 0, False, None, (1, 4)) is not None
+    assert (2, 8) != gemm_plans.partition(1696, 7168, 64)
+    assert gemm.compile_gemm.build(1696, 7168, 64, False, 0, 0, False, None, (2, 8)) is not None
     clean_ptxas()
-    assert gemm.plan_of(1696, 7168, 64, None, (1, 4)).split == 4
+    assert gemm.plan_of(1696, 7168, 64, None, (2, 8)).split == 8
 
 
 @on_hopper

@@ -38,6 +38,12 @@ EARLY_TOKENS = 8
 # two- and three-tile CTAs at 73-95 %
 CHUNK_COST = 48  # a chunk's fixed cost (barriers, fences, the wgmma chain's latency)
 SPLIT_COST = 512  # a K split's (two cluster barriers, the exchange's latency)
+# A chunk's cost grows with the accumulators past one tile of 64 tokens (tiles · T FP32 a
+# thread's pair of rows): at T = 64 every TP8 shape's two-tile plan ran 0.45-0.8 µs slower
+# than one tile at half the split, the same CTAs and bytes (H100, bench_projection
+# --partitions: benchmarks/NOTES.md), level at T = 32
+WIDE_ACCUMULATORS = 64
+WIDE_COST = 1.0  # per accumulator column past WIDE_ACCUMULATORS, a chunk
 COST_SLACK = 0.03  # partitions this close to the least cost count as ties
 RECEIVE_PAD = 4  # FP32 words after each received row of T tokens (fewer bank conflicts)
 
@@ -55,8 +61,9 @@ def partition(n: int, k: int, tokens: int, owned: int = 8) -> tuple[int, int] | 
     (K % CHUNK, N % 8, or too many rows for one wave).
 
     Cost, in 128-byte rows of a chunk: per chunk the CTA's weight rows, x's rows at a
-    quarter (L2 hits, read by every block: more tiles per CTA read x fewer times) and
-    CHUNK_COST; for a K split SPLIT_COST plus its DSMEM exchange (rows × T FP32 at half)."""
+    quarter (L2 hits, read by every block: more tiles per CTA read x fewer times),
+    CHUNK_COST and WIDE_COST a column of accumulators past WIDE_ACCUMULATORS; for a K split
+    SPLIT_COST plus its DSMEM exchange (rows × T FP32 at half)."""
     costs = {key: cost for key, (ctas, cost) in partitions(n, k, tokens, owned).items()
              if ctas <= RESIDENT[key[0]]}
     if not costs:
@@ -104,7 +111,8 @@ def joint_partition(weights: list[tuple[int, int]], k: int, tokens: int) -> list
 
 def cta_cost(chunks: int, tiles: int, split: int, tokens: int) -> float:
     """:func:`partition`'s cost of a CTA of ``tiles`` tiles over 1/``split`` of ``chunks``."""
-    return (chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST)
+    wide = WIDE_COST * max(0, tiles * tokens - WIDE_ACCUMULATORS)
+    return (chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST + wide)
             + (split > 1) * (SPLIT_COST + TILE * tiles * tokens / 64))
 
 
