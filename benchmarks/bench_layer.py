@@ -146,7 +146,7 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
 
     def take_attn(w, partial=partial):
         kimi.oproj_publish(attn, w, attn_boxes, 0)
-        return decoder.residual_take(attn_res, boxes.own("attn", 0), empty, partial, batch, 0, into=boxes.moe_input(0))
+        return decoder.residual_take(attn_res, boxes.own("attn", 0), empty, partial, batch, error, boxes.moe_input(0))
 
     partial, _, x = unit("oproj_publish + attn_res_take", take_attn, oproj.w_o, extra_bytes=res_bytes)
     front_boxes = boxes.peers("front", 0)
@@ -188,7 +188,7 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
         kimi.moe_tail_push(shared, rs_boxes, tail.parity, 0)
         kimi.moe_tail_serve(expanded, weights, latent_boxes, boxes.own("rs", 0), tail.gamma, w, eps,
                             boxes.peers("out", 0), error, tail.parity, tail.rearm, c.capacity if tail.wrap else batch, 0)
-        return decoder.residual_take(moe_res, boxes.own("out", 0), empty, partial, batch, 0)
+        return decoder.residual_take(moe_res, boxes.own("out", 0), empty, partial, batch, error)
 
     unit("tail: push + moe_tail_serve + attn_res_take", tail_chain, tail.w_up,
          extra_bytes=tail.gamma.nbytes + res_bytes)

@@ -115,7 +115,7 @@ def ours_chain(bench: Group, batch: int, inputs, w_ups, calls: int):
         kimi.moe_tail_poll(boxes.own("gathered" if two_shot else "latent", rank), boxes.own("rs", rank), tail.gamma,
                            w_up, config.eps, boxes.peers("out", rank), error, parity, rearm, batch, rank, batch)
         decoder.barrier()
-        decoder.residual_take(moe_res, boxes.own("out", rank), blocks, partial, batch, rank)
+        decoder.residual_take(moe_res, boxes.own("out", rank), blocks, partial, batch, error)
         turn[0] += 1
 
     return call

@@ -17,8 +17,8 @@ TORCH_LIBRARY(kimi, m) {
   m.def("mailbox_arm(Tensor(a!) box) -> ()");
   m.def("mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()");
   m.def("mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor");
-  m.def("attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!)? awaited=None, Tensor(d!)? arrived=None) -> (Tensor new_partial, Tensor h, Tensor h_normed)");
-  m.def("attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed, Tensor(d!)? awaited=None, Tensor(e!)? arrived=None) -> (Tensor new_partial, Tensor h)");
+  m.def("attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)");
+  m.def("attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed) -> (Tensor new_partial, Tensor h)");
   m.def("oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()");
   m.def("oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()");
   m.def("shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act, Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()");

@@ -25,10 +25,6 @@ PULSE_STRIDE = 64  # bytes a rank in a group's heartbeat page (runtime/heartbeat
 ROUTE_POLL, TAIL_LATENT_POLL, TAIL_SHARED_POLL, TAKE_POLL, BARRIER_POLL, TWO_SHOT_POLL = 1, 2, 4, 8, 16, 32
 SHARED_BARRIER = 64  # not a box: the fused shared expert's grid barrier (kernels/gemm/shared.py)
 EXPERTS_READY = 128  # not a box: the routed experts' wait for the route poll's count (kernels/experts)
-TAKE_PARTIAL = 256  # not a box: a counted take's wait for its partial's writer, the previous AttnRes (kernels/attn_res)
-# A take's count of its stored new_partial: 8 a token whatever its CTAs a token (each CTA of
-# a cluster of C adds 8 / C), so the next take's goal needs no plan of the writer's.
-PARTIAL_ARRIVALS = 8
 POLL_NAMES = {
     ROUTE_POLL: "the routing kernel's front row",
     TAIL_LATENT_POLL: "the tail's latent sources",
@@ -39,7 +35,6 @@ POLL_NAMES = {
     SHARED_BARRIER: "the fused shared expert's grid barrier (a CTA of its grid was not resident: another grid held "
                     "its SM)",
     EXPERTS_READY: "the routed experts' wait for the route poll's outputs (its ready count never reached 2B)",
-    TAKE_PARTIAL: "a take's wait for its partial (the previous AttnRes's count never reached 8B)",
 }
 
 

@@ -50,13 +50,13 @@ SCHEMAS: dict[str, str] = {
     "mailbox_take": "mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor",
     "attn_res_take": (
         "attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks,"
-        " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps,"
-        " Tensor(c!)? awaited=None, Tensor(d!)? arrived=None) -> (Tensor new_partial, Tensor h, Tensor h_normed)"
+        " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps)"
+        " -> (Tensor new_partial, Tensor h, Tensor h_normed)"
     ),
     "attn_res_take_into": (
         "attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks,"
-        " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed,"
-        " Tensor(d!)? awaited=None, Tensor(e!)? arrived=None) -> (Tensor new_partial, Tensor h)"
+        " Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed)"
+        " -> (Tensor new_partial, Tensor h)"
     ),
     "oproj_publish": "oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()",
     "oproj_push": "oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()",

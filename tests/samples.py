@@ -62,11 +62,9 @@ def mailbox_sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         return rand(gen, 1, TP, CAP, 64), 0, batch, error
     if name in ("attn_res_take", "attn_res_take_into"):
         into = (rand(gen, CAP, 64),) if name == "attn_res_take_into" else ()
-        awaited = torch.tensor([8 * batch, 0])  # the previous take's count (PARTIAL_ARRIVALS a token)
         return (
             rand(gen, 1, TP, CAP, 64), 0, batch, error, rand(gen, 2, batch, 64), rand(gen, batch, 64),
-            rand(gen, 64, scale=0.1), rand(gen, 64) + 1, rand(gen, 64) + 1, 1e-6, *into, awaited,
-            torch.zeros(2, dtype=torch.int64),
+            rand(gen, 64, scale=0.1), rand(gen, 64) + 1, rand(gen, 64) + 1, 1e-6, *into,
         )
     if name == "oproj_publish":
         return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1), boxes(1, TP, CAP, 48), 1

@@ -15,15 +15,7 @@ from kimi_ops.kernels.attn_res import host as attn_res  # noqa: E402
 from kimi_ops.kernels.attn_res import kernels as attn_res_kernels  # noqa: E402
 from kimi_ops.kernels.attn_res import plan as attn_res_plan  # noqa: E402
 from kimi_ops.kernels import launch  # noqa: E402
-from kimi_ops.mailbox import (  # noqa: E402
-    PARTIAL_ARRIVALS,
-    SENTINEL,
-    TAKE_PARTIAL,
-    TAKE_POLL,
-    KimiMailboxError,
-    canonical,
-    raise_if_error,
-)
+from kimi_ops.mailbox import SENTINEL, TAKE_POLL, KimiMailboxError, canonical, raise_if_error  # noqa: E402
 
 from conftest import KERNEL_BATCHES, armed_box, assert_bf16_close, on_hopper, reference  # noqa: E402
 
@@ -44,22 +36,16 @@ def test_attn_res_compiles(hidden, tp, rows, clean_ptxas):
 
 
 @pytest.mark.parametrize("hidden, tp, rows", [(HIDDEN, 1, 0), (HIDDEN, 8, 4), (TINY, 2, 3)])
-@pytest.mark.parametrize("counters", [(False, False), (False, True), (True, True), (True, False)])
-def test_attn_res_take_compiles(hidden, tp, rows, counters, clean_ptxas):
-    """Every (awaited, arrived) form: the functional call's and the decoder's three."""
-    assert attn_res.compile_attn_res.build(hidden, tp, attn_res_plan.cluster_for(hidden), rows, True,
-                                           *counters) is not None
+def test_attn_res_take_compiles(hidden, tp, rows, clean_ptxas):
+    assert attn_res.compile_attn_res.build(hidden, tp, attn_res_plan.cluster_for(hidden), rows, True) is not None
     clean_ptxas()
 
 
-@pytest.mark.parametrize("counted", [False, True])
-def test_the_take_compiles_with_marks(monkeypatch, clean_ptxas, counted):
+def test_the_take_compiles_with_marks(monkeypatch, clean_ptxas):
     """KIMI_OPS_MARKS (kernels.values.Marks): the take's marks compiled in (the build is not
-    cached: the setting is read at import, and the cache's key holds it), the counted
-    take's phases in their own order."""
+    cached: the setting is read at import, and the cache's key holds it)."""
     monkeypatch.setattr(attn_res_kernels, "MARKS", True)
-    assert attn_res.compile_attn_res.build(HIDDEN, 8, attn_res_plan.cluster_for(HIDDEN), 4, True, counted,
-                                           counted) is not None
+    assert attn_res.compile_attn_res.build(HIDDEN, 8, attn_res_plan.cluster_for(HIDDEN), 4, True) is not None
     clean_ptxas()
 
 
@@ -127,17 +113,13 @@ def test_prepare_compiles_each_bucket_once(monkeypatch):
     compiled = []
     monkeypatch.setattr(attn_res, "compile_attn_res", lambda *key: compiled.append(key))
     attn_res.AttnResKernel().prepare(HIDDEN, (8, 1), range(0, 6))
-    assert compiled == [(HIDDEN, tp, 8, rows, False, False, False) for tp in (8, 1) for rows in (0, 1, 2, 3, 4, 6)]
+    assert compiled == [(HIDDEN, tp, 8, rows, False) for tp in (8, 1) for rows in (0, 1, 2, 3, 4, 6)]
     compiled.clear()
-    # the decoder's (awaited, arrived): the first take (no blocks) arrives only, the last
-    # (the most blocks) awaits only, every take both
     attn_res.AttnResTakeKernel().prepare(HIDDEN, (2,), [0, 3, 30])
-    forms = [(0, False, True), *((rows, True, True) for rows in (0, 3, 32)), (32, True, False)]
-    assert compiled == [(HIDDEN, 2, 8, rows, True, *form) for rows, *form in forms]
+    assert compiled == [(HIDDEN, 2, 8, rows, True) for rows in (0, 3, 32)]
     compiled.clear()
     attn_res.AttnResTakeKernel().prepare(HIDDEN, (1,), [1], batches=(8, 64))
-    forms = [(1, False, True), (1, True, True), (1, True, False)]
-    assert compiled == [(HIDDEN, 1, cluster, 1, True, *form) for rows, *form in forms for cluster in (8, 1)]
+    assert compiled == [(HIDDEN, 1, 8, 1, True), (HIDDEN, 1, 1, 1, True)]
 
 
 def kernel_model(blocks, partial, sublayer, query, key_w, out_w, eps, cluster):
@@ -285,33 +267,12 @@ def armed(rows):
     return bool((rows.contiguous().view(torch.int32) == torch.tensor(SENTINEL, dtype=torch.int32)).all())
 
 
-def take(box, parity, error, blocks, partial, weights, into=None, awaited=None, arrived=None):
+def take(box, parity, error, blocks, partial, weights, into=None):
     """attn_res_take, or attn_res_take_into ``into`` (then its rows [:B] stand for h_normed)."""
     batch = partial.shape[0]
     if into is None:
-        return kimi.attn_res_take(box, parity, batch, error, blocks, partial, *weights, 1e-6, awaited, arrived)
-    return (*kimi.attn_res_take_into(box, parity, batch, error, blocks, partial, *weights, 1e-6, into, awaited,
-                                     arrived), into[:batch])
-
-
-def test_the_partial_counters_reference():
-    """The reference's counters (any device): a take with ``awaited`` flags TAKE_PARTIAL where
-    the count falls short of PARTIAL_ARRIVALS · B and zeroes it; ``arrived`` gains
-    PARTIAL_ARRIVALS · B; the outputs are the uncounted take's."""
-    blocks, partial, rows, *weights = args_of(3, 1, 2, seed=9, hidden=TINY, device="cpu")
-    boxes = [torch.zeros(1, 2, 4, TINY, dtype=torch.bfloat16) for _ in range(3)]
-    for box in boxes:
-        published(box, 0, rows)
-    errors = [torch.zeros(1, dtype=torch.int32) for _ in range(3)]
-    plain = take(boxes[0], 0, errors[0], blocks, partial, weights)
-    awaited, arrived = torch.tensor([PARTIAL_ARRIVALS * 3, 0]), torch.tensor([5, 0])
-    counted = take(boxes[1], 0, errors[1], blocks, partial, weights, None, awaited, arrived)
-    assert all(torch.equal(c.view(torch.int16), p.view(torch.int16)) for c, p in zip(counted, plain))
-    assert awaited.tolist() == [0, 0] and arrived.tolist() == [5 + PARTIAL_ARRIVALS * 3, 0]
-    assert int(errors[0]) == int(errors[1]) == 0
-    short = torch.tensor([PARTIAL_ARRIVALS * 3 - 1, 0])
-    take(boxes[2], 0, errors[2], blocks, partial, weights, None, short)
-    assert int(errors[2]) == TAKE_PARTIAL and short.tolist() == [0, 0]
+        return kimi.attn_res_take(box, parity, batch, error, blocks, partial, *weights, 1e-6)
+    return (*kimi.attn_res_take_into(box, parity, batch, error, blocks, partial, *weights, 1e-6, into), into[:batch])
 
 
 @on_hopper
@@ -343,55 +304,6 @@ def test_attn_res_take_kernel(batch, count, tp, into):
     functional = kimi.attn_res(blocks, partial, canonical(rows), *weights, 1e-6)
     for g, f in zip(got, functional):
         assert torch.equal(g.view(torch.int16), f.view(torch.int16))
-
-
-@on_hopper
-@pytest.mark.parametrize("tp, count", [(1, 0), (8, 3)])
-@pytest.mark.parametrize("batch", [1, 5, 17, 64])
-@pytest.mark.parametrize("into", [False, True])
-def test_counted_takes_chain(batch, count, tp, into):
-    """Three takes as the decoder chains them: the first arrives only, the second awaits the
-    first's count and reads its new_partial, the third awaits the second's; each counted
-    take's outputs bit-equal to the uncounted take's on the same inputs, no error, and both
-    counters zero at the end (each zeroed by its waiter)."""
-    blocks, partial, _, *weights = args_of(batch, count, tp, seed=300 * tp + batch)
-    gen = torch.Generator().manual_seed(batch + 7)
-    counters = [torch.zeros(2, dtype=torch.int64, device="cuda") for _ in range(2)]
-    chain = ((None, counters[0]), (counters[0], counters[1]), (counters[1], None))
-    error, plain_error = (torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2))
-    for awaited, arrived in chain:
-        rows = torch.randn(tp, batch, HIDDEN, generator=gen).bfloat16().cuda()
-        box, plain_box = armed_box(1, tp, CAPACITY, HIDDEN), armed_box(1, tp, CAPACITY, HIDDEN)
-        published(box, 0, rows)
-        published(plain_box, 0, rows)
-        buffers = [torch.full((CAPACITY, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda") if into else None
-                   for _ in range(2)]
-        poison(batch, HIDDEN)
-        got = take(box, 0, error, blocks, partial, weights, buffers[0], awaited, arrived)
-        plain = take(plain_box, 0, plain_error, blocks, partial, weights, buffers[1])
-        for g, p in zip(got, plain):
-            assert torch.equal(g.view(torch.int16), p.view(torch.int16))
-        assert armed(box[0, :, :batch])
-        partial = got[0]  # the next take's partial: this one's new_partial, ordered by the count
-    torch.cuda.synchronize()
-    assert int(error) == 0 and int(plain_error) == 0
-    assert [c.tolist() for c in counters] == [[0, 0], [0, 0]]
-
-
-@on_hopper
-def test_a_counted_take_bounds_its_wait_for_the_partial():
-    """No writer counted ``partial``: the take's wait gives up (bounded), flags TAKE_PARTIAL,
-    returns, and the counter is left zeroed."""
-    blocks, partial, rows, *weights = args_of(4, 1, 2, seed=6)
-    box = armed_box(1, 2, CAPACITY, HIDDEN)
-    published(box, 0, rows)
-    error = torch.zeros(1, dtype=torch.int32, device="cuda")
-    awaited = torch.tensor([PARTIAL_ARRIVALS * 4 - 1, 0], device="cuda")
-    take(box, 0, error, blocks, partial, weights, None, awaited)
-    torch.cuda.synchronize()  # returns: the wait is bounded
-    assert int(error) == TAKE_PARTIAL and awaited.tolist() == [0, 0]
-    with pytest.raises(KimiMailboxError, match="partial"):
-        raise_if_error(error)
 
 
 @on_hopper

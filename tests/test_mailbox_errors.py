@@ -122,11 +122,6 @@ CASES = [
     ("moe_front_shared_push", lambda a: put(a, 11, 3), ["'parity'"]),
     ("moe_front_shared_push", lambda a: put(a, 12, 2), ["'rank'"]),
     ("moe_front_shared_push", lambda a: put(a, 13, torch.zeros(2, dtype=torch.int32)), ["'error'"]),
-    # a take's partial counters: [2] int64 each, two of them
-    ("attn_res_take", lambda a: put(a, 10, torch.zeros(2, dtype=torch.int32)), ["'awaited'", "torch.int64"]),
-    ("attn_res_take", lambda a: put(a, 11, torch.zeros(3, dtype=torch.int64)), ["'arrived'", "[2]"]),
-    ("attn_res_take", lambda a: put(a, 11, a[10]), ["'arrived'", "own"]),
-    ("attn_res_take_into", lambda a: put(a, 12, a[11].view(1, 2)), ["'arrived'", "[2]"]),
     # attn_res_take_into's buffer: rows enough for the batch, H wide, BF16, its own memory
     ("attn_res_take_into", lambda a: put(a, 10, a[10][:2]), ["'h_normed'", "at least batch = 3 rows"]),
     ("attn_res_take_into", lambda a: put(a, 10, torch.randn(8, 48).bfloat16()), ["'h_normed'", "[*, 64]"]),

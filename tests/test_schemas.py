@@ -36,8 +36,8 @@ kimi::routed_experts(Tensor latent, Tensor ids, Tensor gate_up, Tensor down, int
 kimi::mailbox_arm(Tensor(a!) box) -> ()
 kimi::mailbox_rearm(Tensor(a!) box, int parity, int batch) -> ()
 kimi::mailbox_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error) -> Tensor
-kimi::attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!)? awaited=None, Tensor(d!)? arrived=None) -> (Tensor new_partial, Tensor h, Tensor h_normed)
-kimi::attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed, Tensor(d!)? awaited=None, Tensor(e!)? arrived=None) -> (Tensor new_partial, Tensor h)
+kimi::attn_res_take(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps) -> (Tensor new_partial, Tensor h, Tensor h_normed)
+kimi::attn_res_take_into(Tensor(a!) box, int parity, int batch, Tensor(b!) error, Tensor blocks, Tensor partial, Tensor query, Tensor key_norm_w, Tensor out_norm_w, float eps, Tensor(c!) h_normed) -> (Tensor new_partial, Tensor h)
 kimi::oproj_publish(Tensor x, Tensor w, Tensor(a!)[] boxes, int rank) -> ()
 kimi::oproj_push(Tensor x, Tensor w, Tensor(a!)[] rs_boxes, int parity, int rank) -> ()
 kimi::shared_expert_push(Tensor x, Tensor w_gate_up, Tensor w_down, float beta, float linear_beta, Tensor(a!) act, Tensor(b!) ticket, Tensor(c!)[] rs_boxes, int parity, int rank, Tensor(d!) error) -> ()

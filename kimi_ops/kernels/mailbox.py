@@ -164,15 +164,15 @@ def arrived(words):
 
 
 @cute.jit
-def count_arrival(counter: cute.Tensor, amount: cutlass.Constexpr[int] = 1):
-    """This CTA's outputs stored (every thread's): ``amount`` arrivals on ``counter[0]``
-    (release, GPU scope), for a consumer that waits for the count instead of our end
+def count_arrival(counter: cute.Tensor):
+    """This CTA's outputs stored (every thread's): one arrival on ``counter[0]`` (release,
+    GPU scope), for a consumer that waits for the count instead of our end
     (:func:`await_arrivals`)."""
     cute.arch.sync_threads()
     tid, _, _ = cute.arch.thread_idx()
     if tid == 0:
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.atomic_add(counter.iterator, Int64(amount), sem="release", scope="gpu")
+        cute.arch.atomic_add(counter.iterator, Int64(1), sem="release", scope="gpu")
 
 
 @cute.jit
@@ -180,11 +180,8 @@ def await_arrivals(counter: cute.Tensor, goal, ctas, error: cute.Tensor, code: c
     """Thread 0 waits until ``counter[0]`` reaches ``goal`` (acquire; bounded as
     :func:`poll_all`: past POLL_TIMEOUT_NS ``code`` goes into the error word), then counts
     its CTA on ``counter[1]``; the last of the grid's ``ctas`` zeroes both words for the
-    next call, whose producer counts only after this grid's CTAs are all past: by the data
-    it consumes (ours, or a grid's that waited for ours), not by a PDL wait of its own. Every
-    thread then waits at the CTA barrier, so the producer's stores are visible to all. After
-    a bound passed the word is zeroed early and a late count carries over: the error word is
-    set, and reset() clears both."""
+    next call (whose producer starts after this grid ended). Every thread then waits at
+    the CTA barrier, so the producer's stores are visible to all."""
     tid, _, _ = cute.arch.thread_idx()
     if tid == 0:
         start = cute.arch.globaltimer()

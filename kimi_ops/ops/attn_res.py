@@ -4,8 +4,6 @@ import torch
 
 from ..checks import check_eps, check_placement, check_same_device, check_tensor, fail
 from ..mailbox import (
-    PARTIAL_ARRIVALS,
-    TAKE_PARTIAL,
     TAKE_POLL,
     arm_,
     flag_missing,
@@ -60,17 +58,8 @@ def attn_res_fake(blocks, partial, sublayer_out, query, key_norm_w, out_norm_w, 
 
 
 def check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                        awaited=None, arrived=None) -> int:
-    """Returns H. ``awaited`` and ``arrived``: the partial counters (:func:`attn_res_take`).
-    In the op's argument order: the CUDA dispatch passes the op's arguments as they came."""
-    return check_take("attn_res_take", box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                      None, awaited, arrived)
-
-
-def check_take(op, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed, awaited,
-               arrived) -> int:
-    """Both takes' checks; ``h_normed`` (attn_res_take_into): the buffer whose rows [:batch]
-    it writes."""
+                        h_normed=None, op="attn_res_take") -> int:
+    """Returns H. ``h_normed`` (attn_res_take_into): the buffer whose rows [:batch] it writes."""
     check_box(op, "box", box, parity, batch)
     check_error(op, error)
     hidden = box.shape[3]
@@ -82,71 +71,47 @@ def check_take(op, box, parity, batch, error, blocks, partial, query, key_norm_w
         if h_normed.shape[0] < batch:
             fail(op, "h_normed", f"a buffer of at least batch = {batch} rows", list(h_normed.shape))
         written["h_normed"] = h_normed
-    for name, counter in (("awaited", awaited), ("arrived", arrived)):
-        if counter is not None:
-            check_tensor(op, name, counter, torch.int64, (2,))
-            written[name] = counter
     check_placement(op, written, dict(blocks=blocks, partial=partial, query=query,
                                       key_norm_w=key_norm_w, out_norm_w=out_norm_w))
     return hidden
 
 
-def attn_res_take(box, parity: int, batch: int, error, blocks, partial, query, key_norm_w, out_norm_w, eps: float,
-                  awaited=None, arrived=None):
+def attn_res_take(box, parity: int, batch: int, error, blocks, partial, query, key_norm_w, out_norm_w, eps: float):
     """:func:`mailbox_take` and :func:`~kimi_ops.ops.attn_res.attn_res` in one: the
     sublayer's rows [:batch] of every source of one parity (o-proj partials or tail
     output rows) are polled, re-armed, and summed in rank order into new_partial; the
-    rounding points are attn_res's. Returns (new_partial, h, h_normed), each [B, H] bf16.
-
-    The partial counters ([2] int64: [count, CTAs past the wait], zeroed by the waiter), a
-    chain's ordering in place of the PDL wait for ``partial``: with ``awaited`` the kernel
-    waits until ``awaited[0]`` reaches PARTIAL_ARRIVALS · B, the count of ``partial``'s
-    writer (the previous take; bounded: past it the error word gets TAKE_PARTIAL), reads
-    ``partial`` and computes everything before the PDL wait, which then only orders its
-    stores, and zeroes the counter; with ``arrived`` it adds PARTIAL_ARRIVALS · B to
-    ``arrived[0]`` once its outputs are stored, for the next take to await."""
-    check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited,
-                        arrived)
-    if awaited is not None:
-        error.bitwise_or_((awaited[0] < PARTIAL_ARRIVALS * batch).to(torch.int32) * TAKE_PARTIAL)
-        awaited.zero_()
+    rounding points are attn_res's. Returns (new_partial, h, h_normed), each [B, H] bf16."""
+    check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
     rows = box[parity, :, :batch].clone()
     flag_missing(error, rows, TAKE_POLL)
     arm_(box[parity, :, :batch])
-    outputs = attn_res(blocks, partial, rows, query, key_norm_w, out_norm_w, eps)
-    if arrived is not None:
-        arrived[0] += PARTIAL_ARRIVALS * batch
-    return outputs
+    return attn_res(blocks, partial, rows, query, key_norm_w, out_norm_w, eps)
 
 
-def attn_res_take_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited=None,
-                       arrived=None):
-    hidden = check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                                 awaited, arrived)
+def attn_res_take_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
+    hidden = check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
     return tuple(partial.new_empty((batch, hidden)) for _ in range(3))
 
 
 def check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                             h_normed, awaited=None, arrived=None) -> int:
-    return check_take("attn_res_take_into", box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w,
-                      eps, h_normed, awaited, arrived)
+                             h_normed) -> int:
+    return check_attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
+                               h_normed, "attn_res_take_into")
 
 
 def attn_res_take_into(box, parity: int, batch: int, error, blocks, partial, query, key_norm_w, out_norm_w,
-                       eps: float, h_normed, awaited=None, arrived=None):
+                       eps: float, h_normed):
     """:func:`attn_res_take` with h_normed written into rows [:batch] of a buffer the
     caller owns (the decoder's MoE input: the fused shared expert may still read it while
     kernels launched after it allocate). Returns (new_partial, h)."""
-    check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
-                             awaited, arrived)
+    check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed)
     new_partial, h, normed = attn_res_take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w,
-                                           eps, awaited, arrived)
+                                           eps)
     h_normed[:batch].copy_(normed)
     return new_partial, h
 
 
-def attn_res_take_into_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
-                            awaited=None, arrived=None):
+def attn_res_take_into_fake(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
     hidden = check_attn_res_take_into(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                                      h_normed, awaited, arrived)
+                                      h_normed)
     return tuple(partial.new_empty((batch, hidden)) for _ in range(2))

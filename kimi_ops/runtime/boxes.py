@@ -57,10 +57,6 @@ class DecodeBoxes(nn.Module):
     - ``routed_ready`` [2] int64 per rank: the route poll's CTAs counted once their
       outputs are stored, and the routed experts' CTAs past their wait for that count
       (the last zeroes both), where the experts run beside the fused shared expert.
-    - ``partial_ready_{0,1}`` [2] int64 per rank: two counters of the same form between the
-      AttnRes takes, used in turn: a take counts its stored new_partial into one, and the
-      next take waits for that count instead of its predecessor's end before it reads
-      ``partial`` (``kimi::attn_res_take``'s ``awaited`` and ``arrived``).
 
     The boxes this process owns are buffers (``{kind}_{rank}``); ``peers(kind, rank)`` is
     the ``boxes`` argument of a publishing op on that rank.
@@ -104,9 +100,6 @@ class DecodeBoxes(nn.Module):
             self.register_buffer(f"shared_ticket_{rank}", static(torch.zeros(1, dtype=torch.int64, device=device)))
             self.register_buffer(f"moe_input_{rank}", static(torch.zeros(cap, h, dtype=torch.bfloat16, device=device)))
             self.register_buffer(f"routed_ready_{rank}", static(torch.zeros(2, dtype=torch.int64, device=device)))
-            for turn in range(2):
-                self.register_buffer(f"partial_ready_{turn}_{rank}",
-                                     static(torch.zeros(2, dtype=torch.int64, device=device)))
 
     def two_shot(self, batch: int) -> bool:
         return two_shot(self.tp, self.latent, batch)
@@ -138,10 +131,6 @@ class DecodeBoxes(nn.Module):
         """The route poll's ready counter that the routed experts wait for (ops/boxes.check_ready)."""
         return getattr(self, f"routed_ready_{rank}")
 
-    def partial_ready(self, rank: int, take: int) -> torch.Tensor:
-        """The counter between take ``take`` of a step (1, 2, …) and the one before it."""
-        return getattr(self, f"partial_ready_{take % 2}_{rank}")
-
     def reset(self) -> None:
         """Re-arm every box this process owns, clear its error words and restart its
         barrier tickets, the shared expert's too (in place: the addresses peers and captured
@@ -153,5 +142,3 @@ class DecodeBoxes(nn.Module):
             self.ticket(rank).zero_()
             self.shared(rank)[1].zero_()
             self.routed_ready(rank).zero_()
-            for take in range(2):
-                self.partial_ready(rank, take).zero_()

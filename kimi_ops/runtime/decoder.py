@@ -246,21 +246,13 @@ class KimiDecoder(nn.Module):
     def residual(self, res, blocks, partial, rows):
         return kimi.attn_res(blocks, partial, rows, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
 
-    def residual_take(self, res, box, blocks, partial, batch, rank, take=None, into=None):
+    def residual_take(self, res, box, blocks, partial, batch, error, into=None):
         """AttnRes over the sublayer's rows taken from ``box`` (parity 0): polled, re-armed;
-        h_normed into the rows of the buffer ``into`` where given (a view of them returned).
-        ``take``: the step's take number (1, 2, …): past the first it waits for the one
-        before it to count its new_partial (``partial``, or at a block's start rows of
-        ``zero_partial``: the count then only orders), and all but the last count theirs;
-        None: no counters (a take alone, as benchmarks time it)."""
-        boxes = self.boxes
-        awaited = boxes.partial_ready(rank, take) if take and take > 1 else None
-        arrived = boxes.partial_ready(rank, take + 1) if take and take < 2 * self.num_layers else None
-        args = (box, 0, batch, boxes.error(rank), blocks, partial, res.query, res.key_norm_w, res.out_norm_w,
-                self.config.eps)
+        h_normed into the rows of the buffer ``into`` where given (a view of them returned)."""
+        args = (box, 0, batch, error, blocks, partial, res.query, res.key_norm_w, res.out_norm_w, self.config.eps)
         if into is None:
-            return kimi.attn_res_take(*args, awaited, arrived)
-        new_partial, h = kimi.attn_res_take_into(*args, into, awaited, arrived)
+            return kimi.attn_res_take(*args)
+        new_partial, h = kimi.attn_res_take_into(*args, into)
         return new_partial, h, into[:batch]
 
     def check_inputs(self, hidden, slots) -> None:
@@ -305,7 +297,7 @@ class KimiDecoder(nn.Module):
             self.barrier()
             for r, part in zip(ranks, layer):
                 partial[r], h[r], x[r] = self.residual_take(attn_res, boxes.own("attn", r), blocks[r], partial[r],
-                                                            batch, r, 2 * i + 1, boxes.moe_input(r))
+                                                            batch, boxes.error(r), boxes.moe_input(r))
                 part.front_publish(x[r], boxes)
             self.barrier()
             rows = {r: part.experts(x[r], boxes, self.serving) for r, part in zip(ranks, layer)}
@@ -322,7 +314,7 @@ class KimiDecoder(nn.Module):
             self.barrier()
             for r in ranks:
                 partial[r], h[r], x[r] = self.residual_take(moe_res, boxes.own("out", r), blocks[r], partial[r],
-                                                            batch, r, 2 * i + 2)
+                                                            batch, boxes.error(r))
                 # a block boundary (static); after the last layer the blocks and partial are dead
                 if (i + 1) % config.attn_res_block == 0 and i + 1 < self.num_layers:
                     blocks[r] = torch.cat([blocks[r], partial[r][None]])

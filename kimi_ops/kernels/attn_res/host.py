@@ -4,13 +4,12 @@ and ``kimi::attn_res_take``."""
 import functools
 
 import cutlass.cute as cute
-import torch
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32
 
 from ... import backend
 from ...mailbox import box_row as host_box_row
 from ...ops import attn_res as attn_res_op
-from ..arguments import aligned, placeholder
+from ..arguments import aligned
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import SMEM_BYTES, check_marks_room
 from ..variant import Unsupported, Variant, prepare_all, reason, single
@@ -27,20 +26,17 @@ from .plan import (
 
 
 @compiled
-def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool = False, counted: bool = False,
-                     arrives: bool = False):
+def compile_attn_res(hidden: int, tp: int, cluster: int, rows: int, polled: bool = False):
     """AttnRes, or ``polled`` AttnResTake (the box and the error word after ``sublayer``'s
-    place, the partial counters after h_normed, the box's first row and CAP after
-    ``count``; ``counted``, ``arrives``: AttnResTake's)."""
+    place, the box's first row and CAP after ``count``)."""
     batch, block_rows, source_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
     vectors = [fake(BFloat16, (hidden,)) for _ in range(3)]
     token_rows = [fake(BFloat16, (batch, hidden)) for _ in range(4)]
-    kernel = AttnResTake(hidden, tp, cluster, rows, counted, arrives) if polled else AttnRes(hidden, tp, cluster, rows)
+    kernel = (AttnResTake if polled else AttnRes)(hidden, tp, cluster, rows)
     box = [fake(BFloat16, (source_rows, hidden))] + [fake(Int32, (1,), align=4)] * polled
-    counters = [fake(Int64, (2,), align=8) for _ in range(2 * polled)]
     return cute.compile(
-        kernel, fake(BFloat16, (block_rows, hidden)), token_rows[0], *box, *vectors, *token_rows[1:], *counters,
-        Int32(0), *[Int32(0), Int32(1)] * polled, Float32(1e-6), fake_stream(), options=compile_options(),
+        kernel, fake(BFloat16, (block_rows, hidden)), token_rows[0], *box, *vectors, *token_rows[1:], Int32(0),
+        *[Int32(0), Int32(1)] * polled, Float32(1e-6), fake_stream(), options=compile_options(),
     )
 
 
@@ -58,18 +54,16 @@ def unsupported_shape(hidden: int, tp: int, count: int, batch: int = 1) -> str |
 
 
 @functools.cache  # asked by unsupported and the call: built once a shape
-def attn_res_variant(hidden: int, tp: int, count: int, polled: bool, batch: int, counted: bool = False,
-                     arrives: bool = False) -> Variant:
+def attn_res_variant(hidden: int, tp: int, count: int, polled: bool, batch: int) -> Variant:
     """A call's variant: H, the sources, N's stash bucket, the batch (its plan: (cluster,
-    stash rows)), and a take's partial counters; the kernel takes the adapter's arguments
-    as they are. Unsupported (why) where no variant takes the shape."""
+    stash rows)); the kernel takes the adapter's arguments as they are. Unsupported (why)
+    where no variant takes the shape."""
     why = unsupported_shape(hidden, tp, count, batch)
     if why:
         raise Unsupported(why)
     rows = stash_rows(count)
     cluster = cluster_for(hidden, batch, rows)
-    return single(lambda: compile_attn_res(hidden, tp, cluster, rows, polled, counted, arrives),
-                  (cluster, rows, counted, arrives))
+    return single(lambda: compile_attn_res(hidden, tp, cluster, rows, polled), (cluster, rows))
 
 
 class AttnResKernel:
@@ -78,17 +72,12 @@ class AttnResKernel:
     check = staticmethod(attn_res_op.check_attn_res)
     polled = False
 
-    def forms(self, buckets) -> list[tuple[int, bool, bool]]:
-        """(stash bucket, awaited, arrived) of the variants :meth:`prepare` compiles."""
-        return [(rows, False, False) for rows in buckets]
-
     def prepare(self, hidden: int, tps, counts, batches=(1,)) -> None:
         """Every variant calls with these source counts (TP, or the box's sources), block
         counts and batches take."""
         buckets = sorted({stash_rows(count) for count in counts})  # a bucket is its own bucket
-        prepare_all(lambda tp=tp, form=form, batch=batch: attn_res_variant(hidden, tp, form[0], self.polled, batch,
-                                                                           *form[1:])
-                    for tp in tps for form in self.forms(buckets) for batch in sorted(set(batches)))
+        prepare_all(lambda tp=tp, rows=rows, batch=batch: attn_res_variant(hidden, tp, rows, self.polled, batch)
+                    for tp in tps for rows in buckets for batch in sorted(set(batches)))
 
     def unsupported_call(self, hidden, tp, count, batch, tensors) -> str | None:
         why = reason(lambda: attn_res_variant(hidden, tp, count, self.polled, batch))
@@ -117,34 +106,22 @@ class AttnResTakeKernel(AttnResKernel):
     check = staticmethod(attn_res_op.check_attn_res_take)
     polled = True
 
-    def forms(self, buckets) -> list[tuple[int, bool, bool]]:
-        """The decoder's (runtime/decoder.py): its first take (no blocks yet) arrives only,
-        its last (the most blocks) awaits only, every take both; a functional call's
-        (neither) compiles when first asked, outside a capture."""
-        return [(buckets[0], False, True), *((rows, True, True) for rows in buckets), (buckets[-1], True, False)]
-
-    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited=None,
-                    arrived=None):
+    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
         return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0], batch,
                                      (box, blocks, partial, query, key_norm_w, out_norm_w))
 
-    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, awaited=None,
-                 arrived=None):
-        return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, None, awaited,
-                         arrived)
+    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps):
+        return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps)
 
-    def take(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed=None,
-             awaited=None, arrived=None):
+    def take(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed=None):
         """(new_partial, h, h_normed): h_normed into the given rows, if any."""
         hidden, tp, capacity = box.shape[3], box.shape[1], box.shape[2]
         check_marks_room("attn_res_take", error)
         outputs = [partial.new_empty((batch, hidden)) for _ in range(2)]
         outputs.append(partial.new_empty((batch, hidden)) if h_normed is None else h_normed)
-        counters = [placeholder(partial, torch.int64, elements=2) if counter is None else counter
-                    for counter in (awaited, arrived)]
-        attn_res_variant(hidden, tp, blocks.shape[0], True, batch, awaited is not None, arrived is not None).run(
+        attn_res_variant(hidden, tp, blocks.shape[0], True, batch).run(
             block_rows(blocks, partial), partial, box.view(-1, hidden), error, query, key_norm_w, out_norm_w,
-            *outputs, *counters, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
+            *outputs, blocks.shape[0], host_box_row(parity, 0, 0, tp, capacity), capacity, eps)
         return tuple(outputs)
 
 
@@ -153,15 +130,13 @@ class AttnResTakeIntoKernel(AttnResTakeKernel):
 
     check = staticmethod(attn_res_op.check_attn_res_take_into)
 
-    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
-                    awaited=None, arrived=None):
+    def unsupported(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
         return self.unsupported_call(box.shape[3], box.shape[1], blocks.shape[0], batch,
                                      (box, blocks, partial, query, key_norm_w, out_norm_w, h_normed))
 
-    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed,
-                 awaited=None, arrived=None):
+    def __call__(self, box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps, h_normed):
         return self.take(box, parity, batch, error, blocks, partial, query, key_norm_w, out_norm_w, eps,
-                         h_normed[:batch], awaited, arrived)[:2]
+                         h_normed[:batch])[:2]
 
 
 def block_rows(blocks, partial):

@@ -36,11 +36,7 @@ queues the next kernel's prefetch fills (benchmarks/NOTES.md, nineteenth session
 
 ``AttnResTake`` (``kimi::attn_res_take``, ``mailbox_take`` fused): the same kernel, the
 sublayer's rows polled from the box after step 1 (bounded, into the error word), re-armed,
-and only then the wait (for ``partial`` and the outputs). Counted (the decoder's takes
-after its first): ``partial`` comes by its writer's count instead, so steps 2-5 run before
-the wait, which then only orders the stores behind the outputs' earlier readers (the
-predecessor's drain, 0.7-1.8 µs a take on the marks, and the load of ``partial`` were on
-the path: benchmarks/NOTES.md).
+and only then the wait (for ``partial`` and the outputs).
 
 Shared memory a CTA: the stash (H = 7168: 1.75 KB a row), 8 bytes a slot per warp and per
 CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 CTAs an
@@ -57,9 +53,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from ...mailbox import PARTIAL_ARRIVALS, TAKE_PARTIAL, TAKE_POLL
+from ...mailbox import TAKE_POLL
 from ..launch import MARKS, PDL
-from ..mailbox import await_arrivals, box_row, count_arrival, poll_all, rearm, release_consumed
+from ..mailbox import box_row, poll_all, rearm, release_consumed
 from ..packets import (
     butterfly,
     butterfly_sum,
@@ -85,9 +81,6 @@ EXCHANGES = H_SS + 1
 # KIMI_OPS_MARKS: AttnResTake's phases after its start (benchmarks/timeline.py --marks)
 # (block stats, rows polled, PDL wait over, the three rounds, h_normed stored)
 TAKE_MARKS = marked(1, "attn_res_take", ("stats", "polled", "waited", "partial ss", "logit", "h ss", "stored"))
-# the counted take's: every round before the wait, which then only orders the stores
-COUNTED_TAKE_MARKS = marked(2, "attn_res_take counted",
-                            ("stats", "polled", "partial ss", "logit", "h ss", "waited", "stored"))
 
 
 class AttnRes:
@@ -158,18 +151,13 @@ class AttnRes:
         return Place(token, part, tid), space, columns, weights
 
     @cute.jit
-    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks,
-               deferred: cutlass.Constexpr[bool] = False):
+    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks):
         """Steps 2-5 of the module doc from each round's rows (partial and the sources);
-        ``marks`` at each round's end and after the last store. ``deferred`` (a counted
-        take's: ``partial`` came by its writer's count, not the PDL wait): every output
-        packet kept in registers, then the PDL wait (only the outputs' earlier readers are
-        left to wait for), then the stores."""
+        ``marks`` at each round's end and after the last store."""
         token, part, tid = at.token, at.part, at.tid
         query_v, key_w, out_w = weights.query, weights.key_norm, weights.out_norm
         stash, partials, received, alpha = space.stash, space.partials, space.received, space.alpha
         valid = self.valid(tid)
-        pending = []  # deferred: (output, round, words) stored after the wait
         values = []  # new_partial's rounded values (FP32) per round
         squares = Float64(0.0)
         for q in cutlass.range_constexpr(self.rounds):
@@ -178,7 +166,7 @@ class AttnRes:
                 extra = unpack_words(rows[q][1 + source])
                 acc = [acc[i] + extra[i] for i in range(8)]
             words = pack_values(acc)
-            squares += self.stored(new_partial, words, token, columns[q], valid[q], pending, q, deferred)
+            squares += self.stored(new_partial, words, token, columns[q], valid[q])
             values.append(unpack_words(words))
         self.warp_sum(partials, self.partial_ss, squares, tid)
         self.share(space, PARTIAL_SS, 1, part, tid)
@@ -207,37 +195,24 @@ class AttnRes:
             weight = alpha[count]
             total = [acc[i] + Float64(weight * values[q][i]) for i in range(8)]
             words = pack_values([Float32(t) for t in total])
-            squares += self.stored(h, words, token, columns[q], valid[q], pending, q, deferred)
+            squares += self.stored(h, words, token, columns[q], valid[q])
             mixed.append(unpack_words(words))
         self.warp_sum(partials, self.h_ss, squares, tid)
         self.share(space, H_SS, 1, part, tid)
         marks.at()
         inv = inverse_rms(self.total(received, self.h_ss), self.hidden, eps)
         for q in cutlass.range_constexpr(self.rounds):
-            words = normalized(mixed[q], inv, out_w[q])
-            if cutlass.const_expr(deferred):
-                pending.append((h_normed, q, words))
-            elif valid[q]:
-                store_words(h_normed.iterator + token * self.hidden + columns[q], words)
-        if cutlass.const_expr(deferred):
-            cute.arch.griddepcontrol_wait()
-            marks.at()
-            for out, q, words in pending:
-                if valid[q]:
-                    store_words(out.iterator + token * self.hidden + columns[q], words)
+            if valid[q]:
+                store_words(h_normed.iterator + token * self.hidden + columns[q], normalized(mixed[q], inv, out_w[q]))
         marks.at()
 
     @cute.jit
-    def stored(self, out, words, token, column, valid, pending, q: cutlass.Constexpr[int],
-               deferred: cutlass.Constexpr[bool]) -> Float64:
-        """A packet of BF16 words into ``out`` where ``valid`` (``deferred``: onto
-        ``pending`` for after the wait); returns Σ x² of its values (0 elsewhere)."""
-        if cutlass.const_expr(deferred):
-            pending.append((out, q, words))
+    def stored(self, out, words, token, column, valid) -> Float64:
+        """A packet of BF16 words into ``out`` where ``valid``; returns Σ x² of its values
+        (0 elsewhere)."""
         squares = Float64(0.0)
         if valid:
-            if cutlass.const_expr(not deferred):
-                store_words(out.iterator + token * self.hidden + column, words)
+            store_words(out.iterator + token * self.hidden + column, words)
             values = unpack_words(words)
             squares = exact_dot(values, values)
         return squares
@@ -400,45 +375,26 @@ class AttnResTake(AttnRes):
     re-arms it; only then does it release its dependents (mailbox.release_consumed) and
     wait for the previous grid, before it reads ``partial`` (the previous AttnRes's) and
     writes the outputs. A thread past its CTA's packets polls
-    nothing: its clamped packet is another thread's, which re-arms it.
-
-    ``counted``: ``partial``'s writer (the previous take) counted its stores into
-    ``awaited``, so thread 0 waits for that count after step 1 (mailbox.await_arrivals,
-    bounded: TAKE_PARTIAL), every thread loads its ``partial`` packets with its polls, and
-    every round runs before the PDL wait, which only orders the stores (the outputs'
-    memory may still be read by grids before ours). ``arrives``: once the outputs are
-    stored, each CTA adds PARTIAL_ARRIVALS / cluster to ``arrived`` for the next take."""
-
-    def __init__(self, hidden: int, tp: int, cluster: int, rows: int, counted: bool = False, arrives: bool = False):
-        super().__init__(hidden, tp, cluster, rows)
-        assert PARTIAL_ARRIVALS % cluster == 0, "a CTA's arrivals: PARTIAL_ARRIVALS / cluster, whole"
-        self.counted, self.arrives = counted, arrives
+    nothing: its clamped packet is another thread's, which re-arms it."""
 
     @cute.jit
     def __call__(self, blocks: cute.Tensor, partial: cute.Tensor, box: cute.Tensor, error: cute.Tensor,
                  query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor,
-                 h: cute.Tensor, h_normed: cute.Tensor, awaited: cute.Tensor, arrived: cute.Tensor, count: Int32,
-                 first_row: Int32, capacity: Int32, eps: Float32, stream):
-        """``box`` [parities · TP · CAP, H]: source s of token b at row first_row + s · CAP + b;
-        ``awaited`` and ``arrived`` [2] int64 (read only where ``counted`` and ``arrives``)."""
+                 h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32,
+                 stream):
+        """``box`` [parities · TP · CAP, H]: source s of token b at row first_row + s · CAP + b."""
         self.launch(self.kernel(blocks, partial, box, error, query, key_norm_w, out_norm_w, new_partial, h, h_normed,
-                                awaited, arrived, count, first_row, capacity, eps), partial, stream)
+                                count, first_row, capacity, eps), partial, stream)
 
     @cute.kernel
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, box: cute.Tensor, error: cute.Tensor,
                query: cute.Tensor, key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor,
-               h: cute.Tensor, h_normed: cute.Tensor, awaited: cute.Tensor, arrived: cute.Tensor, count: Int32,
-               first_row: Int32, capacity: Int32, eps: Float32):
-        marks = Marks(COUNTED_TAKE_MARKS if self.counted else TAKE_MARKS, MARKS)
+               h: cute.Tensor, h_normed: cute.Tensor, count: Int32, first_row: Int32, capacity: Int32, eps: Float32):
+        marks = Marks(TAKE_MARKS, MARKS)
         marks.at()
         at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
         marks.at()
         token, tid = at.token, at.tid
-        batch = partial.shape[0]
-        own = []
-        if cutlass.const_expr(self.counted):
-            await_arrivals(awaited, Int64(PARTIAL_ARRIVALS) * batch, batch * self.cluster, error, TAKE_PARTIAL)
-            own = [load_words(partial.iterator + token * self.hidden + columns[q]) for q in range(self.rounds)]
         valid = self.valid(tid)
         polled = cute.make_rmem_tensor((self.rounds, max(self.tp, 1), 4), Uint32)
         for q in cutlass.range_constexpr(self.rounds):
@@ -452,15 +408,11 @@ class AttnResTake(AttnRes):
                         polled[q, source, k] = words[source][k]
         marks.at()
         release_consumed()
-        if cutlass.const_expr(not self.counted):
-            cute.arch.griddepcontrol_wait()
-            marks.at()
-            own = [load_words(partial.iterator + token * self.hidden + columns[q]) for q in range(self.rounds)]
-        rows = [[own[q]] + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)]
-                for q in range(self.rounds)]
-        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks, self.counted)
-        if cutlass.const_expr(self.arrives):
-            count_arrival(arrived, PARTIAL_ARRIVALS // self.cluster)
+        cute.arch.griddepcontrol_wait()
+        marks.at()
+        rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
+                + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks)
         marks.store(error)
 
 
