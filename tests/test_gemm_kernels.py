@@ -113,18 +113,16 @@ def test_shared_expert_grid_is_one_size_and_resident():
 def test_front_and_gate_up_share_one_resident_grid():
     """The TP8 rank's front [624, 7168] beside the gate/up [1536, 7168]: alone they take 80 +
     96 CTAs, more than one wave; together joint_partition gives the gate/up three tiles a CTA
-    (owners of 32 rows, the last two of a cluster none) and the front two at split 8 (one at
-    split 4 at 64 tokens, where two tiles' accumulators cost more), in clusters of 8, the
-    down's 112 tiles the grid, at every bucket."""
+    (owners of 32 rows, the last two of a cluster none) and the front two, in clusters of 8,
+    the down's 112 tiles the grid, at every bucket."""
     assert (gemm_plans.partition(624, 7168, 8), gemm_plans.partition(1536, 7168, 8, 16)) == ((1, 8), (2, 8))
     for tokens in gemm_plans.TOKEN_TILES:
         plan = gemm.shared_plan(1536, 7168, 7168, tokens, 624)
-        front = (1, 4, 40, 4) if tokens == 64 else (2, 8, 40, 8)
-        assert (plan.front.tiles, plan.front.split, plan.front.ctas, plan.front.receivers) == front
+        assert (plan.front.tiles, plan.front.split, plan.front.ctas) == (2, 8, 40)
         assert (plan.gate_up.tiles, plan.gate_up.split, plan.gate_up.ctas, plan.gate_up.owned) == (3, 8, 64, 32)
         assert plan.grid == 112 and plan.cluster == 8 and plan.grid <= gemm_plans.RESIDENT[8]
         assert plan.gate_up.owned * (plan.gate_up.split - 2) == plan.gate_up.rows
-        assert plan.gate_up.receivers == 6  # no block goes to an owner of nothing
+        assert plan.gate_up.receivers == 6 and plan.front.receivers == 8  # no block goes to an owner of nothing
         assert 8 * (2 * plan.depth + 1) <= 1024 and 1024 + plan.ring_bytes + 8 + 8 * 3 <= SMEM_BYTES
     assert gemm.SharedExpertKernel().prefers(1536, 7168, 7168, 624)
     assert not gemm.SharedExpertKernel().prefers(12288, 7168, 7168, 896 + 3584)  # kimi_k3 TP1: no fused shared expert
@@ -302,12 +300,13 @@ def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens
 def test_partition_trades_weight_bytes_per_cta_for_splits():
     """One wave of whole-K CTAs where it covers the SMs (o-proj at TP8, the shared down);
     K splits where it would leave most idle (the front, the DSA helpers) or where fewer x
-    reads pay (TP1's o-proj at 32 tokens), but one tile a CTA at 64 tokens, where two tiles'
-    accumulators cost more than the x reads they save."""
+    reads pay (TP1's o-proj at 64 tokens); at 64 tokens a short K's two tiles go to one tile
+    at half the split (the stacked DSA GEMM, the TP8 rank's o-proj), TP1's o-proj stays."""
     assert gemm_plans.partition(7168, 1536, 8) == (1, 1) and gemm_plans.partition(7168, 768, 64) == (1, 1)
     assert gemm_plans.partition(4480, 7168, 8) == (3, 4) and gemm_plans.partition(32, 7168, 8) == (1, 8)
-    assert gemm_plans.partition(7168, 12288, 32) == (2, 2) and gemm_plans.partition(7168, 12288, 64) == (1, 1)
+    assert gemm_plans.partition(7168, 12288, 64) == (2, 2) and gemm_plans.partition(4480, 7168, 64) == (3, 4)
     assert gemm_plans.partition(1696, 7168, 32) == (2, 8) and gemm_plans.partition(1696, 7168, 64) == (1, 4)
+    assert gemm_plans.partition(7168, 1536, 32) == (2, 2) and gemm_plans.partition(7168, 1536, 64) == (1, 1)
     assert gemm_plans.partition(7168, 100, 8) is None and gemm_plans.partition(100, 7168, 8) is None
 
 

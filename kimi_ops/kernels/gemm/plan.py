@@ -38,13 +38,15 @@ EARLY_TOKENS = 8
 # two- and three-tile CTAs at 73-95 %
 CHUNK_COST = 48  # a chunk's fixed cost (barriers, fences, the wgmma chain's latency)
 SPLIT_COST = 512  # a K split's (two cluster barriers, the exchange's latency)
-# A chunk's cost grows with the accumulators past one tile of 64 tokens (tiles · T FP32 a
-# thread's pair of rows): at T = 64 every TP8 shape's two-tile plan ran 0.45-0.8 µs slower
-# than one tile at half the split, the same CTAs and bytes (H100, bench_projection
-# --partitions: benchmarks/NOTES.md), level at T = 32
-WIDE_ACCUMULATORS = 64
-WIDE_COST = 1.0  # per accumulator column past WIDE_ACCUMULATORS, a chunk
 COST_SLACK = 0.03  # partitions this close to the least cost count as ties
+# At 64 tokens two tiles a CTA keep 128 accumulator registers a consumer thread (1-2 chunks'
+# wgmmas in flight, where one tile keeps 3-4) and exchange twice the K parts' bytes: where a
+# CTA's K is short, one tile at half the split (the same CTAs, the same bytes) ran faster on
+# every shape measured (H100, bench_projection --partitions and bench_layer,
+# benchmarks/NOTES.md: 0.45-0.8 µs at 3-14 chunks a CTA, 0.7 at 48), and slower at 96 chunks
+# (TP1's o-proj: 3.9 µs, its x read half as often); level at 32 tokens
+WIDE_TOKENS = 64
+WIDE_CHUNKS = 48  # the most chunks a two-tile CTA has where the swap applies
 RECEIVE_PAD = 4  # FP32 words after each received row of T tokens (fewer bank conflicts)
 
 
@@ -61,15 +63,19 @@ def partition(n: int, k: int, tokens: int, owned: int = 8) -> tuple[int, int] | 
     (K % CHUNK, N % 8, or too many rows for one wave).
 
     Cost, in 128-byte rows of a chunk: per chunk the CTA's weight rows, x's rows at a
-    quarter (L2 hits, read by every block: more tiles per CTA read x fewer times),
-    CHUNK_COST and WIDE_COST a column of accumulators past WIDE_ACCUMULATORS; for a K split
-    SPLIT_COST plus its DSMEM exchange (rows × T FP32 at half)."""
+    quarter (L2 hits, read by every block: more tiles per CTA read x fewer times) and
+    CHUNK_COST; for a K split SPLIT_COST plus its DSMEM exchange (rows × T FP32 at half).
+    At WIDE_TOKENS a two-tile choice of at most WIDE_CHUNKS chunks a CTA goes to one tile at
+    half the split."""
     costs = {key: cost for key, (ctas, cost) in partitions(n, k, tokens, owned).items()
              if ctas <= RESIDENT[key[0]]}
     if not costs:
         return None
     least = min(costs.values())
     split, tiles = min(key for key, cost in costs.items() if cost <= least * (1 + COST_SLACK))
+    narrow = (split // 2, tiles // 2)
+    if tokens >= WIDE_TOKENS and tiles == 2 and k // CHUNK // split <= WIDE_CHUNKS and narrow in costs:
+        split, tiles = narrow
     return tiles, split
 
 
@@ -111,8 +117,7 @@ def joint_partition(weights: list[tuple[int, int]], k: int, tokens: int) -> list
 
 def cta_cost(chunks: int, tiles: int, split: int, tokens: int) -> float:
     """:func:`partition`'s cost of a CTA of ``tiles`` tiles over 1/``split`` of ``chunks``."""
-    wide = WIDE_COST * max(0, tiles * tokens - WIDE_ACCUMULATORS)
-    return (chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST + wide)
+    return (chunks // split * (TILE * tiles + tokens / 4 + CHUNK_COST)
             + (split > 1) * (SPLIT_COST + TILE * tiles * tokens / 64))
 
 
