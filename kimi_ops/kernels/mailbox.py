@@ -180,8 +180,11 @@ def await_arrivals(counter: cute.Tensor, goal, ctas, error: cute.Tensor, code: c
     """Thread 0 waits until ``counter[0]`` reaches ``goal`` (acquire; bounded as
     :func:`poll_all`: past POLL_TIMEOUT_NS ``code`` goes into the error word), then counts
     its CTA on ``counter[1]``; the last of the grid's ``ctas`` zeroes both words for the
-    next call (whose producer starts after this grid ended). Every thread then waits at
-    the CTA barrier, so the producer's stores are visible to all."""
+    next call, whose producer counts only after this grid's CTAs are all past: by the data
+    it consumes (ours, or a grid's that waited for ours), not by a PDL wait of its own. Every
+    thread then waits at the CTA barrier, so the producer's stores are visible to all. After
+    a bound passed the word is zeroed early and a late count carries over: the error word is
+    set, and reset() clears both."""
     tid, _, _ = cute.arch.thread_idx()
     if tid == 0:
         start = cute.arch.globaltimer()
