@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
+
 BACKENDS = ("auto", "reference", "cute")
 
 
@@ -66,20 +68,26 @@ def prepare(name: str, *key) -> None:
         kernel.prepare(*key)
 
 
-def prefers(name: str, *key) -> bool:
+def prefers(name: str, device: torch.device, *key) -> bool:
     """Whether op ``name``'s kernel is the faster form of its computation at shapes ``key``
-    (its ``prefers``: an op that fuses others'); False without one or under the reference
-    backend, where the ops it fuses serve alike."""
+    for tensors on ``device`` (its ``prefers``: an op that fuses others'); False without
+    one, under the reference backend or off CUDA, where the ops it fuses serve alike."""
     prefers = getattr(KERNELS.get(name), "prefers", None)
-    return prefers is not None and selected() != "reference" and prefers(*key)
+    return prefers is not None and runs_kernels(device) and prefers(*key)
 
 
-def serves(name: str, *key) -> bool:
-    """Whether op ``name``'s CuTe kernel serves every call of shapes ``key`` (its
-    ``serves``), for a caller whose launch order relies on how that kernel reads (a poll,
-    not a plain load); False without one or under the reference backend."""
+def serves(name: str, device: torch.device, *key) -> bool:
+    """Whether op ``name``'s CuTe kernel serves every call of shapes ``key`` on ``device``
+    (its ``serves``), for a caller whose launch order relies on how that kernel reads (a
+    poll, not a plain load); False without one, under the reference backend or off CUDA."""
     serves = getattr(KERNELS.get(name), "serves", None)
-    return serves is not None and selected() != "reference" and serves(*key)
+    return serves is not None and runs_kernels(device) and serves(*key)
+
+
+def runs_kernels(device: torch.device) -> bool:
+    """Calls on ``device`` may reach a CuTe kernel: a CUDA device, the reference backend not
+    forced (a CPU decoder in a process with CUDA dispatches to the references alone)."""
+    return torch.device(device).type == "cuda" and selected() != "reference"
 
 
 def cuda_impl(name: str, reference: Callable) -> Callable:

@@ -88,16 +88,21 @@ def test_reference_backend_never_asks_the_kernel(kernels, monkeypatch):
     assert kernels["op"].asked == 0
 
 
-def test_serves_asks_the_kernel_unless_the_reference_is_forced(kernels, monkeypatch):
-    """backend.serves: False without a kernel, without its ``serves`` or under the reference
-    backend; else the kernel's answer for the shapes."""
-    assert not backend.serves("op", 8)
+@pytest.mark.parametrize("ask", ["serves", "prefers"])
+def test_serves_and_prefers_ask_the_kernel_for_cuda_tensors_unless_the_reference_is_forced(kernels, monkeypatch,
+                                                                                           ask):
+    """backend.serves and backend.prefers: False without a kernel, without its answer, for
+    tensors off CUDA (a CPU decoder in a process with CUDA runs the references alone) or
+    under the reference backend; else the kernel's answer for the shapes."""
+    cuda = torch.device("cuda", 0)
+    assert not getattr(backend, ask)("op", cuda, 8)
     kernels["op"] = FakeKernel()
-    assert not backend.serves("op", 8)  # no serves: nothing to rely on
-    kernels["op"].serves = lambda width: width % 8 == 0
-    assert backend.serves("op", 8) and not backend.serves("op", 12)
+    assert not getattr(backend, ask)("op", cuda, 8)  # no answer: nothing to rely on
+    setattr(kernels["op"], ask, lambda width: width % 8 == 0)
+    assert getattr(backend, ask)("op", cuda, 8) and not getattr(backend, ask)("op", cuda, 12)
+    assert not getattr(backend, ask)("op", torch.device("cpu"), 8)
     monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
-    assert not backend.serves("op", 8)
+    assert not getattr(backend, ask)("op", cuda, 8)
 
 
 def test_every_kernels_check_takes_its_ops_arguments_in_order(kernels):

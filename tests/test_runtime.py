@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from kimi_ops import backend
 from kimi_ops.config import KimiConfig
 from kimi_ops.debug import KimiOpMode
 from kimi_ops.kernels.launch import MARK_WORDS
@@ -193,6 +194,24 @@ def kimi_calls(decoder, hidden) -> list[tuple[str, list]]:
     with torch.no_grad(), Calls():
         decoder(hidden)
     return calls
+
+
+def test_a_cpu_decoder_takes_the_references_form_where_kernels_would_fuse(monkeypatch):
+    """In a process with CUDA the CuTe kernels are registered and prefer the fused shared
+    expert at these shapes; a decoder on the CPU runs the references alone, so it keeps the
+    two-op shared expert and the chain they need (its op calls are the reference backend's)."""
+
+    class Eager:
+        prefers = serves = staticmethod(lambda *key: True)
+        prepare = staticmethod(lambda *key: None)
+
+    for name in ("shared_expert_push", "moe_front_shared_push", "moe_tail_poll"):
+        monkeypatch.setitem(backend.KERNELS, name, Eager())
+    decoder = KimiDecoder(CONFIG, 2, tp=1, seed=4)
+    front = decoder.layers[0][0].front
+    assert not (front.fused_shared or front.shared_first or front.front_inside)
+    names = {name for name, _ in kimi_calls(decoder, hidden_states(1, seed=5))}
+    assert {"gate_up_situ", "oproj_push"} <= names and "shared_expert_push" not in names
 
 
 @pytest.mark.parametrize("chain", ["shared first", "front inside", "shared last"])

@@ -93,8 +93,8 @@ class RankLayer(nn.Module):
         self.tail = PreparedTail(config, tp, rank, moe, parity, rearm, wrap=ordinal == 0)
         # The fused shared expert leads routing only where the tail's kernel polls its shards:
         # the reference's plain loads would not wait for a shared expert still running.
-        self.front.shared_first = backend.serves("moe_tail_poll", tp, self.tail.w_up.shape[0], config.latent,
-                                                 buckets(config.capacity))
+        self.front.shared_first = backend.serves("moe_tail_poll", self.tail.w_up.device, tp, self.tail.w_up.shape[0],
+                                                 config.latent, buckets(config.capacity))
 
     def attention(self, x, slots, boxes: DecodeBoxes):
         """The index front (keys into the cache), the stand-in core and the o-proj publish."""

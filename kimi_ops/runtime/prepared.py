@@ -105,7 +105,8 @@ class PreparedFront(Prepared):
         # alone (its grid barrier needs its whole grid resident, which ranks sharing a GPU
         # cannot promise) and where its kernel is the faster form (the TP8 rank's shapes, not
         # kimi_k3's: SharedExpertKernel.prefers)
-        self.fused_shared = tp == 1 and backend.prefers("shared_expert_push", *self.shared_gate_up.shape,
+        device = self.shared_gate_up.device
+        self.fused_shared = tp == 1 and backend.prefers("shared_expert_push", device, *self.shared_gate_up.shape,
                                                         self.shared_down.shape[0])
         # the fused launch before routing, which runs beside it (run): RankLayer decides,
         # bench_layer --shared-last is the A/B
@@ -114,7 +115,7 @@ class PreparedFront(Prepared):
         # takes the front's rows too: both read x, both weights stream at once (bench_layer
         # --front-apart is the A/B)
         self.front_inside = self.fused_shared and backend.prefers(
-            "moe_front_shared_push", *self.shared_gate_up.shape, self.shared_down.shape[0], self.front.shape[0])
+            "moe_front_shared_push", device, *self.shared_gate_up.shape, self.shared_down.shape[0], self.front.shape[0])
 
     def prepare(self, batches, boxes):
         config, tp, rank = self.config, self.tp, self.rank
