@@ -42,11 +42,8 @@ Shared memory a CTA: the stash (H = 7168: 1.75 KB a row), 8 bytes a slot per war
 CTA of the cluster. At B = 64 the grid is 512 CTAs of 128 threads: one wave (4 CTAs an
 SM) while the stash bucket is ≤ 24 rows (N ≤ 24); deeper stacks run in two (not measured).
 
-PDL: AttnResTake releases its dependents once its packets are re-armed. AttnRes (the
-embedding's, a step's first kernel) releases them once its rows are in, not at entry
-(kernels/launch.py): its loads are latency-bound, and released at entry they queued behind
-the stacked GEMM's whole-ring prefetch (24 MB at the TP8 rank), which the timeline showed
-as 10 µs a step at B = 1 against ~3.5 alone (benchmarks/NOTES.md, nineteenth session).
+PDL: the dependents are released at entry (kernels/launch.py says why), AttnResTake's once
+its packets are re-armed.
 """
 
 from typing import NamedTuple
@@ -120,6 +117,7 @@ class AttnRes:
     def kernel(self, blocks: cute.Tensor, partial: cute.Tensor, sublayer: cute.Tensor, query: cute.Tensor,
                key_norm_w: cute.Tensor, out_norm_w: cute.Tensor, new_partial: cute.Tensor, h: cute.Tensor,
                h_normed: cute.Tensor, count: Int32, eps: Float32):
+        cute.arch.griddepcontrol_launch_dependents()  # at entry (launch.py: PDL)
         at, space, columns, weights = self.start(blocks, partial, query, key_norm_w, out_norm_w, count, eps)
         token = at.token
         cute.arch.griddepcontrol_wait()
@@ -129,7 +127,7 @@ class AttnRes:
             sources = [sublayer.iterator + (s * partial.shape[0] + token) * self.hidden + columns[q]
                        for s in range(self.tp)]
             rows.append([load_words(address) for address in own + sources])
-        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, Marks(0, False), True)
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, Marks(0, False))
 
     @cute.jit
     def start(self, blocks, partial, query, key_norm_w, out_norm_w, count, eps):
@@ -153,12 +151,9 @@ class AttnRes:
         return Place(token, part, tid), space, columns, weights
 
     @cute.jit
-    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks,
-               release: cutlass.Constexpr[bool]):
+    def finish(self, rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks):
         """Steps 2-5 of the module doc from each round's rows (partial and the sources);
-        ``marks`` at each round's end and after the last store; ``release``: the dependents
-        once the rows are in (the embedding's AttnRes: its loads ahead of the next GEMM's
-        prefetch)."""
+        ``marks`` at each round's end and after the last store."""
         token, part, tid = at.token, at.part, at.tid
         query_v, key_w, out_w = weights.query, weights.key_norm, weights.out_norm
         stash, partials, received, alpha = space.stash, space.partials, space.received, space.alpha
@@ -173,8 +168,6 @@ class AttnRes:
             words = pack_values(acc)
             squares += self.stored(new_partial, words, token, columns[q], valid[q])
             values.append(unpack_words(words))
-        if cutlass.const_expr(release):
-            cute.arch.griddepcontrol_launch_dependents()
         self.warp_sum(partials, self.partial_ss, squares, tid)
         self.share(space, PARTIAL_SS, 1, part, tid)
         marks.at()
@@ -419,7 +412,7 @@ class AttnResTake(AttnRes):
         marks.at()
         rows = [[load_words(partial.iterator + token * self.hidden + columns[q])]
                 + [[polled[q, source, k] for k in range(4)] for source in range(self.tp)] for q in range(self.rounds)]
-        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks, False)
+        self.finish(rows, at, space, columns, weights, new_partial, h, h_normed, count, eps, marks)
         marks.store(error)
 
 
