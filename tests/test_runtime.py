@@ -12,7 +12,8 @@ from kimi_ops.debug import KimiOpMode
 from kimi_ops.kernels.launch import MARK_WORDS
 from kimi_ops.mailbox import SENTINEL, KimiMailboxError, canonical, parities, raise_if_error
 from kimi_ops.runtime import boxes as boxes_module
-from kimi_ops.runtime.decoder import KimiDecoder
+from kimi_ops.moe import MoeWeights
+from kimi_ops.runtime.decoder import AttentionWeights, KimiDecoder, RankLayer
 
 kimi = torch.ops.kimi
 CONFIG = KimiConfig.tiny()
@@ -196,10 +197,12 @@ def kimi_calls(decoder, hidden) -> list[tuple[str, list]]:
     return calls
 
 
-def test_a_cpu_decoder_takes_the_references_form_where_kernels_would_fuse(monkeypatch):
+def test_the_fused_forms_are_chosen_for_the_device_the_decoder_runs_on(monkeypatch):
     """In a process with CUDA the CuTe kernels are registered and prefer the fused shared
-    expert at these shapes; a decoder on the CPU runs the references alone, so it keeps the
-    two-op shared expert and the chain they need (its op calls are the reference backend's)."""
+    expert at these shapes. A decoder on the CPU runs the references alone, so it keeps the
+    two-op shared expert and the chain they need (its op calls are the reference backend's).
+    A CUDA decoder's layers take the fused forms, though their weights are built on the CPU
+    before the decoder moves them (a layer built here for a CUDA decoder: no GPU needed)."""
 
     class Eager:
         prefers = serves = staticmethod(lambda *key: True)
@@ -212,6 +215,10 @@ def test_a_cpu_decoder_takes_the_references_form_where_kernels_would_fuse(monkey
     assert not (front.fused_shared or front.shared_first or front.front_inside)
     names = {name for name, _ in kimi_calls(decoder, hidden_states(1, seed=5))}
     assert {"gate_up_situ", "oproj_push"} <= names and "shared_expert_push" not in names
+    gen = torch.Generator().manual_seed(0)
+    weights = AttentionWeights.random(CONFIG, gen), MoeWeights.random(CONFIG, gen)
+    front = RankLayer(CONFIG, *weights, 1, 0, 0, 2, torch.device("cuda", 0)).front
+    assert front.fused_shared and front.shared_first and front.front_inside
 
 
 @pytest.mark.parametrize("chain", ["shared first", "front inside", "shared last"])

@@ -83,18 +83,21 @@ def buckets(capacity: int) -> list[int]:
 class RankLayer(nn.Module):
     """One layer on one rank: its prepared parts, in the order the decoder drives them."""
 
-    def __init__(self, config, attention: AttentionWeights, moe: MoeWeights, tp, rank, ordinal, count):
+    def __init__(self, config, attention: AttentionWeights, moe: MoeWeights, tp, rank, ordinal, count,
+                 device: torch.device):
+        """``device``: where the decoder runs (the weights are built on the CPU, then moved):
+        the kernels' choices of form are for it."""
         super().__init__()
         parity, rearm = parities(ordinal, count)
         self.rank = rank
         self.index = PreparedIndexFront(config, tp, rank, attention)
         self.oproj = PreparedOproj(config, tp, rank, attention)
-        self.front = PreparedFront(config, tp, rank, moe, parity)
+        self.front = PreparedFront(config, tp, rank, moe, parity, device)
         self.tail = PreparedTail(config, tp, rank, moe, parity, rearm, wrap=ordinal == 0)
         # The fused shared expert leads routing only where the tail's kernel polls its shards:
         # the reference's plain loads would not wait for a shared expert still running.
-        self.front.shared_first = backend.serves("moe_tail_poll", self.tail.w_up.device, tp, self.tail.w_up.shape[0],
-                                                 config.latent, buckets(config.capacity))
+        self.front.shared_first = backend.serves("moe_tail_poll", device, tp, self.tail.w_up.shape[0], config.latent,
+                                                 buckets(config.capacity))
 
     def attention(self, x, slots, boxes: DecodeBoxes):
         """The index front (keys into the cache), the stand-in core and the o-proj publish."""
@@ -182,7 +185,7 @@ class KimiDecoder(nn.Module):
             attention = AttentionWeights.random(config, gen)
             moe = MoeWeights.random(config, gen)
             res = nn.ModuleList([self.res_buffers(AttnResWeights.random(config, gen)) for _ in range(2)])
-            ranks = [RankLayer(config, attention, moe, group.tp, r, i, num_layers) for r in group.ranks]
+            ranks = [RankLayer(config, attention, moe, group.tp, r, i, num_layers, device) for r in group.ranks]
             self.layers.append(nn.ModuleList(ranks))
             self.attn_res.append(res)
         # AttnRes's zero partial (the embedding's, and each block's first): rows of a buffer

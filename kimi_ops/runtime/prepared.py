@@ -89,7 +89,8 @@ class PreparedFront(Prepared):
     and this rank's routed experts (experts [rank·E/TP, (rank+1)·E/TP); the others' rows
     are zero)."""
 
-    def __init__(self, config, tp, rank, moe, parity):
+    def __init__(self, config, tp, rank, moe, parity, device: torch.device):
+        """``device``: where the decoder runs (the fused forms are a CUDA decoder's choice)."""
         e, s = config.experts, config.shared_intermediate
         super().__init__(
             config, tp, rank,
@@ -105,7 +106,6 @@ class PreparedFront(Prepared):
         # alone (its grid barrier needs its whole grid resident, which ranks sharing a GPU
         # cannot promise) and where its kernel is the faster form (the TP8 rank's shapes, not
         # kimi_k3's: SharedExpertKernel.prefers)
-        device = self.shared_gate_up.device
         self.fused_shared = tp == 1 and backend.prefers("shared_expert_push", device, *self.shared_gate_up.shape,
                                                         self.shared_down.shape[0])
         # the fused launch before routing, which runs beside it (run): RankLayer decides,
