@@ -35,7 +35,8 @@ def work_list(config: KimiConfig, tp: int, layers: int) -> list[tuple[str, tuple
     """(build name, key) of every kernel a decoder of ``layers`` layers at TP ``tp`` takes."""
     from .kernels import compile as kernel_compile
 
-    decoder = KimiDecoder(config, 2, tp=tp, device="cpu")  # no prepare on the CPU: done below
+    # no prepare on the CPU (done below); the forms a CUDA decoder takes (its fused kernels)
+    decoder = KimiDecoder(config, 2, tp=tp, device="cpu", target="cuda")
     with kernel_compile.collecting() as needed:
         decoder.prepare_calls()
         prepare_residuals(config, layers, tp, decoder.buckets())

@@ -34,6 +34,8 @@ def test_forward_names_non_contiguous_slots(decoder):
 def test_meta_device_is_refused_at_construction():
     with pytest.raises(KimiArgumentError, match=r"device must be 'cpu' or a CUDA device, got meta"):
         KimiDecoder(CONFIG, 2, device="meta")
+    with pytest.raises(KimiArgumentError, match=r"target must be 'cpu' or a CUDA device, got meta"):
+        KimiDecoder(CONFIG, 2, target="meta")
 
 
 @pytest.mark.parametrize("field, value", [("eps", True), ("routed_scale", False), ("top_k", 16.0)])

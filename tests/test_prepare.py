@@ -59,6 +59,7 @@ assert kernels.register()
 items = prepare.work_list(KimiConfig.tiny(), 1, 2)
 names = {name for name, _ in items}
 assert {"compile_gemm", "compile_attn_res", "compile_route_poll"} <= names, names
+assert "compile_shared" in names  # a CUDA decoder's fused shared expert at tiny TP1, listed from the CPU
 assert all(name in kernel_compile.BUILDS for name in names)
 item = next(item for item in items if item[0] == "compile_route_poll")
 assert prepare.build(item) is False  # compiled now, into the cache

@@ -208,6 +208,7 @@ def test_the_fused_forms_are_chosen_for_the_device_the_decoder_runs_on(monkeypat
         prefers = serves = staticmethod(lambda *key: True)
         prepare = staticmethod(lambda *key: None)
 
+    monkeypatch.delenv("KIMI_OPS_BACKEND", raising=False)
     for name in ("shared_expert_push", "moe_front_shared_push", "moe_tail_poll"):
         monkeypatch.setitem(backend.KERNELS, name, Eager())
     decoder = KimiDecoder(CONFIG, 2, tp=1, seed=4)

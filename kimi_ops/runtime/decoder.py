@@ -85,8 +85,8 @@ class RankLayer(nn.Module):
 
     def __init__(self, config, attention: AttentionWeights, moe: MoeWeights, tp, rank, ordinal, count,
                  device: torch.device):
-        """``device``: where the decoder runs (the weights are built on the CPU, then moved):
-        the kernels' choices of form are for it."""
+        """``device``: where the decoder runs, or stands for (the weights are built on the
+        CPU, then moved): the kernels' choices of form are for it."""
         super().__init__()
         parity, rearm = parities(ordinal, count)
         self.rank = rank
@@ -142,14 +142,17 @@ class KimiDecoder(nn.Module):
     set (every later step raises) until :meth:`reset`.
 
     On CUDA the kernels of every batch bucket are compiled or loaded here; ``progress``
-    reports them on stderr (None: where stderr is a TTY; :meth:`prepare`).
+    reports them on stderr (None: where stderr is a TTY; :meth:`prepare`). The forms the
+    kernels allow (the fused shared expert, its launch order) are chosen for ``target``
+    (default: ``device``): a CPU decoder runs the references' form, unless it stands for a
+    CUDA one whose kernels it lists (kimi_ops.prepare).
 
     Bad settings raise :class:`~kimi_ops.KimiArgumentError` here, bad ``forward``
     arguments there, naming what was wrong.
     """
 
     def __init__(self, config: KimiConfig, num_layers: int, tp=1, seed: int = 0, device=None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, target=None):
         super().__init__()
         if not isinstance(config, KimiConfig):
             fail_setting("KimiDecoder", "config", "a KimiConfig", type(config).__name__)
@@ -171,6 +174,9 @@ class KimiDecoder(nn.Module):
             fail_setting("KimiDecoder", "device", "'cpu' or a CUDA device", str(device))
         if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
             fail_setting("KimiDecoder", "device", "an available device", str(device))
+        target = torch.device(target or device)
+        if target.type not in ("cpu", "cuda"):
+            fail_setting("KimiDecoder", "target", "'cpu' or a CUDA device", str(target))
         for ordinal in range(num_layers):  # reject parity collisions before allocating
             parities(ordinal, num_layers)
         # Every process of the group built alike (else peers' stores land wrong): a clear
@@ -185,7 +191,7 @@ class KimiDecoder(nn.Module):
             attention = AttentionWeights.random(config, gen)
             moe = MoeWeights.random(config, gen)
             res = nn.ModuleList([self.res_buffers(AttnResWeights.random(config, gen)) for _ in range(2)])
-            ranks = [RankLayer(config, attention, moe, group.tp, r, i, num_layers, device) for r in group.ranks]
+            ranks = [RankLayer(config, attention, moe, group.tp, r, i, num_layers, target) for r in group.ranks]
             self.layers.append(nn.ModuleList(ranks))
             self.attn_res.append(res)
         # AttnRes's zero partial (the embedding's, and each block's first): rows of a buffer
