@@ -170,13 +170,12 @@ class KimiDecoder(nn.Module):
                 fail_setting("KimiDecoder", f"config.{name}", f"a multiple of {multiple} · TP = {multiple * group.tp}",
                              getattr(config, name))
         device = torch.device(device or group.device or "cpu")
-        if device.type not in ("cpu", "cuda"):  # meta tensors would build and run, then fail at the host check
-            fail_setting("KimiDecoder", "device", "'cpu' or a CUDA device", str(device))
+        target = torch.device(target or device)
+        for name, where in (("device", device), ("target", target)):
+            if where.type not in ("cpu", "cuda"):  # meta tensors would build and run, then fail at the host check
+                fail_setting("KimiDecoder", name, "'cpu' or a CUDA device", str(where))
         if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
             fail_setting("KimiDecoder", "device", "an available device", str(device))
-        target = torch.device(target or device)
-        if target.type not in ("cpu", "cuda"):
-            fail_setting("KimiDecoder", "target", "'cpu' or a CUDA device", str(target))
         for ordinal in range(num_layers):  # reject parity collisions before allocating
             parities(ordinal, num_layers)
         # Every process of the group built alike (else peers' stores land wrong): a clear
