@@ -12,9 +12,11 @@ import torch
 
 pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
 
+from kimi_ops import KimiConfig  # noqa: E402
 from kimi_ops.checks import KimiArgumentError  # noqa: E402
 from kimi_ops.kernels.gemm import host as gemm  # noqa: E402
 from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
+from kimi_ops.kernels.gemm.shared import CALL_STRIDE  # noqa: E402
 from kimi_ops.kernels.dsa import plan as dsa_plans  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
@@ -491,7 +493,7 @@ def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp):
     """One launch, the two ops' bits: act[:B] the gate/up kernel's activations (rows past B
     untouched), the boxes the push kernel's where its plan also takes the whole K in one CTA
     (else within 1 ulp at the sum's scale, as every GEMM), at every bucket; the counter
-    advances by whole grids and no error is set."""
+    advances by CALL_STRIDE a call and no error is set."""
     inner, n, rank, parity = 6144 // tp, 7168, tp - 1, 2
     ticket = torch.zeros(1, dtype=torch.int64, device="cuda")
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -510,7 +512,6 @@ def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp):
         activations = kimi.gate_up_situ(x, w_gate_up, 1.0, 0.0)
         want = [armed_box(3, tp, 64, n // tp) for _ in range(tp)]
         kimi.oproj_push(activations, w_down, want, parity, rank)
-        tokens = gemm_plans.token_tile(batch)
         assert torch.equal(act[:batch], activations) and bool(torch.isnan(act[batch:]).all()), batch
         push = gemm.gemm_variant(n, inner, batch, (False, 0, tp, True)).plan
         owned = n // tp
@@ -523,7 +524,7 @@ def test_shared_expert_push_equals_gate_up_situ_then_oproj_push(tp):
                 rest_got, rest_ref = got.view(torch.int16).clone(), ref.view(torch.int16).clone()
                 rest_got[parity, rank, :batch] = rest_ref[parity, rank, :batch] = 0
                 assert torch.equal(rest_got, rest_ref), batch
-        assert int(error[0]) == 0 and int(ticket[0]) - before == gemm.shared_plan(2 * inner, 7168, n, tokens, 0).grid
+        assert int(error[0]) == 0 and int(ticket[0]) - before == CALL_STRIDE, batch
 
 
 @on_hopper
@@ -531,7 +532,7 @@ def test_front_shared_push_equals_the_front_publish_and_the_shared_expert():
     """The TP8 rank's front beside the fused shared expert, one launch: the front boxes, act
     and the reduce-scatter boxes hold the front publish kernel's and the fused shared
     expert's bits (the same K split: the same chunk sums in the same order), at every
-    bucket, on poisoned act and armed boxes; the counter advances by one grid, no error."""
+    bucket, on poisoned act and armed boxes; the counter advances by CALL_STRIDE, no error."""
     n_logits, n_front, inner, n, parity = 112, 624, 768, 7168, 1
     ticket = torch.zeros(1, dtype=torch.int64, device="cuda")
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -549,13 +550,52 @@ def test_front_shared_push_equals_the_front_publish_and_the_shared_expert():
         assert gemm.FrontSharedKernel().unsupported(*call) is None
         before = int(ticket[0])
         kimi.moe_front_shared_push(*call)
-        assert int(error[0]) == 0 and int(ticket[0]) - before == 112, batch
+        assert int(error[0]) == 0 and int(ticket[0]) - before == CALL_STRIDE, batch
         kimi.moe_front_publish(x, w_front, n_logits, want_front, parity, 0)
         kimi.shared_expert_push(x, w_gate_up, w_down, 1.0, 0.0, want_act, ticket, want, parity, 0, error)
         assert not armed(front_boxes[0][parity, 0, :batch]) and armed(front_boxes[0][parity, 0, batch:]), batch
         assert torch.equal(front_boxes[0].view(torch.int16), want_front[0].view(torch.int16)), batch  # logit words
         assert torch.equal(act[:batch], want_act[:batch]) and bool(torch.isnan(act[batch:]).all()), batch
         assert torch.equal(boxes[0], want[0]), batch
+
+
+@on_hopper
+def test_one_ticket_serves_the_fused_shared_expert_with_and_without_the_front():
+    """At KimiConfig.tiny()'s shapes the fused shared expert's grid is 16 CTAs with the front
+    and 8 without; bench_layer's breakdown calls both on the model's one ticket. Alternating
+    on it, every call advances the counter by CALL_STRIDE, sets no error (a counter left at a
+    multiple of the narrower grid sent the wider grid's later CTAs to wait until the poll
+    bound), and leaves act and the boxes as the same call on a ticket of its own."""
+    c = KimiConfig.tiny()
+    inner, n, k, n_logits, n_front, parity = c.shared_intermediate, c.hidden, c.hidden, c.experts, c.experts + c.latent, 1
+    grids = {gemm.shared_plan(2 * inner, k, n, 8, front).grid for front in (0, n_front)}
+    assert len(grids) == 2, grids  # the case this test is for
+    shared = torch.zeros(1, dtype=torch.int64, device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    gen = torch.Generator().manual_seed(41)
+    w_front = (torch.randn(n_front, k, generator=gen) * k**-0.5).bfloat16().cuda()
+    w_gate_up = (torch.randn(2 * inner, k, generator=gen) * k**-0.5).bfloat16().cuda()
+    w_down = (torch.randn(n, inner, generator=gen) * inner**-0.5).bfloat16().cuda()
+
+    def call(x, ticket, fronted):
+        front_boxes, boxes = [armed_box(3, 1, 64, n_front + n_logits)], [armed_box(3, 1, 64, n)]
+        act = torch.full((64, inner), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
+        if fronted:
+            kimi.moe_front_shared_push(x, w_front, n_logits, front_boxes, w_gate_up, w_down, 1.0, 0.0, act, ticket,
+                                       boxes, parity, 0, error)
+        else:
+            kimi.shared_expert_push(x, w_gate_up, w_down, 1.0, 0.0, act, ticket, boxes, parity, 0, error)
+        return act, boxes[0], front_boxes[0]
+
+    for batch in (1, 5, 13, 64):
+        x = torch.randn(batch, k, generator=gen).bfloat16().cuda()
+        for fronted in (True, False, True):
+            before = int(shared[0])
+            got = call(x, shared, fronted)
+            assert int(error[0]) == 0 and int(shared[0]) - before == CALL_STRIDE, (batch, fronted)
+            want = call(x, torch.zeros_like(shared), fronted)
+            assert torch.equal(got[0][:batch], want[0][:batch]), (batch, fronted)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[2].view(torch.int16), want[2].view(torch.int16))
 
 
 @box_cases

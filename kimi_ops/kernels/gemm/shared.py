@@ -18,15 +18,20 @@ gate/up's owners uneven). The front's CTAs arrive at the barrier once their rows
 published and stream their down tile meanwhile, as the others do.
 
 The grid (:class:`SharedPlan`): the down's tiles and the first plans' CTAs, whichever is
-more, in whole clusters of the largest K split. It is one size for every batch bucket, so the
-barrier's counter (``ticket``, monotonic, zeroed by ``DecodeBoxes.reset``) holds a multiple
-of the grid between calls. The whole grid must be resident at once (one CTA an SM,
-RESIDENT). The clusters past the first plans' CTAs only arrive at the barrier; those past the
-down's tiles leave after it.
+more, in whole clusters of the largest K split. The whole grid must be resident at once (one
+CTA an SM, RESIDENT). The clusters past the first plans' CTAs only arrive at the barrier;
+those past the down's tiles leave after it.
+
+The barrier's counter (``ticket``, monotonic, zeroed by ``DecodeBoxes.reset``) holds a
+multiple of CALL_STRIDE between calls: each CTA adds 1, and the call's last arrival adds the
+rest of the stride. So calls of different grids may share one ticket (the fused shared
+expert with and without the front: 16 and 8 CTAs at KimiConfig.tiny()); a counter left at a
+multiple of the last call's grid sent a later CTA of a wider grid to wait for the next
+multiple, until the bound.
 
 The barrier: each CTA's activations stored (and fenced for the async proxy that reads
 them), one thread adds 1 to the counter (release, GPU scope), and the down's x copier warp
-waits until the counter reaches the end of this call's multiple (acquire, bounded by
+waits until the counter reaches this call's start plus its grid (acquire, bounded by
 POLL_TIMEOUT_NS from our predecessor's end: past it the error word gets SHARED_BARRIER, the
 down reads whatever ``act`` holds, and a straggler's late arrival may let the next call's
 barrier pass early — the step is lost either way until reset()). (The down's split-1 CTAs
@@ -59,6 +64,8 @@ from .plan import THREADS, GemmPlan
 # past both plans stamp none), MMAs done and rows stored, the barrier passed, the down's MMAs
 # done and its stores issued
 SHARED_PHASES = ("start", "x in", "first MMAs", "first stored", "barrier passed", "down MMAs", "down stored")
+
+CALL_STRIDE = 1 << 16  # what a call adds to the barrier's counter, whatever its grid (<= 132 CTAs)
 
 
 class SharedPlan:
@@ -95,7 +102,10 @@ class GridBarrier:
         if tid == 0:
             cute.arch.fence_acq_rel_gpu()
             old = cute.arch.atomic_add(ticket.iterator, Int64(1), sem="release", scope="gpu")
-            target[0] = (old // self.grid + 1) * self.grid
+            goal = old // CALL_STRIDE * CALL_STRIDE + self.grid
+            target[0] = goal
+            if old + 1 == goal:  # the last arrival: the counter on to the next call's start
+                cute.arch.atomic_add(ticket.iterator, Int64(CALL_STRIDE - self.grid), sem="release", scope="gpu")
 
     @cute.jit
     def wait(self, ticket: cute.Tensor, target: cute.Tensor, error: cute.Tensor):
