@@ -10,7 +10,10 @@ measured at B = 64 on the CPU, over 6 seeds; bit-equal at B ≤ 8, where the CPU
 round exactly), while most tokens stay bit-equal. A routing change (a near-tie of the
 top-16 keys flipped by such noise) is rarer still: none in those draws. So: per-token
 relative L2 error of h ≤ 2 % at worst and ≤ 0.2 % on average, and ≥ 95 % of the tokens
-route to the same 16 experts in every layer.
+route to the same 16 experts in every layer. On a GPU (our kernels against the composite on
+cuBLAS) such a flip can happen: it moves its token's h by far more than rounding does
+(0.18-0.48 at kimi_k3's shapes), so there the bounds on h hold over the tokens routed alike,
+and the mean over all tokens only where every token was.
 """
 
 import json
@@ -68,8 +71,10 @@ def test_smoke_runs_every_path(tmp_path):
     assert [row["B"] for row in out["rows"]] == list(bench.BATCHES)
     for row in out["rows"]:  # each assertion names the row: a GPU run's failure says which bound
         assert row["floor_us"] > 0 and row["ours_us"] is None, row  # smoke: no timing claims
-        assert row["rel_l2_max"] <= MAX_REL_L2 and row["rel_l2_mean"] <= MEAN_REL_L2, row
-        assert SAME_EXPERTS <= row["same_routes"] <= 1 and row["rel_l2_max_same_routes"] <= row["rel_l2_max"], row
+        assert SAME_EXPERTS <= row["same_routes"] <= 1 and row["rel_l2_max_same_routes"] <= MAX_REL_L2, row
+        assert row["rel_l2_max_same_routes"] <= row["rel_l2_max"], row
+        if row["same_routes"] == 1:
+            assert row["rel_l2_max"] <= MAX_REL_L2 and row["rel_l2_mean"] <= MEAN_REL_L2, row
     for ops in out["breakdown"].values():
         names = [op["op"] for op in ops]
         assert len(names) == len(set(names)) == 15
