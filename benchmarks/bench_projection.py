@@ -218,8 +218,9 @@ def measure(name, op, n, k, n_logits, tp, batches, autotune) -> list[tuple]:
 
 
 def quack_column(shapes, timeout: float = 1800) -> dict:
-    """{(N, K, B): quack's µs or its error} for the GEMM of every measured row (its shape's
-    N, K), from benchmarks/quack_peer.py in a child process."""
+    """{(N, K, B): quack's row (µs, its tuned config, whether its output checked) or its
+    error} for the GEMM of every measured row (its shape's N, K), from
+    benchmarks/quack_peer.py in a child process."""
     cases = sorted({(n, k, row[1]) for (n, k), rows in shapes for row in rows})
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "quack.json")
@@ -232,18 +233,20 @@ def quack_column(shapes, timeout: float = 1800) -> dict:
         if not os.path.exists(path):
             return {case: f"quack_peer failed: {done.stderr[-300:]}" for case in cases}
         with open(path) as f:
-            found = {(r["N"], r["K"], r["B"]): r.get("us", r.get("error")) for r in json.load(f)["rows"]}
+            found = {(r["N"], r["K"], r["B"]): r.get("error") or {key: r[key] for key in ("us", "config", "ok")}
+                     for r in json.load(f)["rows"]}
     return {case: found.get(case, "no result") for case in cases}
 
 
 def with_peers(shape, row, quack) -> tuple:
     """measure()'s row with quack's µs (or "error", "-" when not asked) and ours over the best
-    peer after cuBLAS's."""
+    peer after cuBLAS's; quack's tuned config last (what won: issue 38's B = 64 path)."""
     name, batch, ours, cublas, *rest = row
     peer = quack.get((*shape, batch), "-")
-    timed = isinstance(peer, float)
-    return (name, batch, ours, cublas, peer if timed else "error" if peer != "-" else "-",
-            ours / min([cublas] + [peer] * timed), *rest)
+    if isinstance(peer, dict):
+        return (name, batch, ours, cublas, peer["us"], ours / min(cublas, peer["us"]), *rest,
+                peer["config"] + ("" if peer["ok"] else " (output off)"))
+    return name, batch, ours, cublas, "error" if peer != "-" else "-", ours / cublas, *rest, "-"
 
 
 def main(argv=None) -> None:
@@ -288,7 +291,8 @@ def main(argv=None) -> None:
     for case, result in quack.items():
         if isinstance(result, str):
             print(f"quack N×K×B = {'×'.join(map(str, case))}: {result}")
-    columns = ("shape", "B", "ours", "cuBLAS", "quack", "ours/peer", "autotune", "floor", "publish", "op+copy")
+    columns = ("shape", "B", "ours", "cuBLAS", "quack", "ours/peer", "autotune", "floor", "publish", "op+copy",
+               "quack's config")
     for i, (shape, rows) in enumerate(shapes):
         print_table([with_peers(shape, row, quack) for row in rows], () if i else columns)  # a blank line between
 
