@@ -562,10 +562,12 @@ def test_front_shared_push_equals_the_front_publish_and_the_shared_expert():
 @on_hopper
 def test_one_ticket_serves_the_fused_shared_expert_with_and_without_the_front():
     """At KimiConfig.tiny()'s shapes the fused shared expert's grid is 16 CTAs with the front
-    and 8 without; bench_layer's breakdown calls both on the model's one ticket. Alternating
-    on it, every call advances the counter by CALL_STRIDE, sets no error (a counter left at a
-    multiple of the narrower grid sent the wider grid's later CTAs to wait until the poll
-    bound), and leaves act and the boxes as the same call on a ticket of its own."""
+    and 8 without; bench_layer's breakdown calls both on the model's one ticket, back to
+    back. Three such calls, alternating, with no host sync between them (the next call's
+    CTAs fit beside the last's): each advances the counter by CALL_STRIDE, none sets an error
+    (a counter left at a multiple of the narrower grid, or an early CTA's arrival counted
+    toward the previous call, left CTAs waiting until the poll bound), and each leaves act
+    and the boxes as the same call on a ticket of its own."""
     c = KimiConfig.tiny()
     inner, n, k, n_logits, n_front, parity = c.shared_intermediate, c.hidden, c.hidden, c.experts, c.experts + c.latent, 1
     grids = {gemm.shared_plan(2 * inner, k, n, 8, front).grid for front in (0, n_front)}
@@ -589,13 +591,13 @@ def test_one_ticket_serves_the_fused_shared_expert_with_and_without_the_front():
 
     for batch in (1, 5, 13, 64):
         x = torch.randn(batch, k, generator=gen).bfloat16().cuda()
-        for fronted in (True, False, True):
-            before = int(shared[0])
-            got = call(x, shared, fronted)
-            assert int(error[0]) == 0 and int(shared[0]) - before == CALL_STRIDE, (batch, fronted)
+        before, order = int(shared[0]), (True, False, True)
+        got = [call(x, shared, fronted) for fronted in order]
+        assert int(error[0]) == 0 and int(shared[0]) - before == len(order) * CALL_STRIDE, batch
+        for fronted, (act, boxes, front_boxes) in zip(order, got):
             want = call(x, torch.zeros_like(shared), fronted)
-            assert torch.equal(got[0][:batch], want[0][:batch]), (batch, fronted)
-            assert torch.equal(got[1], want[1]) and torch.equal(got[2].view(torch.int16), want[2].view(torch.int16))
+            assert int(error[0]) == 0 and torch.equal(act[:batch], want[0][:batch]), (batch, fronted)
+            assert torch.equal(boxes, want[1]) and torch.equal(front_boxes.view(torch.int16), want[2].view(torch.int16))
 
 
 @box_cases

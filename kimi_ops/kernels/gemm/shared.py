@@ -19,15 +19,19 @@ published and stream their down tile meanwhile, as the others do.
 
 The grid (:class:`SharedPlan`): the down's tiles and the first plans' CTAs, whichever is
 more, in whole clusters of the largest K split. The whole grid must be resident at once (one
-CTA an SM, RESIDENT). The clusters past the first plans' CTAs only arrive at the barrier;
-those past the down's tiles leave after it.
+CTA an SM, RESIDENT). The clusters past the first plans' CTAs only arrive at the barrier
+(after their PDL wait, as every CTA: see below); those past the down's tiles leave after it.
 
 The barrier's counter (``ticket``, monotonic, zeroed by ``DecodeBoxes.reset``) holds a
 multiple of CALL_STRIDE between calls: each CTA adds 1, and the call's last arrival adds the
 rest of the stride. So calls of different grids may share one ticket (the fused shared
 expert with and without the front: 16 and 8 CTAs at KimiConfig.tiny()); a counter left at a
 multiple of the last call's grid sent a later CTA of a wider grid to wait for the next
-multiple, until the bound.
+multiple, until the bound. Every CTA arrives after its PDL wait, so a call's arrivals follow
+the previous call's end: before, the CTAs past the first plans arrived at entry, and where a
+call followed one on the same ticket (a benchmark's back-to-back calls) and its CTAs found
+room beside it (small grids), their arrivals counted toward the previous call's goal, which
+then sent that call's own last CTAs to wait for this one's, which waited for its end.
 
 The barrier: each CTA's activations stored (and fenced for the async proxy that reads
 them), one thread adds 1 to the counter (release, GPU scope), and the down's x copier warp
@@ -96,7 +100,9 @@ class GridBarrier:
     @cute.jit
     def arrive(self, tid, ticket: cute.Tensor, target: cute.Tensor):
         """Every thread's activations stored: one arrival of this CTA, and the count this
-        call's last arrival reaches, for the waiters."""
+        call's last arrival reaches, for the waiters. After the PDL wait (see the module doc;
+        a CTA that ran a first plan has passed it already)."""
+        cute.arch.griddepcontrol_wait()
         cute.arch.fence_proxy("async.global")  # our generic stores, then other CTAs' TMA reads
         cute.arch.sync_threads()
         if tid == 0:
@@ -111,8 +117,7 @@ class GridBarrier:
     def wait(self, ticket: cute.Tensor, target: cute.Tensor, error: cute.Tensor):
         """The dependents' release, then until every CTA arrived (bounded). A warp's lane 0
         polls; the warp then fences for its TMA reads of the activations. The bound's clock
-        starts after our predecessor ended (the PDL wait first: the clusters that skip the
-        gate/up arrive before it ends)."""
+        starts after our predecessor ended."""
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # see the module doc
         goal = target[0]
