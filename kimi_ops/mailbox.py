@@ -33,7 +33,7 @@ POLL_NAMES = {
     BARRIER_POLL: "a peer's ticket in the group barrier's sync box (a rank stopped between phases)",
     TWO_SHOT_POLL: "the two-shot latent chunks pushed to their owner (moe_latent_reduce's receive box)",
     SHARED_BARRIER: "the fused shared expert's grid barrier (a CTA of its grid was not resident: another grid held "
-                    "its SM)",
+                    "its SM; or its ticket was moved outside the op)",
     EXPERTS_READY: "the routed experts' wait for the route poll's outputs (its ready count never reached 2B)",
 }
 

@@ -563,15 +563,15 @@ def test_front_shared_push_equals_the_front_publish_and_the_shared_expert():
 def test_one_ticket_serves_the_fused_shared_expert_with_and_without_the_front():
     """At KimiConfig.tiny()'s shapes the fused shared expert's grid is 16 CTAs with the front
     and 8 without; bench_layer's breakdown calls both on the model's one ticket, back to
-    back. Three such calls, alternating, with no host sync between them (the next call's
-    CTAs fit beside the last's): each advances the counter by CALL_STRIDE, none sets an error
-    (a counter left at a multiple of the narrower grid, or an early CTA's arrival counted
-    toward the previous call, left CTAs waiting until the poll bound), and each leaves act
-    and the boxes as the same call on a ticket of its own."""
+    back. Five such calls (each form twice in a row, then the other), their outputs
+    allocated first so that nothing runs between them (the next call's CTAs fit beside the
+    last's): each advances the counter by CALL_STRIDE, none sets an error (a counter left at
+    a multiple of the narrower grid, or a CTA's arrival before its PDL wait counted toward
+    the previous call, left CTAs waiting until the poll bound), and each leaves act and the
+    boxes as the same call on a ticket of its own."""
     c = KimiConfig.tiny()
     inner, n, k, n_logits, n_front, parity = c.shared_intermediate, c.hidden, c.hidden, c.experts, c.experts + c.latent, 1
-    grids = {gemm.shared_plan(2 * inner, k, n, 8, front).grid for front in (0, n_front)}
-    assert len(grids) == 2, grids  # the case this test is for
+    assert [gemm.shared_plan(2 * inner, k, n, 8, front).grid for front in (n_front, 0)] == [16, 8]  # this test's case
     shared = torch.zeros(1, dtype=torch.int64, device="cuda")
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
     gen = torch.Generator().manual_seed(41)
@@ -579,25 +579,30 @@ def test_one_ticket_serves_the_fused_shared_expert_with_and_without_the_front():
     w_gate_up = (torch.randn(2 * inner, k, generator=gen) * k**-0.5).bfloat16().cuda()
     w_down = (torch.randn(n, inner, generator=gen) * inner**-0.5).bfloat16().cuda()
 
-    def call(x, ticket, fronted):
-        front_boxes, boxes = [armed_box(3, 1, 64, n_front + n_logits)], [armed_box(3, 1, 64, n)]
-        act = torch.full((64, inner), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
-        if fronted:
-            kimi.moe_front_shared_push(x, w_front, n_logits, front_boxes, w_gate_up, w_down, 1.0, 0.0, act, ticket,
-                                       boxes, parity, 0, error)
-        else:
-            kimi.shared_expert_push(x, w_gate_up, w_down, 1.0, 0.0, act, ticket, boxes, parity, 0, error)
-        return act, boxes[0], front_boxes[0]
+    def outputs():  # act (poisoned), the reduce-scatter box, the front box
+        return (torch.full((64, inner), float("nan"), dtype=torch.bfloat16, device="cuda"),
+                armed_box(3, 1, 64, n), armed_box(3, 1, 64, n_front + n_logits))
 
+    def call(x, ticket, fronted, act, box, front_box):
+        if fronted:
+            kimi.moe_front_shared_push(x, w_front, n_logits, [front_box], w_gate_up, w_down, 1.0, 0.0, act, ticket,
+                                       [box], parity, 0, error)
+        else:
+            kimi.shared_expert_push(x, w_gate_up, w_down, 1.0, 0.0, act, ticket, [box], parity, 0, error)
+
+    order = (True, True, False, False, True)
     for batch in (1, 5, 13, 64):
         x = torch.randn(batch, k, generator=gen).bfloat16().cuda()
-        before, order = int(shared[0]), (True, False, True)
-        got = [call(x, shared, fronted) for fronted in order]
+        got = [outputs() for _ in order]
+        before = int(shared[0])
+        for fronted, out in zip(order, got):
+            call(x, shared, fronted, *out)
         assert int(error[0]) == 0 and int(shared[0]) - before == len(order) * CALL_STRIDE, batch
-        for fronted, (act, boxes, front_boxes) in zip(order, got):
-            want = call(x, torch.zeros_like(shared), fronted)
+        for fronted, (act, box, front_box) in zip(order, got):
+            want = outputs()
+            call(x, torch.zeros_like(shared), fronted, *want)
             assert int(error[0]) == 0 and torch.equal(act[:batch], want[0][:batch]), (batch, fronted)
-            assert torch.equal(boxes, want[1]) and torch.equal(front_boxes.view(torch.int16), want[2].view(torch.int16))
+            assert torch.equal(box, want[1]) and torch.equal(front_box.view(torch.int16), want[2].view(torch.int16))
 
 
 @box_cases

@@ -23,8 +23,9 @@ CTA an SM, RESIDENT). The clusters past the first plans' CTAs only arrive at the
 (after their PDL wait, as every CTA: see below); those past the down's tiles leave after it.
 
 The barrier's counter (``ticket``, monotonic, zeroed by ``DecodeBoxes.reset``) holds a
-multiple of CALL_STRIDE between calls: each CTA adds 1, and the call's last arrival adds the
-rest of the stride. So calls of different grids may share one ticket (the fused shared
+multiple of CALL_STRIDE between calls: CTA 0 adds CALL_STRIDE - grid + 1 and every other CTA
+1, so the counter reaches the next multiple exactly when the last CTA arrives, in one atomic
+each (the waiters' goal, which no later update follows). So calls of different grids may share one ticket (the fused shared
 expert with and without the front: 16 and 8 CTAs at KimiConfig.tiny()); a counter left at a
 multiple of the last call's grid sent a later CTA of a wider grid to wait for the next
 multiple, until the bound. Every CTA arrives after its PDL wait, so a call's arrivals follow
@@ -37,8 +38,8 @@ The barrier: each CTA's activations stored (and fenced for the async proxy that 
 them), one thread adds 1 to the counter (release, GPU scope), and the down's x copier warp
 waits until the counter reaches this call's start plus its grid (acquire, bounded by
 POLL_TIMEOUT_NS from our predecessor's end: past it the error word gets SHARED_BARRIER, the
-down reads whatever ``act`` holds, and a straggler's late arrival may let the next call's
-barrier pass early — the step is lost either way until reset()). (The down's split-1 CTAs
+down reads whatever ``act`` holds, and the error word stays set until reset(); a straggler
+still arrives before its call ends, so the counter is whole again for the next call). (The down's split-1 CTAs
 keep the engine's two cluster barriers, over all CTAs of the launch's clusters: each
 waits for the slowest of its cluster.)
 
@@ -69,7 +70,7 @@ from .plan import THREADS, GemmPlan
 # done and its stores issued
 SHARED_PHASES = ("start", "x in", "first MMAs", "first stored", "barrier passed", "down MMAs", "down stored")
 
-CALL_STRIDE = 1 << 16  # what a call adds to the barrier's counter, whatever its grid (<= 132 CTAs)
+CALL_STRIDE = 1 << 16  # what a call adds to the barrier's counter, whatever its grid
 
 
 class SharedPlan:
@@ -95,6 +96,7 @@ class GridBarrier:
     The down's :class:`DecodeGemm` holds it as its ``waiter``."""
 
     def __init__(self, grid: int):
+        assert 0 < grid < CALL_STRIDE, grid
         self.grid = grid
 
     @cute.jit
@@ -107,11 +109,12 @@ class GridBarrier:
         cute.arch.sync_threads()
         if tid == 0:
             cute.arch.fence_acq_rel_gpu()
-            old = cute.arch.atomic_add(ticket.iterator, Int64(1), sem="release", scope="gpu")
-            goal = old // CALL_STRIDE * CALL_STRIDE + self.grid
-            target[0] = goal
-            if old + 1 == goal:  # the last arrival: the counter on to the next call's start
-                cute.arch.atomic_add(ticket.iterator, Int64(CALL_STRIDE - self.grid), sem="release", scope="gpu")
+            cta, _, _ = cute.arch.block_idx()
+            share = Int64(1)
+            if cta == 0:  # the call's shares sum to the stride
+                share = Int64(CALL_STRIDE - self.grid + 1)
+            old = cute.arch.atomic_add(ticket.iterator, share, sem="release", scope="gpu")
+            target[0] = old // CALL_STRIDE * CALL_STRIDE + CALL_STRIDE
 
     @cute.jit
     def wait(self, ticket: cute.Tensor, target: cute.Tensor, error: cute.Tensor):
