@@ -24,24 +24,25 @@ CTA an SM, RESIDENT). The clusters past the first plans' CTAs only arrive at the
 
 The barrier's counter (``ticket``, monotonic, zeroed by ``DecodeBoxes.reset``) holds a
 multiple of CALL_STRIDE between calls: CTA 0 adds CALL_STRIDE - grid + 1 and every other CTA
-1, so the counter reaches the next multiple exactly when the last CTA arrives, in one atomic
-each (the waiters' goal, which no later update follows). So calls of different grids may share one ticket (the fused shared
-expert with and without the front: 16 and 8 CTAs at KimiConfig.tiny()); a counter left at a
-multiple of the last call's grid sent a later CTA of a wider grid to wait for the next
-multiple, until the bound. Every CTA arrives after its PDL wait, so a call's arrivals follow
-the previous call's end: before, the CTAs past the first plans arrived at entry, and where a
-call followed one on the same ticket (a benchmark's back-to-back calls) and its CTAs found
-room beside it (small grids), their arrivals counted toward the previous call's goal, which
-then sent that call's own last CTAs to wait for this one's, which waited for its end.
+1, one atomic each, so the counter reaches the next multiple (the waiters' goal) exactly
+when the last CTA arrives, and nothing moves it after. So calls of different grids may
+share one ticket (the fused shared expert with and without the front: 16 and 8 CTAs at
+KimiConfig.tiny()); a counter kept at a multiple of the grid instead sent a wider grid's
+later CTAs to wait for the next multiple, until the bound. Every CTA arrives after its PDL
+wait, so a call's arrivals follow the previous call's end: the CTAs past the first plans
+arrived at entry before, and where a call followed one on the same ticket (a benchmark's
+back-to-back calls) with room beside it (small grids), their arrivals counted toward the
+previous call's goal, whose own last CTAs then waited for this call's, which waited for
+its end.
 
 The barrier: each CTA's activations stored (and fenced for the async proxy that reads
-them), one thread adds 1 to the counter (release, GPU scope), and the down's x copier warp
-waits until the counter reaches this call's start plus its grid (acquire, bounded by
+them), one thread adds its share to the counter (release, GPU scope), and the down's x
+copier warp waits until the counter reaches the call's goal (acquire, bounded by
 POLL_TIMEOUT_NS from our predecessor's end: past it the error word gets SHARED_BARRIER, the
-down reads whatever ``act`` holds, and the error word stays set until reset(); a straggler
-still arrives before its call ends, so the counter is whole again for the next call). (The down's split-1 CTAs
-keep the engine's two cluster barriers, over all CTAs of the launch's clusters: each
-waits for the slowest of its cluster.)
+down reads whatever ``act`` holds, and the step is lost until reset(); a straggler still
+arrives before its call ends, so the counter is whole again for the next call). (The down's
+split-1 CTAs keep the engine's two cluster barriers, over all CTAs of the launch's clusters:
+each waits for the slowest of its cluster.)
 
 PDL: every CTA releases the dependents once its PDL wait is over (the first plans'
 consumers, the barrier's waiters), not at entry: a dependent that does not wait for our end (the
