@@ -570,7 +570,8 @@ def test_one_ticket_serves_the_fused_shared_expert_with_and_without_the_front():
     the previous call, left CTAs waiting until the poll bound), and each leaves act and the
     boxes as the same call on a ticket of its own."""
     c = KimiConfig.tiny()
-    inner, n, k, n_logits, n_front, parity = c.shared_intermediate, c.hidden, c.hidden, c.experts, c.experts + c.latent, 1
+    inner, n, k, parity = c.shared_intermediate, c.hidden, c.hidden, 1
+    n_logits, n_front = c.experts, c.experts + c.latent
     assert [gemm.shared_plan(2 * inner, k, n, 8, front).grid for front in (n_front, 0)] == [16, 8]  # this test's case
     shared = torch.zeros(1, dtype=torch.int64, device="cuda")
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
