@@ -72,16 +72,21 @@ def prefers(name: str, device: torch.device, *key) -> bool:
     """Whether op ``name``'s kernel is the faster form of its computation at shapes ``key``
     for tensors on ``device`` (its ``prefers``: an op that fuses others'); False without
     one, under the reference backend or off CUDA, where the ops it fuses serve alike."""
-    prefers = getattr(KERNELS.get(name), "prefers", None)
-    return prefers is not None and runs_kernels(device) and prefers(*key)
+    return kernel_says(name, "prefers", device, key)
 
 
 def serves(name: str, device: torch.device, *key) -> bool:
     """Whether op ``name``'s CuTe kernel serves every call of shapes ``key`` on ``device``
     (its ``serves``), for a caller whose launch order relies on how that kernel reads (a
     poll, not a plain load); False without one, under the reference backend or off CUDA."""
-    serves = getattr(KERNELS.get(name), "serves", None)
-    return serves is not None and runs_kernels(device) and serves(*key)
+    return kernel_says(name, "serves", device, key)
+
+
+def kernel_says(name: str, question: str, device: torch.device, key: tuple) -> bool:
+    """Op ``name``'s kernel's answer to ``question`` (its method of that name) at ``key``,
+    where calls on ``device`` may reach it; False where they cannot or it has no answer."""
+    answer = getattr(KERNELS.get(name), question, None)
+    return answer is not None and runs_kernels(device) and answer(*key)
 
 
 def runs_kernels(device: torch.device) -> bool:
