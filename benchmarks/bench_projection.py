@@ -98,22 +98,19 @@ def prepare(jobs: int, keys=None) -> None:
         list(pool.map(compile_one, keys))
 
 
-def resident_partitions(n: int, k: int, batch: int) -> dict[tuple[int, int, int], int]:
-    """(tiles, split, consumer warpgroups) → CTAs of every partition of an (N, K) weight whose
-    grid is resident at once at ``batch``'s bucket (the plan picks among them) and whose ring
-    fits; partitions of several tiles from 32 tokens on with one consumer warpgroup and with
-    one a tile."""
+def resident_partitions(n: int, k: int, batch: int) -> dict[tuple[int, int], int]:
+    """(tiles, split) → CTAs of every partition of an (N, K) weight whose grid is resident at
+    once at ``batch``'s bucket (the plan picks among them) and whose ring fits."""
     from kimi_ops.kernels.gemm.plan import RESIDENT, GemmPlan, partitions, token_tile
 
     tokens, found = token_tile(batch), {}
     for (split, tiles), (ctas, _) in sorted(partitions(n, k, tokens).items()):
-        for groups in (1, tiles) if tiles > 1 and tokens >= 32 else (1,):
-            try:
-                GemmPlan(n, k, tokens, (tiles, split), groups=groups)
-            except ValueError:
-                continue
-            if ctas <= RESIDENT[split]:
-                found[tiles, split, groups] = ctas
+        try:
+            GemmPlan(n, k, tokens, (tiles, split))
+        except ValueError:
+            continue
+        if ctas <= RESIDENT[split]:
+            found[tiles, split] = ctas
     return found
 
 
@@ -129,18 +126,17 @@ def partition_rows(name: str, n: int, k: int, tp: int, batches) -> list[tuple]:
     """``kimi::oproj``'s kernel at (N, K) by each of :func:`resident_partitions`, µs a call
     timed as :func:`measure` times it; the plan's partition marked."""
     from kimi_ops.kernels.gemm import host
-    from kimi_ops.kernels.gemm.plan import gemm_plan, token_tile
+    from kimi_ops.kernels.gemm.plan import partition, token_tile
 
     weights, calls = weight_copies(n, k)
     rows = []
     for batch in batches:
         x = torch.randn(batch, k, device="cuda").bfloat16()
-        plan = gemm_plan(n, k, token_tile(batch))
-        chosen = (plan.tiles, plan.split, plan.groups)
+        chosen = partition(n, k, token_tile(batch))
         for parts, ctas in resident_partitions(n, k, batch).items():
             variant = host.forced_variant(n, k, batch, parts)
             us = graph_us(rotating(lambda w, variant=variant: host.OprojKernel.rows(variant, x, w), weights), calls=calls)
-            rows.append((f"{name}/TP{tp}", batch, "{}×{}{}".format(*parts[:2], f"/{parts[2]}wg" * (parts[2] > 1)), ctas, us, "*" if parts == chosen else "",
+            rows.append((f"{name}/TP{tp}", batch, "{}×{}".format(*parts), ctas, us, "*" if parts == chosen else "",
                          n * k * 2 / HBM_BYTES_PER_US))
     return rows
 

@@ -255,22 +255,16 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
         assert plan.receive_bytes * (1 + (plan.split > 1)) <= plan.ring_bytes  # and the staging
         assert plan.ring_bytes + 2048 <= SMEM_BYTES and plan.block_bytes % 16 == 0  # a bulk copy's size
         assert plan.depth >= min(plan.chunks, 4) and plan.chunks % plan.sets == 0
-        registers = (gemm_plans.ACCUMULATOR_REGISTERS if plan.groups == 1
-                     else gemm_plans.consumer_registers(plan.groups) - gemm_plans.GROUP_MARGIN)
-        assert (1 + plan.sets) * plan.group_tiles * tokens // 2 <= registers
-        assert plan.groups == (plan.tiles if tokens == 64 else 1) and plan.group_tiles in (1, plan.tiles)
+        assert (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm_plans.ACCUMULATOR_REGISTERS
 
 
-@pytest.mark.parametrize("tiles, split, tokens, groups",
-                         [(1, 1, 8, 1), (3, 2, 64, 1), (4, 4, 32, 1), (1, 8, 16, 1), (3, 8, 64, 1), (2, 2, 64, 2),
-                          (2, 1, 64, 2), (3, 4, 64, 3)])
-def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens, groups):
+@pytest.mark.parametrize("tiles, split, tokens", [(1, 1, 8), (3, 2, 64), (4, 4, 32), (1, 8, 16), (3, 8, 64)])
+def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens):
     """CPU model of the K-part exchange through GemmPlan.receive_word: every CTA's m64nT
     accumulators (DecodeGemm.consume's layout) go into their rows' owners' blocks
     (DecodeGemm.stage: ours into our receive buffer, the others' into the staging), each
     staged block whole into its owner's receive buffer at our part (DecodeGemm.send),
-    without overlap; each owner's packets (finish) read back Σ of the parts, each once.
-    ``groups`` consumer warpgroups: each stages its own tiles."""
+    without overlap; each owner's packets (finish) read back Σ of the parts, each once."""
     plan = gemm_plans.GemmPlan.__new__(gemm_plans.GemmPlan)
     plan.tiles, plan.split, plan.tokens = tiles, split, tokens
     plan.rows, plan.stride = 64 * tiles, tokens + gemm_plans.RECEIVE_PAD
@@ -282,11 +276,11 @@ def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens
     n = tokens // 2
     for part in range(split):
         staging = {}
-        for tid in range(128 * groups):
+        for tid in range(128):
             warp, g, t = tid // 32, tid % 32 // 4, tid % 4
-            for tile in range(tiles // groups):
+            for tile in range(tiles):
                 for h in range(2):
-                    row = (warp // 4 * tiles // groups + tile) * 64 + 16 * (warp % 4) + 8 * h + g
+                    row = tile * 64 + 16 * warp + 8 * h + g
                     owner, index = row // plan.owned, row % plan.owned
                     for j in range(tokens // 8):
                         k = tile * n + 4 * j + 2 * h  # acc[k], acc[k + 1]: tokens 8j + 2t, + 1
@@ -296,7 +290,7 @@ def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens
                         for e in range(2):
                             assert word + e not in target
                             target[word + e] = float(sums[part, row, 8 * j + 2 * t + e])
-                        assert k + 1 < tiles // groups * n
+                        assert k + 1 < tiles * n
         deliver_staged(staging, received, part, block, split)
     for owner in range(split):
         for index in range(plan.owned):
@@ -380,19 +374,15 @@ def test_oproj_kernel(n, k, batch):
 
 def test_forced_partitions_are_the_plans_choices_and_compile(clean_ptxas):
     """bench_projection --partitions: the plan's partition is among the resident ones it
-    times; forced ones (the stacked GEMM at 64 tokens in two tiles and clusters of 8, not
-    the plan's, with one consumer warpgroup and with two) compile clean, each its own
-    cache key."""
+    times; a forced one (the stacked GEMM at 64 tokens in two tiles and clusters of 8, not
+    the plan's) compiles clean, as its own cache key."""
     for n, k in ((1696, 7168), (7168, 1536), (560, 7168)):
         for batch in (32, 64):
-            plan = gemm_plans.gemm_plan(n, k, gemm_plans.token_tile(batch))
-            assert (plan.tiles, plan.split, plan.groups) in bench.resident_partitions(n, k, batch)
+            assert gemm_plans.partition(n, k, gemm_plans.token_tile(batch)) in bench.resident_partitions(n, k, batch)
     assert (2, 8) != gemm_plans.partition(1696, 7168, 64)
-    for tiles, groups in ((2, 1), (2, 2), (3, 3)):
-        assert gemm.compile_gemm.build(1696, 7168, 64, False, 0, 0, False, None, (tiles, 8, groups)) is not None
-        clean_ptxas()
-        plan = gemm.plan_of(1696, 7168, 64, None, (tiles, 8, groups))
-        assert (plan.split, plan.threads, plan.group_tiles) == (8, 128 * (groups + 1), tiles // groups)
+    assert gemm.compile_gemm.build(1696, 7168, 64, False, 0, 0, False, None, (2, 8)) is not None
+    clean_ptxas()
+    assert gemm.plan_of(1696, 7168, 64, None, (2, 8)).split == 8
 
 
 @on_hopper

@@ -18,8 +18,7 @@ so every SM of the grid streams its share at once.
    so a slot's full barrier takes two arrivals and their bytes, and wgmma reads the slot
    with no proxy fence (x by cp.async took 128 threads' arrivals and a fence a chunk).
 2. The consumer warpgroup runs wgmma m64nTk16 (T = ``tokens``, the batch rounded up to
-   TOKEN_TILES) per 16 columns, A (weights) and B (x) from shared memory (a plan of
-   ``groups`` consumer warpgroups: each its own tiles of every slot). Each chunk's
+   TOKEN_TILES) per 16 columns, A (weights) and B (x) from shared memory. Each chunk's
    four k16 steps start from zero in an accumulator set of its own (``sets`` chunks in
    flight) and the chunk's sum is added to the FP32 running sums in chunk order: the
    tensor core's accumulation is not FP32 rounding, and its error grows with the chain
@@ -87,11 +86,10 @@ from ..ptx import (
 from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
 from .plan import (
     CONSUMER_WARPS,
-    PRODUCER_REGISTERS,
     PRODUCERS,
+    THREADS,
     TILE,
     GemmPlan,
-    consumer_registers,
 )
 
 
@@ -193,7 +191,7 @@ class DecodeGemm:
     def launch(self, kernel, stream, extra=0):
         """``extra``: CTAs after the plan's (whole clusters) for a variant's other work."""
         plan = self.plan
-        kernel.launch(grid=[plan.ctas + extra, 1, 1], block=[plan.threads, 1, 1], cluster=[plan.split, 1, 1], stream=stream,
+        kernel.launch(grid=[plan.ctas + extra, 1, 1], block=[THREADS, 1, 1], cluster=[plan.split, 1, 1], stream=stream,
                       use_pdl=PDL, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -233,7 +231,7 @@ class DecodeGemm:
             for slot in cutlass.range_constexpr(plan.depth):
                 # the weights' expect_tx and x's (raw rows: the producers' stores)
                 cute.arch.mbarrier_init(full + slot, 1 + (PRODUCERS if norm is not None else 1))
-                cute.arch.mbarrier_init(empty + slot, plan.consumer_warps)
+                cute.arch.mbarrier_init(empty + slot, CONSUMER_WARPS)
             if cutlass.const_expr(norm is not None):
                 cute.arch.mbarrier_init(factored, 1)
                 cute.arch.mbarrier_arrive_and_expect_tx(factored, plan.split * plan.tokens * 8)
@@ -246,10 +244,8 @@ class DecodeGemm:
         cute.arch.sync_threads()
         if cutlass.const_expr(norm is not None):
             cute.arch.cluster_arrive_relaxed()  # our barriers are initialized before peers store into them
-        if warp >= plan.consumer_warps:
-            if cutlass.const_expr(plan.groups > 1):
-                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-            producer = tid - 32 * plan.consumer_warps
+        if warp >= CONSUMER_WARPS:
+            producer = tid - 32 * CONSUMER_WARPS
             if cutlass.const_expr(norm is not None):
                 self.produce_normalized(w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, *norm)
             else:
@@ -259,8 +255,6 @@ class DecodeGemm:
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
         else:
-            if cutlass.const_expr(plan.groups > 1):
-                cute.arch.setmaxregister_increase(consumer_registers(plan.groups))
             if cutlass.const_expr(norm is not None):
                 cute.arch.cluster_wait()
             cute.arch.griddepcontrol_wait()  # before our stores (x arrives after the producers')
@@ -439,16 +433,14 @@ class DecodeGemm:
 
     @cute.jit
     def consume(self, ring, full, empty, warp, lane):
-        """acc[tile·T/2 + 4j + 2h + e] = (row 64·tile + 16·(warp % 4) + 8h + g, token 8j + 2t
-        + e) over the CTA's chunks (the m64nT C layout), ``tile`` the consumer warpgroup's own
-        (``group_tiles`` of them from warp // 4 · group_tiles on). Each chunk's wgmmas start
-        from zero in its own accumulator set (``sets`` chunks in flight at once) and its sum
-        is added to the running FP32 sums in chunk order: the tensor core's accumulation (not
-        exact FP32: its error grows with the steps it chains) spans 4 k16 steps only."""
+        """acc[tile·T/2 + 4j + 2h + e] = (row 64·tile + 16·warp + 8h + g, token 8j + 2t + e)
+        over the CTA's chunks (the m64nT C layout). Each chunk's wgmmas start from zero in
+        its own accumulator set (``sets`` chunks in flight at once) and its sum is added to
+        the running FP32 sums in chunk order: the tensor core's accumulation (not exact
+        FP32: its error grows with the steps it chains) spans 4 k16 steps only."""
         plan = self.plan
         n = plan.tokens // 2
-        count = plan.group_tiles * n
-        tile0 = warp // CONSUMER_WARPS * plan.group_tiles
+        count = plan.tiles * n
         sums = cute.make_rmem_tensor((count,), Float32)
         chunk_sums = cute.make_rmem_tensor((plan.sets, count), Float32)
         zeros = pinned([Float32(0.0)] * count)
@@ -467,8 +459,8 @@ class DecodeGemm:
                 warpgroup.fence()
                 for k16 in cutlass.range_constexpr(CHUNK // 16):
                     b = descriptor(x_slot + 32 * k16)
-                    for t in cutlass.range_constexpr(plan.group_tiles):
-                        a = descriptor(w_slot + (tile0 + t) * TILE * 128 + 32 * k16)
+                    for t in cutlass.range_constexpr(plan.tiles):
+                        a = descriptor(w_slot + t * TILE * 128 + 32 * k16)
                         d = wgmma_bf16([chunk_sums[s, t * n + k] for k in range(n)], a, b, accumulate=k16 > 0)
                         for k in cutlass.range_constexpr(n):
                             chunk_sums[s, t * n + k] = d[k]
@@ -492,12 +484,11 @@ class DecodeGemm:
         n = plan.tokens // 2
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
-        tile0, quarter = warp // CONSUMER_WARPS * plan.group_tiles, warp % CONSUMER_WARPS
         # every warp's wgmmas are done (a warp's wait_group covers its own), then the ring is ours
-        cute.arch.barrier(barrier_id=1, number_of_threads=32 * plan.consumer_warps)
-        for tile in cutlass.range_constexpr(plan.group_tiles):
+        cute.arch.barrier(barrier_id=1, number_of_threads=32 * CONSUMER_WARPS)
+        for tile in cutlass.range_constexpr(plan.tiles):
             for h in cutlass.range_constexpr(2):
-                row = (tile0 + tile) * TILE + 16 * quarter + 8 * h + g
+                row = tile * TILE + 16 * warp + 8 * h + g
                 for j in cutlass.range_constexpr(plan.tokens // 8):
                     k = tile * n + 4 * j + 2 * h
                     token = 8 * j + 2 * t
@@ -512,7 +503,7 @@ class DecodeGemm:
                     store_shared_floats(receive + word, [acc[k], acc[k + 1]])
         if cutlass.const_expr(plan.split > 1):
             cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then the bulk copies' reads
-        cute.arch.barrier(barrier_id=1, number_of_threads=32 * plan.consumer_warps)
+        cute.arch.barrier(barrier_id=1, number_of_threads=32 * CONSUMER_WARPS)
 
     @cute.jit
     def send(self, receive, received, part, tid, group):
@@ -545,7 +536,7 @@ class DecodeGemm:
         if cutlass.const_expr(plan.receivers < plan.split):
             if part >= plan.receivers:  # an uneven plan's last parts own no rows (GemmPlan.unit)
                 items = Int32(0)
-        for item in cutlass.range(tid, items, 32 * plan.consumer_warps, unroll=1):
+        for item in cutlass.range(tid, items, 32 * CONSUMER_WARPS, unroll=1):
             token, packet = item // per_token, item % per_token * packets
             n0 = block * plan.rows + part * plan.owned + 8 * packet
             if n0 < plan.n:

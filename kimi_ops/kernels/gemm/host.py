@@ -41,8 +41,8 @@ from .shared import SharedExpert, SharedPlan
 
 @compiled
 def compile_gemm(n: int, k: int, tokens: int, front: bool = False, n_logits: int = 0, tp: int = 0,
-                 scatter: bool = False, situ: tuple | None = None, parts: tuple[int, int, int] | None = None):
-    """``parts``: (tiles, split, consumer warpgroups) instead of the plan's (:func:`forced_variant`)."""
+                 scatter: bool = False, situ: tuple | None = None, parts: tuple[int, int] | None = None):
+    """``parts``: (tiles, split) instead of the plan's (:func:`forced_variant`)."""
     batch = cute.sym_int()
     if tp or not front:
         rows = fake(BFloat16, (batch, n // 2 if situ else n))
@@ -62,12 +62,10 @@ def owned_rows(situ) -> int:
     return 2 * PAIRED if situ else 8
 
 
-def plan_of(n: int, k: int, tokens: int, situ, parts: tuple[int, int, int] | None = None) -> GemmPlan:
+def plan_of(n: int, k: int, tokens: int, situ, parts: tuple[int, int] | None = None) -> GemmPlan:
     """A variant's plan: its CTAs own whole packets, or situ's pairs of them; ``parts``:
-    (tiles, split, consumer warpgroups) instead of :func:`~.plan.gemm_plan`'s."""
-    if parts:
-        return GemmPlan(n, k, tokens, parts[:2], groups=parts[2])
-    return gemm_plan(n, k, tokens, owned_rows(situ))
+    (tiles, split) instead of :func:`~.plan.partition`'s."""
+    return GemmPlan(n, k, tokens, parts) if parts else gemm_plan(n, k, tokens, owned_rows(situ))
 
 
 def unsupported_shape(n: int, k: int, batch: int, n_logits: int = 0, owned: int = 8) -> str | None:
@@ -109,10 +107,9 @@ def gemm_variant(n: int, k: int, batch: int, outputs: tuple = ()) -> Variant:
     return engine_variant(lambda: compile_gemm(n, k, tokens, *outputs), plan)
 
 
-def forced_variant(n: int, k: int, batch: int, parts: tuple[int, int, int]) -> Variant:
+def forced_variant(n: int, k: int, batch: int, parts: tuple[int, int]) -> Variant:
     """``kimi::oproj``'s variant at ``batch`` tokens with the weight partitioned as ``parts``
-    (tiles, split, consumer warpgroups) instead of :func:`~.plan.gemm_plan`'s
-    (bench_projection --partitions)."""
+    (tiles, split) instead of :func:`~.plan.partition`'s (bench_projection --partitions)."""
     tokens = token_tile(batch)
     return engine_variant(lambda: compile_gemm(n, k, tokens, False, 0, 0, False, None, parts),
                           plan_of(n, k, tokens, None, parts))
@@ -298,10 +295,9 @@ def compile_shared(n_gate_up: int, k: int, n_down: int, tokens: int, tp: int, si
 
 def first_plans(n_gate_up: int, k: int, tokens: int, n_front: int) -> tuple[GemmPlan | None, GemmPlan]:
     """The plans before the barrier: the gate/up's (situ's) alone, or with the front's
-    (:func:`~.plan.joint_partition`: one grid streams both); one consumer warpgroup (the
-    down's CTA shape)."""
+    (:func:`~.plan.joint_partition`: one grid streams both)."""
     if not n_front:
-        return None, GemmPlan(n_gate_up, k, tokens, partition(n_gate_up, k, tokens, owned_rows(True)))
+        return None, plan_of(n_gate_up, k, tokens, True)
     parts = joint_partition([(n_front, 8), (n_gate_up, owned_rows(True))], k, tokens)
     if parts is None:
         raise ValueError(f"the front [{n_front}, {k}] and the gate/up [{n_gate_up}, {k}] take more than one wave "

@@ -21,21 +21,12 @@ TOKEN_TILES = (8, 16, 32, 64)  # wgmma's N: the compile buckets of the batch
 MAX_BATCH = TOKEN_TILES[-1]
 MAX_DEPTH = 32  # ring slots
 CONSUMER_WARPS = PRODUCER_WARPS = 4  # a warpgroup each
-THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS)  # a plan of one consumer warpgroup: the consumers, then the producers
+THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS)  # the consumers, then the producers
 PRODUCERS = 32 * PRODUCER_WARPS
 # FP32 registers per consumer thread for the running sums and the chunks' own sums (wgmma's
-# accumulators): a warpgroup's tiles · T/2 each, the running sums and at least one set
-# (ptxas: 205 registers, no spills, at three tiles of 64 tokens)
+# accumulators): tiles · T/2 each, the running sums and at least one set (ptxas: 205
+# registers, no spills, at three tiles of 64 tokens)
 ACCUMULATOR_REGISTERS = 192
-# A consumer warpgroup a tile from GROUP_TOKENS tokens on, where a CTA has two or three
-# tiles: each keeps its own sets in flight (one warpgroup holding every tile's sums at 64
-# tokens fits one set at three tiles, two at two). setmaxnreg then gives the consumers
-# the producers' registers (PRODUCER_REGISTERS each: TMA issue only), of which the sums
-# get all but GROUP_MARGIN (addresses, the loop; one warpgroup's 205 registers at 192 of
-# sums, ptxas)
-GROUP_TOKENS = 64
-PRODUCER_REGISTERS = 40
-GROUP_MARGIN = 48
 MAX_SETS = 4  # chunks whose wgmmas are in flight at once
 PACE = 3  # weight chunks in flight before x's first chunk is in (x queues behind the stream)
 # Plans of the 8-token bucket (B <= 8) issue their whole ring before the PDL wait: at B = 1 / 8
@@ -134,7 +125,7 @@ class GemmPlan:
     """The static partition and shared-memory layout of one (N, K, T) variant."""
 
     def __init__(self, n: int, k: int, tokens: int, parts: tuple[int, int] | None = None, by_token: bool = False,
-                 reserve: int = 0, room: int | None = None, whole: bool = False, unit: int = 8, groups: int = 1):
+                 reserve: int = 0, room: int | None = None, whole: bool = False, unit: int = 8):
         """``parts``: (tiles, split) instead of :func:`partition`'s; ``by_token``: a K split's
         owners take token ranges of every row of the block (a head's rows stay in one CTA:
         kernels/dsa.py) instead of row ranges; ``reserve``: shared bytes a mode adds;
@@ -142,20 +133,12 @@ class GemmPlan:
         launch.GEMM_ROOM), at most what leaves one slot, or with ``whole`` (raw rows: the CTA's
         whole K slice stays in the ring) every chunk's (the K parts' exchange over the ring
         may take more); ``unit``: a CTA owns a multiple of this many rows (rows/split rounded
-        up: the cluster's last CTAs may own none, :func:`joint_partition`'s uneven plans);
-        ``groups``: consumer warpgroups, each owning tiles/groups tiles (more than one:
-        setmaxnreg moves the producers' registers to them, so no raw rows)."""
+        up: the cluster's last CTAs may own none, :func:`joint_partition`'s uneven plans)."""
         parts = parts or partition(n, k, tokens)
         if parts is None or tokens not in TOKEN_TILES or k % (CHUNK * parts[1]):
             raise ValueError(f"the decode GEMM does not take N={n}, K={k}, {tokens} tokens")
         self.n, self.k, self.tokens = n, k, tokens
         self.tiles, self.split = parts
-        if self.tiles % groups or (groups > 1 and whole):
-            raise ValueError(f"{groups} consumer warpgroups do not take {self.tiles} tiles{' of raw rows' * whole}")
-        self.groups = groups
-        self.consumer_warps = CONSUMER_WARPS * groups
-        self.threads = 32 * self.consumer_warps + PRODUCERS
-        self.group_tiles = self.tiles // groups  # a consumer warpgroup's
         self.by_token = by_token
         self.rows = TILE * self.tiles  # of a block: the TMA box's rows
         self.blocks = -(-n // self.rows)
@@ -183,8 +166,7 @@ class GemmPlan:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
         # chunks in flight (each into its own accumulator set and ring slot): as many as the
         # registers hold beside the running sums and the ring's slots, that divide the CTA's chunks
-        registers = ACCUMULATOR_REGISTERS if groups == 1 else consumer_registers(groups) - GROUP_MARGIN
-        sets = min(MAX_SETS, registers // (self.group_tiles * tokens // 2) - 1, self.depth)
+        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1, self.depth)
         self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
         self.pace = self.depth if tokens <= EARLY_TOKENS else min(PACE, self.depth)  # weight chunks issued before the PDL wait
         self.block_bytes = self.owned * self.stride * 4  # a part's sums of one owner's rows (by_token: tokens)
@@ -211,19 +193,7 @@ class GemmPlan:
 
 @functools.cache
 def gemm_plan(n: int, k: int, tokens: int, owned: int = 8) -> GemmPlan:
-    """``owned``: :func:`partition`'s; two consumer warpgroups where :func:`grouped`."""
-    parts = partition(n, k, tokens, owned)
-    return GemmPlan(n, k, tokens, parts, groups=parts[0] if parts and grouped(tokens, parts[0]) else 1)
-
-
-def grouped(tokens: int, tiles: int) -> bool:
-    """Whether a standalone plan of ``tiles`` tiles at T tokens takes a consumer warpgroup a tile."""
-    return tokens >= GROUP_TOKENS and tiles > 1
-
-
-def consumer_registers(groups: int) -> int:
-    """setmaxnreg's registers a consumer thread of ``groups`` warpgroups: what the
-    producers' PRODUCER_REGISTERS leave of the SM's 64 K, in its steps of 8."""
-    return (65536 - PRODUCERS * PRODUCER_REGISTERS) // (32 * CONSUMER_WARPS * groups) // 8 * 8
+    """``owned``: :func:`partition`'s."""
+    return GemmPlan(n, k, tokens, partition(n, k, tokens, owned))
 
 

@@ -82,7 +82,6 @@ class SharedPlan:
     def __init__(self, gate_up: GemmPlan, down: GemmPlan, grid: int, front: GemmPlan | None = None):
         self.gate_up, self.down, self.grid, self.front = gate_up, down, grid, front
         self.firsts = [p for p in (front, gate_up) if p is not None]  # the plans before the barrier, in CTA order
-        assert all(p.threads == THREADS for p in (*self.firsts, down)), "the plans share one CTA shape"
         self.cluster = max(p.split for p in self.firsts)  # the launch's CTAs per cluster
         # each plan its own barriers (none is initialized twice): the front's and the gate/up's
         # CTAs are apart, so they share the first ones
