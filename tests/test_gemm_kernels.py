@@ -256,6 +256,13 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
         assert plan.ring_bytes + 2048 <= SMEM_BYTES and plan.block_bytes % 16 == 0  # a bulk copy's size
         assert plan.depth >= min(plan.chunks, 4) and plan.chunks % plan.sets == 0
         assert (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm_plans.ACCUMULATOR_REGISTERS
+        # x's ring: no deeper than the weights' (its copies arm the weight slots' barriers), as
+        # deep as the chunks in flight, and at 64 tokens the weights keep 8 tokens' bytes in flight
+        assert plan.sets <= plan.x_depth <= plan.depth and plan.x_words * 4 == plan.depth * plan.w_slot
+        assert plan.depth * plan.w_slot + plan.x_depth * plan.x_slot <= plan.ring_bytes
+        narrow = gemm_plans.gemm_plan(n, k, 8)
+        if plan.tiles == narrow.tiles and plan.room == narrow.room == 0:
+            assert plan.depth >= narrow.depth - 1, (tokens, plan.depth, narrow.depth)
 
 
 @pytest.mark.parametrize("tiles, split, tokens", [(1, 1, 8), (3, 2, 64), (4, 4, 32), (1, 8, 16), (3, 8, 64)])
