@@ -265,6 +265,104 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
             assert plan.depth >= narrow.depth - 1, (tokens, plan.depth, narrow.depth)
 
 
+def ring_protocol_runs(chunks, depth, x_depth, sets, pace, seed):
+    """CPU model of DecodeGemm's ring under one random interleaving: the streamer (weights of
+    chunk i once chunk i - depth is handed back, the first ``pace`` at once), the copier (x of
+    chunk i into x slot i % x_depth once chunk i - x_depth is handed back), each arming chunk
+    i's weight-slot full barrier, TMA landing later, and the consumers (``sets`` chunks'
+    landed waits, then their hand-backs in order). mbarrier waits by parity as the hardware's
+    (pass while the completed phases' parity differs); every pass must be the phase meant,
+    every arm must find the slot's previous phase over, every slot refilled only once read.
+    Returns the chunks consumed (all, unless it deadlocks)."""
+    import random
+
+    rng = random.Random(seed)
+    full_done, full_arrived = [0] * depth, [0] * depth  # completed phases; arrivals+landings this phase
+    empty_done = [0] * depth
+    released = set()
+
+    def passes(done, j):  # mbarrier_wait(bar, (j // depth) % 2) on a barrier of ``done`` phases
+        if done % 2 == (j // depth) % 2:
+            return False
+        assert done == j // depth + 1, f"parity wait for chunk {j} passed at phase {done}"
+        return True
+
+    def arm(i):  # one arrival of chunk i on its slot's full barrier (+ its bytes, landing later)
+        assert full_done[i % depth] == i // depth, f"chunk {i} armed its slot in an earlier phase"
+        inflight.append(i)
+
+    def land(i):
+        slot = i % depth
+        full_arrived[slot] += 1
+        if full_arrived[slot] == 4:  # two arrivals, two copies' bytes
+            full_arrived[slot], full_done[slot] = 0, full_done[slot] + 1
+
+    inflight, state = [], {"w": 0, "x": 0, "c": 0, "held": []}
+
+    def step_streamer():
+        i = state["w"]
+        if i >= chunks or (i >= pace and i - depth >= 0 and not passes(empty_done[(i - depth) % depth], i - depth)):
+            return False
+        assert i < depth or i - depth in released
+        arm(i), arm(i)  # expect_tx and the copy
+        state["w"] += 1
+        return True
+
+    def step_copier():
+        i = state["x"]
+        if i >= chunks or (i - x_depth >= 0 and not passes(empty_done[(i - x_depth) % depth], i - x_depth)):
+            return False
+        assert i < x_depth or i - x_depth in released
+        arm(i), arm(i)
+        state["x"] += 1
+        return True
+
+    def step_consumer():
+        held = state["held"]
+        if len(held) == sets or state["c"] == chunks:
+            if not held:
+                return False
+            j = held.pop(0)
+            released.add(j)
+            empty_done[j % depth] += 1
+            return True
+        i = state["c"]
+        if not passes(full_done[i % depth], i):
+            return False
+        held.append(i)
+        state["c"] += 1
+        return True
+
+    def step_landing():
+        if not inflight:
+            return False
+        land(inflight.pop(rng.randrange(len(inflight))))
+        return True
+
+    actors = [step_streamer, step_copier, step_consumer, step_landing]
+    while True:
+        for actor in rng.sample(actors, len(actors)):
+            if actor():
+                break
+        else:
+            return len(released)
+
+
+@pytest.mark.parametrize("chunks, depth, x_depth, sets", [(24, 24, 4, 4), (96, 12, 4, 2), (28, 8, 4, 1), (14, 14, 14, 2),
+                                                          (9, 3, 1, 1), (40, 5, 5, 4), (7, 7, 7, 1)])
+def test_x_ring_hands_slots_over_in_phase(chunks, depth, x_depth, sets):
+    """x's ring apart from the weights' (GemmPlan.x_depth <= depth): under random
+    interleavings no wait passes on the wrong phase, no slot is refilled before it is read,
+    nothing deadlocks; and the plans' (depth, x_depth, sets) at the projection shapes hold
+    the model's conditions."""
+    for seed in range(20):
+        assert ring_protocol_runs(chunks, depth, x_depth, sets, min(3, depth), seed) == chunks
+    for variant in variants():
+        for tokens in gemm_plans.TOKEN_TILES:
+            plan = gemm_plans.gemm_plan(*variant[1:3], tokens)
+            assert plan.sets <= plan.x_depth <= plan.depth
+
+
 @pytest.mark.parametrize("tiles, split, tokens", [(1, 1, 8), (3, 2, 64), (4, 4, 32), (1, 8, 16), (3, 8, 64)])
 def test_stage_send_and_finish_sum_every_part_once_in_order(tiles, split, tokens):
     """CPU model of the K-part exchange through GemmPlan.receive_word: every CTA's m64nT
