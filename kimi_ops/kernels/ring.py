@@ -24,7 +24,8 @@ def paced(i, lag: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], full, f
     xn's loads are the critical path. So until xn is in (``fronted``), ``lag`` slots stay
     in flight (chunk i - lag has landed); with ``waited``, none once our predecessor is
     done, so that xn's loads queue behind at most ``lag`` slots (the hold pays where xn is
-    the critical path, the wave's: benchmarks/NOTES.md)."""
+    the critical path, the wave's: benchmarks/NOTES.md). ``fronted``'s phase 0 is the signal:
+    a barrier that completes later phases (a ring slot's) says it only until its next one."""
     if not cute.arch.mbarrier_test_wait(fronted, 0):  # lanes may differ: each only waits
         landed(full, i - lag, depth)
         if cutlass.const_expr(waited is not None):

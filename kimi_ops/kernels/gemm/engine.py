@@ -340,7 +340,12 @@ class DecodeGemm:
                 if streamer:
                     if i >= pace:
                         wait_handed_back(empty, i, plan.depth)
-                        paced(i, pace, plan.depth, full, full)
+                        # slot 0's first phase says x's first chunk is in; from chunk depth on,
+                        # chunk 0 was handed back (x is in) and the slot's later phases flip
+                        # the parity the test reads: paced then held every other ring's worth
+                        # of chunks to ``pace`` past the last landed
+                        if i < plan.depth:
+                            paced(i, pace, plan.depth, full, full)
                         self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
                 if copier:  # x's slot of chunk i - x_depth handed back (weights' slots: a chunk further back)
                     wait_released(empty, i - plan.x_depth, plan.depth)
