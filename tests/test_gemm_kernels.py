@@ -256,18 +256,20 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
         assert plan.ring_bytes + 2048 <= SMEM_BYTES and plan.block_bytes % 16 == 0  # a bulk copy's size
         assert plan.depth >= min(plan.chunks, 4) and plan.chunks % plan.sets == 0
         assert (1 + plan.sets) * plan.tiles * tokens // 2 <= gemm_plans.ACCUMULATOR_REGISTERS
-        # x's ring: no deeper than the weights' (its copies arm the weight slots' barriers), as
-        # deep as the chunks in flight, and at 64 tokens the weights keep 8 tokens' bytes in flight
+        # x's ring: no deeper than the weights' (its copies arm the weight slots' barriers),
+        # two batches of the chunks in flight deep, and the weights at least the slots a ring
+        # of a weight and an x slot a chunk gave them
         assert plan.sets <= plan.x_depth <= plan.depth and plan.x_words * 4 == plan.depth * plan.w_slot
+        assert plan.x_depth >= min(2 * plan.sets, plan.depth)  # the next batch's x in flight
         assert plan.depth * plan.w_slot + plan.x_depth * plan.x_slot <= plan.ring_bytes
-        narrow = gemm_plans.gemm_plan(n, k, 8)
-        if plan.tiles == narrow.tiles and plan.room == narrow.room == 0:
-            assert plan.depth >= narrow.depth - 1, (tokens, plan.depth, narrow.depth)
+        paired = (SMEM_BYTES - 2048) // (plan.w_slot + plan.x_slot)
+        assert plan.room > 0 or plan.depth >= min(plan.chunks, gemm_plans.MAX_DEPTH, paired), (tokens, plan.depth)
 
 
 def ring_protocol_runs(chunks, depth, x_depth, sets, pace, seed):
     """CPU model of DecodeGemm's ring under one random interleaving: the streamer (weights of
-    chunk i once chunk i - depth is handed back, the first ``pace`` at once), the copier (x of
+    chunk i once chunk i - depth is handed back, the first ``pace`` at once, before chunk
+    depth also ``paced``: chunk i - pace landed while slot 0's first phase is not over), the copier (x of
     chunk i into x slot i % x_depth once chunk i - x_depth is handed back), each arming chunk
     i's weight-slot full barrier, TMA landing later, and the consumers (``sets`` chunks'
     landed waits, then their hand-backs in order). mbarrier waits by parity as the hardware's
@@ -302,6 +304,8 @@ def ring_protocol_runs(chunks, depth, x_depth, sets, pace, seed):
     def step_streamer():
         i = state["w"]
         if i >= chunks or (i >= pace and i - depth >= 0 and not passes(empty_done[(i - depth) % depth], i - depth)):
+            return False
+        if pace <= i < depth and full_done[0] % 2 == 0 and not passes(full_done[(i - pace) % depth], i - pace):
             return False
         assert i < depth or i - depth in released
         arm(i), arm(i)  # expect_tx and the copy
@@ -356,7 +360,8 @@ def test_x_ring_hands_slots_over_in_phase(chunks, depth, x_depth, sets):
     nothing deadlocks; and the plans' (depth, x_depth, sets) at the projection shapes hold
     the model's conditions."""
     for seed in range(20):
-        assert ring_protocol_runs(chunks, depth, x_depth, sets, min(3, depth), seed) == chunks
+        for pace in (min(3, depth), depth):  # past 8 tokens, and at most 8
+            assert ring_protocol_runs(chunks, depth, x_depth, sets, pace, seed) == chunks
     for variant in variants():
         for tokens in gemm_plans.TOKEN_TILES:
             plan = gemm_plans.gemm_plan(*variant[1:3], tokens)

@@ -21,9 +21,10 @@ TOKEN_TILES = (8, 16, 32, 64)  # wgmma's N: the compile buckets of the batch
 MAX_BATCH = TOKEN_TILES[-1]
 MAX_DEPTH = 32  # ring slots
 # x's slots (L2 hits: fewer chunks ahead cover their latency) apart from the weights', in
-# X_BYTES (4 slots at 64 tokens, 32 at 8), so that at 64 tokens, where a chunk's x is 8 KB
-# beside each tile's 8 KB of weights, the ring keeps the weight bytes in flight it keeps at
-# 8 (a slot of each a chunk: 112 KB of a one-tile CTA's weights at 64 tokens, 192 at 8)
+# X_BYTES (4 slots at 64 tokens, 32 at 8; at least two batches of accumulator sets), so
+# that at 64 tokens, where a chunk's x is 8 KB beside each tile's 8 KB of weights, the
+# weights keep more of the bytes in flight they keep at 8 (a slot of each a chunk: 112 KB of
+# a one-tile CTA's weights at 64 tokens, 192 at 8; now 160)
 X_BYTES = 32 * 1024
 CONSUMER_WARPS = PRODUCER_WARPS = 4  # a warpgroup each
 THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS)  # the consumers, then the producers
@@ -166,19 +167,22 @@ class GemmPlan:
         self.reserve = reserve
         free = SMEM_BYTES - 2048 - reserve  # 2 KB: barriers, alignment
         self.room = max(0, min(GEMM_ROOM if room is None else room, free - (self.chunks if whole else 1) * stage))
-        # x's slots: X_BYTES (raw rows: every chunk's, the producers store them all at once),
-        # at most the weights' (x's copy of chunk i, armed on its weight slot's barriers once
-        # chunk i - x_depth is handed back, needs chunk i - depth's phase over)
-        x_most = self.chunks if whole else max(1, X_BYTES // self.x_slot)
+        # chunks in flight (each into its own accumulator set and ring slot): as many as the
+        # registers hold beside the running sums and the ring's slots, that divide the CTA's chunks
+        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1)
+        # x's slots: X_BYTES, and two batches of sets (the next batch's x in flight while one is
+        # read: x's copy of a slot waits for the chunk before it to be handed back); raw rows:
+        # every chunk's (the producers store them all at once). At most the weights' (x's copy
+        # of chunk i, armed on its weight slot's barriers once chunk i - x_depth is handed
+        # back, needs chunk i - depth's phase over)
+        x_most = self.chunks if whole else max(X_BYTES // self.x_slot, 2 * sets)
         fits = [d for d in range(1, min(self.chunks, MAX_DEPTH) + 1)
                 if d * self.w_slot + min(x_most, d) * self.x_slot <= free - self.room]
         self.depth = max(fits, default=0)
         self.x_depth = min(x_most, self.depth)
         if self.depth < 1:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
-        # chunks in flight (each into its own accumulator set and ring slot): as many as the
-        # registers hold beside the running sums and the ring's slots, that divide the CTA's chunks
-        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1, self.depth, self.x_depth)
+        sets = min(sets, self.depth, self.x_depth)
         self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
         self.pace = self.depth if tokens <= EARLY_TOKENS else min(PACE, self.depth)  # weight chunks issued before the PDL wait
         self.block_bytes = self.owned * self.stride * 4  # a part's sums of one owner's rows (by_token: tokens)
