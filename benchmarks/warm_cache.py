@@ -2,7 +2,9 @@
 so that a device run of the same tree loads them instead of compiling (60 kernels, 3.5 MB,
 ~50 s on 16 CPU cores at the TP8 rank; on the device each arm of an A/B spent as long):
 
-    CUTE_DSL_ARCH=sm_90a KIMI_OPS_CACHE_DIR=.gpu/cache/head python benchmarks/warm_cache.py [--tp8-rank]
+    CUTE_DSL_ARCH=sm_90a KIMI_OPS_CACHE_DIR=.gpu/cache/head python benchmarks/warm_cache.py [--tp8-rank | --projection]
+
+``--projection``: bench_projection's variants instead (every shape, every bucket: ~4 MB).
 
 Run as a file with the tree to warm first on PYTHONPATH (``scripts/ab.sh warm`` does it for
 the working tree and each baseline): it takes only that tree's ``kimi_ops.prepare`` work
@@ -18,6 +20,7 @@ import os
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp8-rank", action="store_true", help="bench_layer's TP8-rank shapes")
+    parser.add_argument("--projection", action="store_true", help="bench_projection's variants instead")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 16))
     args = parser.parse_args()
     from kimi_ops import kernels
@@ -27,6 +30,12 @@ def main() -> None:
 
     if not kernels.register() or "CUTE_DSL_ARCH" not in os.environ:
         raise SystemExit("warm_cache compiles CuTe kernels for CUTE_DSL_ARCH (e.g. sm_90a): set it, install CuTe DSL")
+    if args.projection:
+        from benchmarks.bench_projection import prepare
+
+        prepare(args.jobs)
+        print(f"bench_projection's variants in {os.environ.get('KIMI_OPS_CACHE_DIR', 'the default cache')}")
+        return
     layer = argparse.Namespace(tp8_rank=args.tp8_rank, smoke=False, expert_intermediate=16)
     items = work_list(config_for(layer), 1, 2)  # bench_layer's decoder: 2 layers, TP1 mailboxes
     context = multiprocessing.get_context("spawn")

@@ -12,6 +12,7 @@
 # carried (.gpu/cache: the device then loads instead of compiling, ~50 s an arm; 3.4 MB an
 # arm, and what travels is at most 64 MiB with .gpu/b's 47.7 MB: carry the arms that fit):
 #   bash scripts/ab.sh warm --tp8-rank     # here: .gpu/cache/{head,REV} (benchmarks/warm_cache.py)
+#   bash scripts/ab.sh warm --projection   # bench_projection's variants instead (~4 MB an arm)
 #   KIMI_OPS_CACHE_DIR=$PWD/.gpu/cache bash scripts/ab.sh run 2 -m benchmarks.bench_layer --tp8-rank ...
 set -u
 case "${1:-}" in
