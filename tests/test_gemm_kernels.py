@@ -269,8 +269,8 @@ def test_plan_covers_every_row_once_in_one_wave_and_fits(variant):
 def ring_protocol_runs(chunks, depth, x_depth, sets, pace, seed):
     """CPU model of DecodeGemm's ring under one random interleaving: the streamer (weights of
     chunk i once chunk i - depth is handed back, the first ``pace`` at once, before chunk
-    depth also ``paced``: chunk i - pace landed while slot 0's first phase is not over), the copier (x of
-    chunk i into x slot i % x_depth once chunk i - x_depth is handed back), each arming chunk
+    depth also ``paced``: chunk i - pace landed while slot 0's first phase is not over), the
+    copier (x of chunk i into x slot i % x_depth once chunk i - x_depth is handed back), each arming chunk
     i's weight-slot full barrier, TMA landing later, and the consumers (``sets`` chunks'
     landed waits, then their hand-backs in order). mbarrier waits by parity as the hardware's
     (pass while the completed phases' parity differs); every pass must be the phase meant,
@@ -352,20 +352,16 @@ def ring_protocol_runs(chunks, depth, x_depth, sets, pace, seed):
             return len(released)
 
 
-@pytest.mark.parametrize("chunks, depth, x_depth, sets", [(24, 24, 4, 4), (96, 12, 4, 2), (28, 8, 4, 1), (14, 14, 14, 2),
-                                                          (9, 3, 1, 1), (40, 5, 5, 4), (7, 7, 7, 1)])
+@pytest.mark.parametrize("chunks, depth, x_depth, sets",
+                         [(24, 24, 4, 4), (96, 12, 4, 2), (28, 8, 4, 1), (14, 14, 14, 2), (9, 3, 1, 1), (40, 5, 5, 4),
+                          (7, 7, 7, 1)])
 def test_x_ring_hands_slots_over_in_phase(chunks, depth, x_depth, sets):
-    """x's ring apart from the weights' (GemmPlan.x_depth <= depth): under random
-    interleavings no wait passes on the wrong phase, no slot is refilled before it is read,
-    nothing deadlocks; and the plans' (depth, x_depth, sets) at the projection shapes hold
-    the model's conditions."""
+    """x's ring apart from the weights' (GemmPlan.x_depth <= depth, sets <= x_depth: the
+    plans' test checks every variant holds them): under random interleavings no wait passes
+    on the wrong phase, no slot is refilled before it is read, nothing deadlocks."""
     for seed in range(20):
         for pace in (min(3, depth), depth):  # past 8 tokens, and at most 8
             assert ring_protocol_runs(chunks, depth, x_depth, sets, pace, seed) == chunks
-    for variant in variants():
-        for tokens in gemm_plans.TOKEN_TILES:
-            plan = gemm_plans.gemm_plan(*variant[1:3], tokens)
-            assert plan.sets <= plan.x_depth <= plan.depth
 
 
 @pytest.mark.parametrize("tiles, split, tokens", [(1, 1, 8), (3, 2, 64), (4, 4, 32), (1, 8, 16), (3, 8, 64)])
