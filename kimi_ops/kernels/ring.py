@@ -53,7 +53,7 @@ def wait_released(empty, j, depth: cutlass.Constexpr[int]):
     (phase j // depth of its slot's empty barrier; the slot's next phase needs a chunk the
     waiter has yet to issue)."""
     if j >= 0:
-        cute.arch.mbarrier_wait(empty + j % depth, (j // depth) % 2)
+        landed(empty, j, depth)  # the same phase arithmetic, on the empty barriers
 
 
 @cute.jit
