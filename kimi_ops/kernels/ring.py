@@ -44,16 +44,8 @@ def landed(full, i, depth: cutlass.Constexpr[int]):
 def wait_handed_back(empty, i, depth: cutlass.Constexpr[int]):
     """Before chunk ``i`` goes into a ring of ``depth`` slots: wait until the readers of the
     slot's previous chunk have handed it back."""
-    wait_released(empty, i - depth, depth)
-
-
-@cute.jit
-def wait_released(empty, j, depth: cutlass.Constexpr[int]):
-    """Wait until chunk ``j`` (none if negative) of a ring of ``depth`` slots was handed back
-    (phase j // depth of its slot's empty barrier; the slot's next phase needs a chunk the
-    waiter has yet to issue)."""
-    if j >= 0:
-        landed(empty, j, depth)  # the same phase arithmetic, on the empty barriers
+    if i >= depth:
+        cute.arch.mbarrier_wait(empty + i % depth, (i // depth + 1) % 2)
 
 
 @cute.jit

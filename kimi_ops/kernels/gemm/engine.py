@@ -14,11 +14,9 @@ so every SM of the grid streams its share at once.
    ``pace`` of them before ``griddepcontrol.wait`` (the weights do not depend on the previous
    kernel; the whole ring at B <= 8), then ``paced`` until x's first chunk is in (x's loads would queue behind a
    whole ring), then as slots come back. Once the wait is over its second warp copies
-   each chunk's x rows [tokens, CHUNK] by TMA too (the rows past the batch come as zeros)
-   into x's own ring of ``x_depth`` slots (fewer: L2 hits), on the chunk's weight slot's
-   barriers, so a slot's full barrier takes two arrivals and their bytes, and wgmma reads
-   the slot with no proxy fence (x by cp.async took 128 threads' arrivals and a fence a
-   chunk).
+   each chunk's x rows [tokens, CHUNK] by TMA too (the rows past the batch come as zeros),
+   so a slot's full barrier takes two arrivals and their bytes, and wgmma reads the slot
+   with no proxy fence (x by cp.async took 128 threads' arrivals and a fence a chunk).
 2. The consumer warpgroup runs wgmma m64nTk16 (T = ``tokens``, the batch rounded up to
    TOKEN_TILES) per 16 columns, A (weights) and B (x) from shared memory. Each chunk's
    four k16 steps start from zero in an accumulator set of its own (``sets`` chunks in
@@ -85,18 +83,7 @@ from ..ptx import (
     store_words,
     wgmma_bf16,
 )
-from ..ring import (
-    CHUNK,
-    descriptor,
-    expect,
-    hand_back,
-    landed,
-    paced,
-    swizzled,
-    swizzled_stages,
-    wait_handed_back,
-    wait_released,
-)
+from ..ring import CHUNK, descriptor, expect, hand_back, landed, paced, swizzled, swizzled_stages, wait_handed_back
 from .plan import (
     CONSUMER_WARPS,
     PRODUCERS,
@@ -316,11 +303,11 @@ class DecodeGemm:
         stream = self.start_stream(w_copy, w_boxes, ring, full, block, part, producer)
         box_in, box_out, evict_first, first_chunk, streamer, pace, lane = stream
         x_copy, x_boxes = x_load
-        stages = swizzled_stages(plan.tokens, plan.x_depth)
+        stages = swizzled_stages(plan.tokens, plan.depth)
         x_in, x_out = cpasync.tma_partition(
             x_copy, 0, cute.make_layout(1),
-            cute.group_modes(cute.make_tensor(cute.recast_ptr(ring + plan.x_words, stages.inner, dtype=BFloat16),
-                                              stages.outer), 0, 2),
+            cute.group_modes(cute.make_tensor(cute.recast_ptr(ring + plan.depth * plan.w_slot // 4, stages.inner,
+                                                              dtype=BFloat16), stages.outer), 0, 2),
             cute.group_modes(cute.local_tile(x_boxes, (plan.tokens, CHUNK), (None, None)), 0, 2),
         )
         copier = producer // 32 == 1
@@ -347,11 +334,10 @@ class DecodeGemm:
                         if i < plan.depth:
                             paced(i, pace, plan.depth, full, full)
                         self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
-                if copier:  # x's slot of chunk i - x_depth handed back (weights' slots: a chunk further back)
-                    wait_released(empty, i - plan.x_depth, plan.depth)
+                if copier:
+                    wait_handed_back(empty, i, plan.depth)
                     expect(full, slot, plan.x_slot, lane)
-                    cute.copy(x_copy, x_out[(None, 0, first_chunk + i)], x_in[(None, i % plan.x_depth)],
-                              tma_bar_ptr=full + slot)
+                    cute.copy(x_copy, x_out[(None, 0, first_chunk + i)], x_in[(None, slot)], tma_bar_ptr=full + slot)
 
     @cute.jit
     def start_stream(self, w_copy, w_boxes, ring, full, block, part, producer):
@@ -417,7 +403,8 @@ class DecodeGemm:
                 self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
         # The raw packets into their slots (the swizzle TMA would write: wgmma reads them as
         # any x), their squares summed on the way: x leaves the registers at once.
-        slots = [[ring + plan.x_words + i * (plan.x_slot // 4) + swizzled(0, token, piece) * 4 for token in tokens]
+        x_words = plan.depth * plan.w_slot // 4
+        slots = [[ring + x_words + i * (plan.x_slot // 4) + swizzled(0, token, piece) * 4 for token in tokens]
                  for i in range(plan.chunks)]
         totals = [Float64(0.0)] * plan.x_items
         for i in cutlass.range_constexpr(plan.chunks):
@@ -473,7 +460,7 @@ class DecodeGemm:
                 slot = i % plan.depth
                 landed(full, i, plan.depth)  # TMA's bytes (raw rows: the producers fenced their stores)
                 w_slot = base + slot * plan.w_slot
-                x_slot = base + plan.x_words * 4 + i % plan.x_depth * plan.x_slot
+                x_slot = base + plan.depth * plan.w_slot + slot * plan.x_slot
                 warpgroup.fence()
                 for k16 in cutlass.range_constexpr(CHUNK // 16):
                     b = descriptor(x_slot + 32 * k16)

@@ -20,12 +20,6 @@ RESIDENT_3 = 96
 TOKEN_TILES = (8, 16, 32, 64)  # wgmma's N: the compile buckets of the batch
 MAX_BATCH = TOKEN_TILES[-1]
 MAX_DEPTH = 32  # ring slots
-# x's slots (L2 hits: fewer chunks ahead cover their latency) apart from the weights', in
-# X_BYTES (4 slots at 64 tokens, 32 at 8; at least two batches of accumulator sets), so
-# that at 64 tokens, where a chunk's x is 8 KB beside each tile's 8 KB of weights, the
-# weights keep more of the bytes in flight they keep at 8 (a slot of each a chunk: 112 KB of
-# a one-tile CTA's weights at 64 tokens, 192 at 8; now 160)
-X_BYTES = 32 * 1024
 CONSUMER_WARPS = PRODUCER_WARPS = 4  # a warpgroup each
 THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS)  # the consumers, then the producers
 PRODUCERS = 32 * PRODUCER_WARPS
@@ -167,22 +161,12 @@ class GemmPlan:
         self.reserve = reserve
         free = SMEM_BYTES - 2048 - reserve  # 2 KB: barriers, alignment
         self.room = max(0, min(GEMM_ROOM if room is None else room, free - (self.chunks if whole else 1) * stage))
-        # chunks in flight (each into its own accumulator set and ring slot): as many as the
-        # registers hold beside the running sums and the ring's slots, that divide the CTA's chunks
-        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1)
-        # x's slots: X_BYTES, and two batches of sets (the next batch's x in flight while one is
-        # read: x's copy of a slot waits for the chunk before it to be handed back); raw rows:
-        # every chunk's (the producers store them all at once). At most the weights' (x's copy
-        # of chunk i, armed on its weight slot's barriers once chunk i - x_depth is handed
-        # back, needs chunk i - depth's phase over)
-        x_most = self.chunks if whole else max(X_BYTES // self.x_slot, 2 * sets)
-        fits = [d for d in range(1, min(self.chunks, MAX_DEPTH) + 1)
-                if d * self.w_slot + min(x_most, d) * self.x_slot <= free - self.room]
-        self.depth = max(fits, default=0)
-        self.x_depth = min(x_most, self.depth)
+        self.depth = min(self.chunks, MAX_DEPTH, (free - self.room) // stage)
         if self.depth < 1:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
-        sets = min(sets, self.depth, self.x_depth)
+        # chunks in flight (each into its own accumulator set and ring slot): as many as the
+        # registers hold beside the running sums and the ring's slots, that divide the CTA's chunks
+        sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1, self.depth)
         self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
         self.pace = self.depth if tokens <= EARLY_TOKENS else min(PACE, self.depth)  # weight chunks issued before the PDL wait
         self.block_bytes = self.owned * self.stride * 4  # a part's sums of one owner's rows (by_token: tokens)
@@ -191,9 +175,7 @@ class GemmPlan:
         self.receive_bytes = self.split * self.block_bytes  # [part][owned row][token], over the ring
         self.staging_word = self.receive_bytes // 4  # the staging's first FP32 word: after the receive buffer
         # a K split's staging after it, [owner][owned row][token]: the blocks that go to the peers
-        self.x_words = self.depth * self.w_slot // 4  # x's first slot, after the weights'
-        self.ring_bytes = max(self.depth * self.w_slot + self.x_depth * self.x_slot,
-                              self.receive_bytes * (2 if self.split > 1 else 1))
+        self.ring_bytes = max(self.depth * stage, self.receive_bytes * (2 if self.split > 1 else 1))
         if self.ring_bytes + 2048 + reserve > SMEM_BYTES:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
         self.room = min(self.room, free - self.ring_bytes)  # what the exchange leaves of it, where it needs more
