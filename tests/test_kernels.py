@@ -151,7 +151,8 @@ def test_stream_benchmark_kernels_compile():
     """benchmarks/bench_stream.py's copy kernels (the HBM-rate probe the tail is judged by)."""
     from benchmarks import bench_stream
 
-    for kernel in (bench_stream.BulkStream(132, 1, 16384, 12), bench_stream.AsyncStream(112, 8)):
+    for kernel in (bench_stream.BulkStream(132, 1, 16384, 12), bench_stream.AsyncStream(112, 8),
+                   bench_stream.BulkStream(132, 1, 8192, 24, size=4718592, chained=True)):
         assert bench_stream.compile_stream(kernel) is not None
 
 
