@@ -52,11 +52,10 @@ from kimi_ops.kernels.launch import CARVEOUT, GEMM_ROOM
 from kimi_ops.testing import guard
 from kimi_ops.testing.composite import CompositeDecoder
 
-from .common import L2_BYTES, capture, graph_us, print_table, rotating
+from .common import HBM_BYTES_PER_US, L2_BYTES, capture, graph_us, print_table, rotating
 
 BATCHES = (1, 8, 64)
 LAYERS = 2
-HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (issue 21, issue 25)
 TP8_RANK = dict(attn_out=1536, shared_intermediate=768, experts=112, latent=512)
 kimi = torch.ops.kimi
 

@@ -38,10 +38,9 @@ import kimi_ops  # noqa: F401
 from kimi_ops.config import INDEX_DIM, INDEX_HEADS, KimiConfig
 from kimi_ops.mailbox import canonical
 
-from .common import L2_BYTES, graph_us, print_table, rotating
+from .common import HBM_BYTES_PER_US, L2_BYTES, graph_us, print_table, rotating
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (issue 21)
 kimi = torch.ops.kimi
 
 

@@ -24,10 +24,9 @@ from cutlass.memory import SmemAllocator
 
 from kimi_ops.kernels.compile import fake, fake_stream
 
-from .common import L2_BYTES, graph_us, print_table
+from .common import HBM_BYTES_PER_US, L2_BYTES, graph_us, print_table
 
 BYTES = 7168 * 3584 * 2  # w_up at TP1
-HBM_BYTES_PER_US = 4.3e6  # the floor's bandwidth (bench_projection's)
 
 
 class Launch:

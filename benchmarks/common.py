@@ -4,6 +4,7 @@ import torch
 
 HBM_READ_BYTES_PER_US = 4.26e6  # 4.26 TB/s, measured on the H200
 L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
+HBM_BYTES_PER_US = 4.3e6  # the weight floors' bandwidth (issues 21, 25)
 
 
 def capture(fn, calls: int = 1, warmups: int = 3):
