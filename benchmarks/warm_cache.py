@@ -19,8 +19,9 @@ import os
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tp8-rank", action="store_true", help="bench_layer's TP8-rank shapes")
-    parser.add_argument("--projection", action="store_true", help="bench_projection's variants instead")
+    shapes = parser.add_mutually_exclusive_group()
+    shapes.add_argument("--tp8-rank", action="store_true", help="bench_layer's TP8-rank shapes")
+    shapes.add_argument("--projection", action="store_true", help="bench_projection's variants instead")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 16))
     args = parser.parse_args()
     from kimi_ops import kernels
