@@ -8,7 +8,7 @@ benchmarks/NOTES.md ("Torch forms of the stand-in experts"): none comes near the
 
     python -m benchmarks.bench_experts [--batches 1 8 64] [--clusters 1 8] [--per-sm 1 2]
                                        [--tokens 1 4] [--spreads -1 1 2] [--shapes kimi_k3 tp8_rank]
-                                       [--composites]
+                                       [--stream] [--composites]
 """
 
 import argparse
@@ -23,10 +23,11 @@ SHAPES = {"kimi_k3": (3584, 16, 896), "tp8_rank": (512, 16, 112)}  # (L, I, E): 
 CALLS = 20
 
 
-def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(0,), composites=False) -> list[tuple]:
+def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(0,), composites=False,
+            stream=False) -> list[tuple]:
     """Columns: every (C, CTAs an SM, T, spread) of the lists (0: the call's own, call_plan's;
     a bare letter in the header; spread −1: a cluster a pair, s > 0: by expert, s CTAs an
-    expert), then (``composites``) eager and compiled."""
+    expert), then (``stream``) the streamed form, then (``composites``) eager and compiled."""
     from kimi_ops.kernels.experts import host as experts
     from kimi_ops.kernels.experts import plan as experts_plan
     from kimi_ops.ops.experts import routed_experts as composite
@@ -75,6 +76,12 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, unused, error, batch, 0,
                     count, count, int(wave), spread), routings), calls=CALLS))
+            if stream:
+                launch = experts.compile_streamed_experts(width, intermediate, False)
+                ctas = torch.cuda.get_device_properties(0).multi_processor_count
+                times.append(graph_us(rotating(lambda ids: launch(
+                    latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, unused, error, batch, 0,
+                    count, count, ctas), routings), calls=CALLS))
             if composites:
                 for form in (composite, compiled):
                     times.append(graph_us(rotating(lambda ids: form(
@@ -83,7 +90,8 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(
     columns = [f"{f'C={c}' if c else 'C'} {f'{p}/SM' if p else '-/SM'} {f'T={t}' if t else 'T'}"
                f"{'' if s == 0 else ' pairs' if s < 0 else f' E×{s}'}"
                for c in clusters for p in per_sms for t in tokens_list for s in spreads]
-    print_table(rows, ("shape", "B", *columns, *(("eager", "compiled") if composites else ()), "floor"))
+    print_table(rows, ("shape", "B", *columns, *(("stream",) if stream else ()),
+                       *(("eager", "compiled") if composites else ()), "floor"))
     return rows
 
 
@@ -100,9 +108,11 @@ def main() -> None:
                         help="by expert, CTAs an expert (0: the call's own; -1: a cluster a pair)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--composites", action="store_true", help="time the eager and compiled composites too")
+    parser.add_argument("--stream", action="store_true", help="time the streamed form too (kernels/experts/stream.py)")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, median µs per call, CUDA-graph replay, a fresh routing each call")
-    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens, args.spreads, args.composites)
+    measure(args.batches, args.clusters, args.shapes, args.per_sm, args.tokens, args.spreads, args.composites,
+            args.stream)
 
 
 if __name__ == "__main__":

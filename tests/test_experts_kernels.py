@@ -80,18 +80,28 @@ def test_cluster_size(monkeypatch):
     # at T = 4 take one an SM), or by expert where a CTA holds a whole one (L = 512): the
     # rank's E/TP experts at MAX_SPREAD CTAs each where 2·132 CTAs hold them, else fewer,
     # in passes of MMA_TOKENS
-    one, shared = (1, 1, True, 0), (experts_plan.PAST_WAVE_PER_SM, 1, False, 0)
-    past = (1, experts_plan.TOKENS, False, 0)
-    plans = [experts_plan.call_plan(3584, 16, b, 0, 1, 896) for b in (1, 2, 3, 8, 9, 16, 17, 64)]
+    one, shared = (1, 1, True, 0, False), (experts_plan.PAST_WAVE_PER_SM, 1, False, 0, False)
+    past = (1, experts_plan.TOKENS, False, 0, False)
+    streamed = experts_plan.STREAMED[1:]
+    plans = [experts_plan.call_plan(3584, 16, b, 0, 1, 896) for b in (1, 2, 3, 8, 9, 15, 16, 64)]
     assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1, 1, 1]
-    assert [p[1:] for p in plans] == [one, one, one, one, shared, shared, past, past]
-    assert experts_plan.call_plan(3584, 16, 200, 0, 8, 896)[1:] == past  # 344 KB experts: never by expert
-    by_expert = [(experts_plan.PAST_WAVE_PER_SM, experts_plan.MMA_TOKENS, True, spread) for spread in (2, 1)]
-    assert [experts_plan.call_plan(512, 16, b, 0, 8, 896)[1:] for b in (66, 67, 132, 133)] == [
-        one, shared, shared, by_expert[0]]  # 112 experts a rank
-    assert experts_plan.call_plan(512, 16, 133, 0, 1, 200)[1:] == by_expert[1]  # 2 · 200 > 2 · 132
-    two_an_sm = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False, 0)
-    assert experts_plan.call_plan(512, 16, 133, 0, 1, 300)[1:] == two_an_sm  # past 2 · 132: pairs
+    assert [p[1:] for p in plans] == [one, one, one, one, shared, shared, streamed, streamed]
+    assert experts_plan.call_plan(3584, 16, 200, 0, 8, 896)[1:] == streamed  # 344 KB experts: never by expert
+    # the pair grid's bands where the streamed form does not take the call: I = 8, or E/TP past its lists
+    assert experts_plan.call_plan(3584, 8, 64, 0, 1, 896)[1:] == past
+    assert experts_plan.call_plan(3584, 16, 64, 0, 1, 2048)[1:] == past
+    by_expert = [(experts_plan.PAST_WAVE_PER_SM, experts_plan.MMA_TOKENS, True, spread, False) for spread in (2, 1)]
+    assert [experts_plan.call_plan(448, 16, b, 0, 8, 896)[1:] for b in (66, 67, 132, 133)] == [
+        one, shared, shared, by_expert[0]]  # 112 experts a rank (L = 448: no streamed form)
+    assert experts_plan.call_plan(448, 16, 133, 0, 1, 200)[1:] == by_expert[1]  # 2 · 200 > 2 · 132
+    two_an_sm = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False, 0, False)
+    assert experts_plan.call_plan(448, 16, 133, 0, 1, 300)[1:] == two_an_sm  # past 2 · 132: pairs
+    assert experts_plan.call_plan(512, 16, 16, 0, 8, 896) == experts_plan.STREAMED
+
+
+def compile_arguments(key, counted):
+    """A variant key's compile arguments past (L, I): the streamed form's, or the pair grid's."""
+    return (counted,) if key[4] else (*key[:4], counted)
 
 
 def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
@@ -103,13 +113,13 @@ def test_prepare_compiles_every_key_a_call_takes(monkeypatch):
         with kernel_compile.collecting() as needed:
             experts.RoutedExpertsKernel().prepare(latent, 16)
         keys = experts.prepared_variants(latent, 16)
-        assert sorted(key[1][2:] for key in needed) == sorted((*key, False) for key in keys)
+        assert sorted(key[1][2:] for key in needed) == sorted(compile_arguments(key, False) for key in keys)
         with kernel_compile.collecting() as needed:  # kimi::routed_experts_counted's
             experts.RoutedExpertsKernel(counted=True).prepare(latent, 16)
-        assert sorted(key[1][2:] for key in needed) == sorted((*key, True) for key in keys)
+        assert sorted(key[1][2:] for key in needed) == sorted(compile_arguments(key, True) for key in keys)
         assert experts_plan.per_sm_for(latent, 16, 1) == experts_plan.PAST_WAVE_PER_SM  # the shared band's
         # L = 512: C = 1 in one wave too; by expert where a CTA holds a whole expert
-        assert len(keys) == 3 + (experts_plan.cluster_size(latent, 16) > 1) + (latent == 512)
+        assert len(keys) == 3 + (experts_plan.cluster_size(latent, 16) > 1) + (latent == 512) + experts_plan.streams(latent, 16)
         for sms in (78, 132):
             monkeypatch.setattr(experts_plan, "multiprocessors", lambda device, sms=sms: sms)
             for tp in (1, 2, 8):
@@ -221,8 +231,8 @@ def test_a_cta_takes_every_packet_and_row_once_and_fits_shared_memory():
     for latent in range(64, 4097, 64):
         for intermediate in (8, 16):
             # every variant a call takes, and T = TOKENS a CTA an SM
-            for cluster, per_sm, tokens, by_expert in sorted(experts.prepared_variants(latent, intermediate)
-                                                             | {(1, 1, experts_plan.TOKENS, False)}):
+            pair_forms = {key[:4] for key in experts.prepared_variants(latent, intermediate) if not key[4]}
+            for cluster, per_sm, tokens, by_expert in sorted(pair_forms | {(1, 1, experts_plan.TOKENS, False)}):
                 kernel = experts_kernels.RoutedExperts(latent, intermediate, cluster, per_sm, tokens,
                                                        by_expert=by_expert)
                 group = kernel.group_threads
@@ -312,7 +322,7 @@ def test_routed_experts_kernel(batch, rank, tp, shape):
     served_by_the_kernel(*args, rank, tp)
     poison(batch, shape[0])
     got = kimi.routed_experts(*args, rank, tp)
-    assert_matches(got, reference(kimi.routed_experts, *args, rank, tp))
+    assert_matches_at_scale(got, args, rank, tp)  # the streamed form's sums are FP32 (from STREAM_FROM)
 
 
 @on_hopper
@@ -444,3 +454,88 @@ def test_routed_experts_kernel_replays_from_a_graph():
         graph.replay()
         assert torch.equal(static, kimi.routed_experts(*args, 0, 1))
     assert not torch.equal(static, first)
+
+
+# The streamed form (kernels/experts/stream.py): FP32 sums on tensor cores, so within an ulp
+# at the rows' terms' scale rather than of the FP64 forms' rounding.
+
+@pytest.mark.parametrize("latent", [3584, 512])
+@pytest.mark.parametrize("counted", [False, True])
+def test_streamed_experts_compiles(latent, counted, clean_ptxas):
+    assert experts.compile_streamed_experts.build(latent, 16, counted) is not None
+    clean_ptxas()
+
+
+def row_terms(latent, ids, gate_up, down, rank, tp):
+    """[B, 16, L]: Σ_j |act_j · down[e, l, j]| of each pair's row (the reference's acts), the
+    scale at which a row's ulps are counted."""
+    from kimi_ops.ops.experts import mine
+    from kimi_ops.ops.route import situ
+
+    batch, intermediate = latent.shape[0], down.shape[2]
+    index = torch.where(mine(ids, gate_up.shape[0], rank, tp), ids, 0).long()
+    hidden = torch.einsum("bl,bril->bri", latent.double(), gate_up[index].double()).float()
+    act = situ(hidden.reshape(batch * 16, 2 * intermediate), 1.0, 0.0).view(batch, 16, intermediate)
+    return torch.einsum("bri,brli->brl", act.double().abs(), down[index].double().abs()) * (1 + 2**-7)
+
+
+def run_streamed(latent, ids, gate_up, down, rank, tp, ready=None, error=None):
+    """The streamed form's kernel on a poisoned output, a CTA an SM."""
+    batch, width = latent.shape
+    count, intermediate = gate_up.shape[0], down.shape[2]
+    out = torch.full((batch, 16, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+    counted = ready is not None
+    if not counted:
+        ready = torch.zeros(2, dtype=torch.int64, device="cuda")
+        error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    experts.compile_streamed_experts(width, intermediate, counted)(
+        latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), ready, error,
+        batch, rank, count // tp, count, torch.cuda.get_device_properties(0).multi_processor_count)
+    return out
+
+
+def assert_matches_at_scale(got, args, rank, tp):
+    """As assert_matches, the ulps counted at the rows' terms' scale (row_terms)."""
+    want = reference(kimi.routed_experts, *args, rank, tp)
+    assert_bf16_close(got, want, max_ulps=1, max_flipped=0.01, magnitude=row_terms(*args, rank, tp))
+    assert torch.equal(got == 0, want == 0)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+
+
+@on_hopper
+@pytest.mark.parametrize("rank, tp", [(0, 1), (5, 8)])
+@pytest.mark.parametrize("batch", [1, 5, 8, 33, 64])
+@pytest.mark.parametrize("shape", [K3, TP8_RANK], ids=["k3", "tp8_rank"])
+def test_streamed_experts_kernel(batch, rank, tp, shape):
+    args = args_of(batch, shape, seed=700 + 100 * tp + batch)
+    assert_matches_at_scale(run_streamed(*args, rank, tp), args, rank, tp)
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", [40, experts_plan.MAX_BATCH])
+def test_streamed_experts_kernel_passes_and_odd_ids(batch):
+    """Every token on the same 16 experts (B pairs an expert: passes of PASS_PAIRS over its
+    weights), a repeated id in a token (both rows), ids −1 and E (zero rows), −0 and NaN
+    latent rows (NaN only in the NaN token's rows)."""
+    latent, ids, gate_up, down = args_of(batch, TP8_RANK, seed=batch)
+    ids[:] = ids[0]
+    ids[5, 7] = ids[5, 2]
+    ids[1, 0], ids[1, 1] = -1, TP8_RANK[2]
+    latent[2] = -0.0
+    latent[3, 5] = float("nan")
+    args = (latent, ids, gate_up, down)
+    for rank, tp in ((0, 1), (1, 2)):
+        assert_matches_at_scale(run_streamed(*args, rank, tp), args, rank, tp)
+
+
+@on_hopper
+def test_streamed_experts_kernel_is_bit_identical_run_to_run_and_counted():
+    """The atomics' order of a list does not reach a row; the counted wait gives the same rows
+    and zeroes the counter."""
+    args = args_of(64, K3, seed=3)
+    first = run_streamed(*args, 0, 1)
+    assert all(torch.equal(first, run_streamed(*args, 0, 1)) for _ in range(3))
+    ready = torch.tensor([2 * 64, 0], device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    assert torch.equal(first, run_streamed(*args, 0, 1, ready, error))
+    assert ready.tolist() == [0, 0] and int(error) == 0

@@ -41,7 +41,10 @@ def routed_experts(latent, ids, gate_up, down, rank: int, tp: int):
     BF16(FP32(down[e] · act)). Each dot product of BF16 values is formed in float64 (exact
     products, a sum that every order gives alike but at float64's own rounding) and
     rounded once to FP32, so no summation order (eager's, Inductor's, a kernel's) changes
-    a bit. The CUDA kernel takes finite weights (it widens them from their bits)."""
+    a bit. The CUDA kernel's pair and by-expert forms do the same and take finite weights
+    (they widen them from their bits); its streamed form (kernels/experts/stream.py, large
+    batches) sums in FP32 on tensor cores: each row within an ulp at its terms' scale, a
+    small share of rows not bit-equal, every run the same bits."""
     return expert_rows(latent, ids, gate_up, down, rank, tp, check_routed_experts(latent, ids, gate_up, down, rank, tp))
 
 

@@ -12,15 +12,19 @@ from ...config import TOP_K
 from ...ops import experts as experts_op
 from ..arguments import aligned, placeholder
 from ..compile import compile_options, compiled, fake, fake_stream, hopper
+from ..launch import multiprocessors
 from ..variant import Unsupported, Variant, prepare_all, single
 from .kernels import (
     RoutedExperts,
 )
+from .stream import StreamedExperts
 from .plan import (
     MAX_BATCH,
     MAX_INTERMEDIATE,
     MAX_LATENT,
+    STREAMED,
     call_plan,
+    streams,
     variants,
 )
 
@@ -40,6 +44,19 @@ def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm:
     )
 
 
+@compiled
+def compile_streamed_experts(latent: int, intermediate: int, counted: bool):
+    """The streamed form (stream.StreamedExperts); ``counted`` as compile_routed_experts'."""
+    batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
+    return cute.compile(
+        StreamedExperts(latent, intermediate, counted),
+        fake(BFloat16, (batch, latent)), fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)),
+        fake(BFloat16, (down_rows, intermediate)), fake(BFloat16, (rows, latent)), fake(Int64, (2,), align=8),
+        fake(Int32, (1,), align=4), Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), fake_stream(),
+        options=compile_options(),
+    )
+
+
 def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
     if intermediate % 8 or not 8 <= intermediate <= MAX_INTERMEDIATE:
         return (f"the kernel stashes a thread's 8 down rows in one block: I must be a multiple of 8 in "
@@ -54,23 +71,26 @@ def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
 
 @functools.cache  # asked by the call: built once a shape
 def experts_variant(latent: int, intermediate: int, batch: int, cluster: int, per_sm: int, tokens: int,
-                    by_expert: bool, counted: bool = False) -> Variant:
+                    by_expert: bool, stream: bool, counted: bool = False) -> Variant:
     """A call's variant: L, I, and its :class:`~.plan.CallPlan`'s CTAs a pair, CTAs an SM,
-    tokens a CTA and grid by expert (:func:`~.plan.call_plan` picks them per call), with or
-    without the ready count; the kernel takes the adapter's arguments. Unsupported (why)
-    where it does not take the shape."""
+    tokens a CTA, grid by expert and streamed form (:func:`~.plan.call_plan` picks them per
+    call), with or without the ready count; the kernel takes the adapter's arguments.
+    Unsupported (why) where it does not take the shape."""
     why = unsupported_shape(latent, intermediate, batch)
     if why:
         raise Unsupported(why)
+    if stream:
+        return single(lambda: compile_streamed_experts(latent, intermediate, counted), (*STREAMED.variant, counted))
     return single(lambda: compile_routed_experts(latent, intermediate, cluster, per_sm, tokens, by_expert, counted),
-                  (cluster, per_sm, tokens, by_expert, counted))
+                  (cluster, per_sm, tokens, by_expert, False, counted))
 
 
-def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int, bool]]:
+def prepared_variants(latent: int, intermediate: int) -> set[tuple[int, int, int, bool, bool]]:
     """Every key :func:`~.plan.call_plan` returns at any batch, TP, E and SM count (its
-    :func:`~.plan.variants`, and C = 1 in one wave where cluster_for takes it; no device
-    asked: a cache warms without one)."""
-    return {(1, 1, 1, False)} | {variant for variant in variants(latent, intermediate) if variant}
+    :func:`~.plan.variants`, C = 1 in one wave where cluster_for takes it, and the
+    streamed form where it takes the shape; no device asked: a cache warms without one)."""
+    keys = {(1, 1, 1, False)} | {variant for variant in variants(latent, intermediate) if variant}
+    return {(*key, False) for key in keys} | ({STREAMED.variant} if streams(latent, intermediate) else set())
 
 
 class RoutedExpertsKernel:
@@ -99,9 +119,11 @@ class RoutedExpertsKernel:
             plan = call_plan(width, intermediate, batch, latent.device.index, tp, experts)
             if not self.counted:  # arguments the kernel's mode never touches
                 ready, error = placeholder(ids, torch.int64, elements=2), placeholder(ids, torch.int32)
+            # the streamed form's grid is a CTA an SM; the others' release and spread
+            grid = (multiprocessors(latent.device.index),) if plan.stream else (int(plan.wave), plan.spread)
             experts_variant(width, intermediate, batch, *plan.variant, self.counted).run(
                 latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width),
-                ready, error, batch, rank, experts // tp, experts, int(plan.wave), plan.spread)
+                ready, error, batch, rank, experts // tp, experts, *grid)
         return out
 
 

@@ -2,6 +2,7 @@
 grid fits the SMs, the bounds of a variant."""
 
 import functools
+import os
 from typing import NamedTuple
 
 from ...config import TOP_K
@@ -67,11 +68,12 @@ class CallPlan(NamedTuple):
     # 107.2 against 68.3 / 81.5 / 107.0 µs at B = 1 / 8 / 64, benchmarks/NOTES.md)
     wave: bool
     spread: int = 0  # by expert: the CTAs of each of the rank's experts (0: a cluster a pair)
+    stream: bool = False  # the streamed form (stream.py: a CTA an SM, T its pass)
 
     @property
-    def variant(self) -> tuple[int, int, int, bool]:
-        """The compile key past (L, I): C, CTAs an SM, T, by expert."""
-        return self.cluster, self.per_sm, self.tokens, self.spread > 0
+    def variant(self) -> tuple[int, int, int, bool, bool]:
+        """The compile key past (L, I): C, CTAs an SM, T, by expert, streamed."""
+        return self.cluster, self.per_sm, self.tokens, self.spread > 0, self.stream
 
 
 def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1, experts: int = 0) -> CallPlan:
@@ -87,7 +89,10 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     TP8 rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
     benchmarks/NOTES.md). There, where a CTA holds a whole expert, the grid goes by
     expert instead (``experts``: E; :func:`spread_for`): one wave, each CTA's weights in
-    flight before the wait, no CTA for a pair another serves."""
+    flight before the wait, no CTA for a pair another serves. From STREAM_FROM tokens on,
+    where it takes the shape, the streamed form serves instead (:data:`STREAMED`)."""
+    if batch >= STREAM_FROM and streams(latent, intermediate) and 0 < experts // tp <= MAX_EXPERTS:
+        return STREAMED
     cluster = cluster_for(latent, intermediate, batch, device, tp)
     _, shared, past, by_expert = variants(latent, intermediate)
     if one_wave(batch, cluster, device, tp):
@@ -165,3 +170,42 @@ def smem_bytes(latent: int, intermediate: int, cluster: int, tokens: int, depth:
 def smem_share(per_sm: int) -> int:
     """The shared bytes a CTA may take so that ``per_sm`` of them are resident on an SM."""
     return SM_SHARED // per_sm - 1024
+
+
+# The streamed form (kernels/experts/stream.py): expert-major on tensor cores, a CTA an SM
+STREAM_INTERMEDIATE = 16  # I: down's K is one m16n8k16 step
+STREAM_WARPS = 4  # consumer warps; a producer warp after them
+GATE_COLUMNS = 256  # a gate/up chunk: the expert's 2I rows × 256 columns (16 KB)
+DOWN_ROWS = 512  # a down chunk: 512 rows of I (16 KB)
+STREAM_CHUNK = 2 * 2 * STREAM_INTERMEDIATE * GATE_COLUMNS  # weight bytes a chunk, either kind
+PASS_PAIRS = 16  # an expert's pairs a pass over its weights: the mma's M
+ROW_WORDS = GATE_COLUMNS // 2 + 4  # a row of a gate/up slot: 16 bytes of pad (conflict-free ldmatrix)
+# a slot: the chunk's 2I gate/up rows, then the pass's latent rows of its columns (or a down chunk)
+SLOT_WORDS = (2 * STREAM_INTERMEDIATE + PASS_PAIRS) * ROW_WORDS
+MAX_EXPERTS = 1024  # a rank's experts (the work list's per-expert arrays)
+
+
+# KIMI_OPS_STREAM_FROM=B: the batch from which the streamed form serves (an A/B knob of
+# bench_layer; set, it is part of no cache key: the form's kernel is the same)
+STREAM_FROM = int(os.environ.get("KIMI_OPS_STREAM_FROM", "") or 16)
+STREAMED = CallPlan(1, 1, PASS_PAIRS, True, 0, True)  # one wave: a CTA an SM, passes of PASS_PAIRS
+
+
+def stream_smem_bytes(intermediate: int, depth: int) -> int:
+    """The streamed form's shared memory (kernels.StreamedExperts.allocate, each piece 16-byte
+    aligned): the ring, its full and empty barriers, the counts, places, the CTA's experts and
+    list cursors, the pair lists, the header, the warps' gate/up sums, the acts."""
+    pieces = (4 * depth * SLOT_WORDS, 8 * depth, 8 * depth, 4 * 4 * MAX_EXPERTS, 4 * MAX_BATCH * TOP_K, 16,
+              4 * STREAM_WARPS * PASS_PAIRS * 2 * intermediate, 2 * PASS_PAIRS * intermediate)
+    return sum(-(-piece // 16) * 16 for piece in pieces)
+
+
+@functools.cache
+def stream_depth(intermediate: int) -> int:
+    """The streamed form's ring: as many slots as a CTA an SM holds."""
+    return max(d for d in range(1, 64) if stream_smem_bytes(intermediate, d) <= smem_share(1))
+
+
+def streams(latent: int, intermediate: int) -> bool:
+    """The streamed form takes the shape: I = 16, whole gate/up and down chunks."""
+    return intermediate == STREAM_INTERMEDIATE and latent % DOWN_ROWS == 0
