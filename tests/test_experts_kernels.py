@@ -82,21 +82,25 @@ def test_cluster_size(monkeypatch):
     # in passes of MMA_TOKENS
     one, shared = (1, 1, True, 0, False), (experts_plan.PAST_WAVE_PER_SM, 1, False, 0, False)
     past = (1, experts_plan.TOKENS, False, 0, False)
-    streamed = experts_plan.STREAMED[1:]
-    plans = [experts_plan.call_plan(3584, 16, b, 0, 1, 896) for b in (1, 2, 3, 8, 9, 15, 16, 64)]
+    plans = [experts_plan.call_plan(3584, 16, b, 0, 1, 896) for b in (1, 2, 3, 8, 9, 16, 17, 64)]
     assert [p.cluster for p in plans] == [4, 4, 1, 1, 1, 1, 1, 1]
-    assert [p[1:] for p in plans] == [one, one, one, one, shared, shared, streamed, streamed]
-    assert experts_plan.call_plan(3584, 16, 200, 0, 8, 896)[1:] == streamed  # 344 KB experts: never by expert
-    # the pair grid's bands where the streamed form does not take the call: I = 8, or E/TP past its lists
+    assert [p[1:] for p in plans] == [one, one, one, one, shared, shared, past, past]
+    assert experts_plan.call_plan(3584, 16, 200, 0, 8, 896)[1:] == past  # 344 KB experts: never by expert
+    by_expert = [(experts_plan.PAST_WAVE_PER_SM, experts_plan.MMA_TOKENS, True, spread, False) for spread in (2, 1)]
+    assert [experts_plan.call_plan(512, 16, b, 0, 8, 896)[1:] for b in (66, 67, 132, 133)] == [
+        one, shared, shared, by_expert[0]]  # 112 experts a rank
+    assert experts_plan.call_plan(512, 16, 133, 0, 1, 200)[1:] == by_expert[1]  # 2 · 200 > 2 · 132
+    two_an_sm = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False, 0, False)
+    assert experts_plan.call_plan(512, 16, 133, 0, 1, 300)[1:] == two_an_sm  # past 2 · 132: pairs
+    # KIMI_OPS_STREAM_FROM set: the streamed form from that batch where it takes the call (I = 16,
+    # whole chunks, E/TP within its lists), else the bands above
+    monkeypatch.setattr(experts_plan, "STREAM_FROM", 16)
+    assert experts_plan.call_plan(3584, 16, 15, 0, 1, 896)[1:] == shared
+    assert [experts_plan.call_plan(3584, 16, b, 0, 1, 896) for b in (16, 64)] == [experts_plan.STREAMED] * 2
+    assert experts_plan.call_plan(512, 16, 133, 0, 8, 896) == experts_plan.STREAMED
     assert experts_plan.call_plan(3584, 8, 64, 0, 1, 896)[1:] == past
     assert experts_plan.call_plan(3584, 16, 64, 0, 1, 2048)[1:] == past
-    by_expert = [(experts_plan.PAST_WAVE_PER_SM, experts_plan.MMA_TOKENS, True, spread, False) for spread in (2, 1)]
-    assert [experts_plan.call_plan(448, 16, b, 0, 8, 896)[1:] for b in (66, 67, 132, 133)] == [
-        one, shared, shared, by_expert[0]]  # 112 experts a rank (L = 448: no streamed form)
-    assert experts_plan.call_plan(448, 16, 133, 0, 1, 200)[1:] == by_expert[1]  # 2 · 200 > 2 · 132
-    two_an_sm = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False, 0, False)
-    assert experts_plan.call_plan(448, 16, 133, 0, 1, 300)[1:] == two_an_sm  # past 2 · 132: pairs
-    assert experts_plan.call_plan(512, 16, 16, 0, 8, 896) == experts_plan.STREAMED
+    assert experts_plan.call_plan(448, 16, 133, 0, 1, 200)[1:] == by_expert[1]
 
 
 def compile_arguments(key, counted):
@@ -322,7 +326,7 @@ def test_routed_experts_kernel(batch, rank, tp, shape):
     served_by_the_kernel(*args, rank, tp)
     poison(batch, shape[0])
     got = kimi.routed_experts(*args, rank, tp)
-    assert_matches_at_scale(got, args, rank, tp)  # the streamed form's sums are FP32 (from STREAM_FROM)
+    assert_matches_at_scale(got, args, rank, tp)  # the streamed form's sums are FP32 (from STREAM_FROM, where set)
 
 
 @on_hopper
@@ -466,6 +470,86 @@ def test_streamed_experts_compiles(latent, counted, clean_ptxas):
     clean_ptxas()
 
 
+def load_matrices_model(slot, addresses):
+    """ldmatrix.x4 on a slot of values (word w: values 2w, 2w + 1): lane l gives the row
+    ``addresses[l]`` of matrix l // 8; register q of lane (g, t) is word t of matrix q's row g.
+    Also each matrix's bank groups: 8 rows of 4 words in 32 distinct banks, or fewer."""
+    registers = [[slot[2 * (addresses[8 * q + lane // 4] + lane % 4):][:2] for q in range(4)] for lane in range(32)]
+    banks = [len({(addresses[8 * q + r] + i) % 32 for r in range(8) for i in range(4)}) for q in range(4)]
+    return registers, min(banks)
+
+
+def mma_model(a, b):
+    """mma m16n8k16 on the lanes' registers (a: 4 pairs, b: 2 pairs): D = A·B [16, 8]."""
+    A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for k in range(4):
+            A[g + 8 * (k % 2), 2 * t + 8 * (k // 2):][:2] = a[lane][k]
+        for k in range(2):
+            B[2 * t + 8 * k:][:2, g] = b[lane][k]
+    return A @ B
+
+
+def test_streamed_fragments_take_every_product_once():
+    """CPU model of StreamedExperts' fragments (plan.latent_piece, gate_piece, down_piece,
+    sum_place, act_word) over slots laid out as its producer fills them: the warps' sums of a
+    pass are latent · gate_upᵀ over every column once, the down's D is acts · downᵀ over every
+    row once, the pass's pairs past the count (stale slot rows, NaN here) reach no counted
+    row; the gate/up and latent loads are conflict-free, the down's at most 2-way."""
+    latent, double, count = 512, 2 * experts_plan.STREAM_INTERMEDIATE, 11
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.randn(double, latent, generator=gen, dtype=torch.float64)
+    rows = torch.randn(count, latent, generator=gen, dtype=torch.float64)
+    down = torch.randn(latent, double // 2, generator=gen, dtype=torch.float64)
+    acts = torch.randn(experts_plan.PASS_PAIRS, double // 2, generator=gen, dtype=torch.float64)
+    words, columns = experts_plan.ROW_WORDS, experts_plan.GATE_COLUMNS
+    warp_columns = columns // experts_plan.STREAM_WARPS
+    parts = torch.zeros(experts_plan.STREAM_WARPS, experts_plan.PASS_PAIRS, double, dtype=torch.float64)
+    for chunk in range(latent // columns):
+        slot = torch.full((2 * experts_plan.SLOT_WORDS,), float("nan"), dtype=torch.float64)
+        for r in range(double):
+            slot[2 * r * words:][:columns] = weights[r, chunk * columns:][:columns]
+        for n in range(count):
+            slot[2 * (double + n) * words:][:columns] = rows[n, chunk * columns:][:columns]
+        for warp in range(experts_plan.STREAM_WARPS):
+            for step in range(warp_columns // 16):
+                column = warp * warp_columns + 16 * step
+                a, banks = load_matrices_model(slot, [experts_plan.latent_piece(lane, column) for lane in range(32)])
+                assert banks == 32
+                for group in range(2):
+                    m, banks = load_matrices_model(
+                        slot, [experts_plan.gate_piece(lane, group, column) for lane in range(32)])
+                    assert banks == 32
+                    for half in range(2):
+                        d = mma_model(a, [m[lane][2 * half:2 * half + 2] for lane in range(32)])
+                        for lane in range(32):
+                            for k in range(4):
+                                row, at = experts_plan.sum_place(lane, 2 * group + half, k)
+                                parts[warp, row, at] += d[8 * (k // 2) + lane // 4, 2 * (lane % 4) + k % 2]
+    assert torch.allclose(parts.sum(0)[:count], rows @ weights.T)
+    a = [[acts[row, 2 * word:2 * word + 2] for row, word in (experts_plan.act_word(lane, k) for k in range(4))]
+         for lane in range(32)]
+    out = torch.full((experts_plan.PASS_PAIRS, latent), float("nan"), dtype=torch.float64)
+    for chunk in range(latent // experts_plan.DOWN_ROWS):
+        slot = torch.full((2 * experts_plan.SLOT_WORDS,), float("nan"), dtype=torch.float64)
+        slot[:experts_plan.DOWN_ROWS * double // 2] = down[chunk * experts_plan.DOWN_ROWS:][
+            :experts_plan.DOWN_ROWS].flatten()
+        for warp in range(experts_plan.STREAM_WARPS):
+            for group in range(experts_plan.DOWN_ROWS // experts_plan.STREAM_WARPS // 16):
+                first = warp * experts_plan.DOWN_ROWS // experts_plan.STREAM_WARPS + 16 * group
+                m, banks = load_matrices_model(slot, [experts_plan.down_piece(lane, first) for lane in range(32)])
+                assert banks >= 16
+                for n in range(2):
+                    d = mma_model(a, [m[lane][2 * n:2 * n + 2] for lane in range(32)])
+                    for lane in range(32):
+                        for k in range(4):
+                            row, at = experts_plan.sum_place(lane, n, k)
+                            out[row, chunk * experts_plan.DOWN_ROWS + first + at] = d[8 * (k // 2) + lane // 4,
+                                                                                      2 * (lane % 4) + k % 2]
+    assert torch.allclose(out, acts @ down.T)
+
+
 def row_terms(latent, ids, gate_up, down, rank, tp):
     """[B, 16, L]: Σ_j |act_j · down[e, l, j]| of each pair's row (the reference's acts), the
     scale at which a row's ulps are counted."""
@@ -509,6 +593,24 @@ def assert_matches_at_scale(got, args, rank, tp):
 def test_streamed_experts_kernel(batch, rank, tp, shape):
     args = args_of(batch, shape, seed=700 + 100 * tp + batch)
     assert_matches_at_scale(run_streamed(*args, rank, tp), args, rank, tp)
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", [16, 64])
+def test_routed_experts_op_takes_the_streamed_form(batch, monkeypatch):
+    """With STREAM_FROM set, ``kimi::routed_experts`` and its counted form run the streamed
+    kernel (the adapter's grid of a CTA an SM)."""
+    monkeypatch.setattr(experts_plan, "STREAM_FROM", 16)
+    args = args_of(batch, K3, seed=900 + batch)
+    assert experts_plan.call_plan(K3[0], 16, batch, 0, 1, K3[2]).stream
+    poison(batch, K3[0])
+    got = kimi.routed_experts(*args, 0, 1)
+    assert_matches_at_scale(got, args, 0, 1)
+    assert torch.equal(got, run_streamed(*args, 0, 1))
+    ready = torch.tensor([2 * batch, 0], device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    assert torch.equal(got, kimi.routed_experts_counted(*args, 0, 1, ready, error))
+    assert ready.tolist() == [0, 0] and int(error) == 0
 
 
 @on_hopper

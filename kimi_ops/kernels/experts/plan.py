@@ -89,9 +89,10 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     TP8 rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
     benchmarks/NOTES.md). There, where a CTA holds a whole expert, the grid goes by
     expert instead (``experts``: E; :func:`spread_for`): one wave, each CTA's weights in
-    flight before the wait, no CTA for a pair another serves. From STREAM_FROM tokens on,
-    where it takes the shape, the streamed form serves instead (:data:`STREAMED`)."""
-    if batch >= STREAM_FROM and streams(latent, intermediate) and 0 < experts // tp <= MAX_EXPERTS:
+    flight before the wait, no CTA for a pair another serves. From STREAM_FROM tokens on
+    (where set), where it takes the shape, the streamed form serves instead
+    (:data:`STREAMED`)."""
+    if STREAM_FROM and batch >= STREAM_FROM and streams(latent, intermediate) and 0 < experts // tp <= MAX_EXPERTS:
         return STREAMED
     cluster = cluster_for(latent, intermediate, batch, device, tp)
     _, shared, past, by_expert = variants(latent, intermediate)
@@ -185,9 +186,11 @@ SLOT_WORDS = (2 * STREAM_INTERMEDIATE + PASS_PAIRS) * ROW_WORDS
 MAX_EXPERTS = 1024  # a rank's experts (the work list's per-expert arrays)
 
 
-# KIMI_OPS_STREAM_FROM=B: the batch from which the streamed form serves (an A/B knob of
-# bench_layer; set, it is part of no cache key: the form's kernel is the same)
-STREAM_FROM = int(os.environ.get("KIMI_OPS_STREAM_FROM", "") or 16)
+# KIMI_OPS_STREAM_FROM=B: the streamed form serves calls of B tokens or more where it takes
+# them. Unset (or 0): never, until a GPU has checked and timed it (benchmarks/NOTES.md,
+# thirty-third session): the knob is the A/B of bench_layer and bench_experts, part of no cache
+# key (the form's kernel is prepared either way).
+STREAM_FROM = int(os.environ.get("KIMI_OPS_STREAM_FROM", "") or 0)
 STREAMED = CallPlan(1, 1, PASS_PAIRS, True, 0, True)  # one wave: a CTA an SM, passes of PASS_PAIRS
 
 
@@ -209,3 +212,36 @@ def stream_depth(intermediate: int) -> int:
 def streams(latent: int, intermediate: int) -> bool:
     """The streamed form takes the shape: I = 16, whole gate/up and down chunks."""
     return intermediate == STREAM_INTERMEDIATE and latent % DOWN_ROWS == 0
+
+
+# The streamed form's fragments (ldmatrix.x4: lane l gives row l % 8 of matrix q = l // 8;
+# mma m16n8k16: lane (g, t) = (l // 4, l % 4) holds A's (g | g + 8, 2t | 2t + 8), B's (2t | 2t + 8,
+# g) and D's (g | g + 8, 2t | 2t + 1)), as word offsets in a slot; kernels and the CPU model
+# (tests/test_experts_kernels.py) take them from here.
+
+def latent_piece(lane, column):
+    """A of a gate/up chunk's k16 step at ``column``: matrix q is the pass's latent rows
+    8·(q % 2).. (after the 2I weight rows), columns column + 8·(q // 2) (registers a0-a3)."""
+    return (2 * STREAM_INTERMEDIATE + lane // 8 % 2 * 8 + lane % 8) * ROW_WORDS + (column + lane // 16 * 8) // 2
+
+
+def gate_piece(lane, group, column):
+    """B of the same step for n8 groups 2·``group`` and 2·``group`` + 1 of the 2I rows: matrix
+    q is rows 16·group + 8·(q // 2).., columns column + 8·(q % 2) (b0, b1 of each group)."""
+    return (16 * group + lane // 16 * 8 + lane % 8) * ROW_WORDS + (column + lane // 8 % 2 * 8) // 2
+
+
+def down_piece(lane, first):
+    """B of a down chunk's rows ``first``.. (two n8 groups; K = I): matrix q is rows
+    first + 8·(q // 2).., columns 8·(q % 2) (b0, b1 of each group)."""
+    return (first + lane // 16 * 8 + lane % 8) * (STREAM_INTERMEDIATE // 2) + lane // 8 % 2 * 4
+
+
+def sum_place(lane, group, k):
+    """Where D's register ``k`` of n8 group ``group`` goes in a warp's [pair, 2I] sums."""
+    return 8 * (k // 2) + lane // 4, 8 * group + 2 * (lane % 4) + k % 2
+
+
+def act_word(lane, k):
+    """A's register ``k`` of the down step: its [pair, I/2] word of the acts."""
+    return 8 * (k % 2) + lane // 4, lane % 4 + 4 * (k // 2)

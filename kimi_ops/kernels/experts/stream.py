@@ -66,8 +66,13 @@ from .plan import (
     SLOT_WORDS,
     STREAM_CHUNK,
     STREAM_WARPS,
+    act_word,
+    down_piece,
+    gate_piece,
+    latent_piece,
     stream_depth,
     streams,
+    sum_place,
 )
 
 WARP_COLUMNS = GATE_COLUMNS // STREAM_WARPS  # a warp's columns of a gate/up chunk
@@ -256,10 +261,11 @@ class StreamedExperts:
             chunk_sums = [(Float32(0.0),) * 4] * 4  # the chunk's own sums: the tensor core's chains stay short
             for step in cutlass.range_constexpr(STEPS):
                 column = warp * WARP_COLUMNS + 16 * step
-                # A: the latent rows (matrix q: rows 8·(q % 2) + l % 8, columns 8·(q // 2))
-                a = load_matrices(words + (self.double + lane // 8 % 2 * 8 + lane % 8) * ROW_WORDS
-                                  + (column + lane // 16 * 8) // 2)
-                b = self.gate_fragments(words, column, lane)
+                a = load_matrices(words + latent_piece(lane, column))
+                b = []  # (b0, b1) of the four n8 groups of the 2I rows
+                for group in cutlass.range_constexpr(2):
+                    m = load_matrices(words + gate_piece(lane, group, column))
+                    b += [(m[0], m[1]), (m[2], m[3])]
                 chunk_sums = [mma_bf16(a, b[n], chunk_sums[n]) for n in range(4)]
             hand_back(space.empty + i % self.depth, lane)
             for n in cutlass.range_constexpr(4):
@@ -267,15 +273,13 @@ class StreamedExperts:
                     sums[n, k] = sums[n, k] + chunk_sums[n][k]
             i = i + 1
         self.activate(space, sums, count, warp, lane)
-        # A of the down: the acts' words j = 2t and 2t + 8 of rows g, g + 8
-        a = [space.acts[8 * (k % 2) + g, t + 4 * (k // 2)] for k in range(4)]
+        a = [space.acts[act_word(lane, k)] for k in range(4)]  # A of the down
         for chunk in cutlass.range(self.down_chunks, unroll=1):
             landed(space.full, i, self.depth)
             words = space.ring + (i % self.depth) * SLOT_WORDS
             for group in cutlass.range_constexpr(WARP_ROWS // 16):
                 first = warp * WARP_ROWS + 16 * group  # the chunk's down rows of two n8 tiles
-                m = load_matrices(words + (first + lane // 16 * 8 + lane % 8) * (self.intermediate // 2)
-                                  + lane // 8 % 2 * 4)
+                m = load_matrices(words + down_piece(lane, first))
                 for n in cutlass.range_constexpr(2):
                     d = mma_bf16(a, (m[2 * n], m[2 * n + 1]), (Float32(0.0),) * 4)
                     column = chunk * DOWN_ROWS + first + 8 * n + 2 * t
@@ -288,24 +292,13 @@ class StreamedExperts:
         return i
 
     @cute.jit
-    def gate_fragments(self, words, column, lane):
-        """B of the k16 step at ``column`` for the four n8 groups of the 2I rows: two
-        ldmatrix.x4, each (b0, b1) of two groups (matrix q: rows 8·(q // 2) + l % 8 of the
-        two, columns 8·(q % 2) of the step)."""
-        fragments = []
-        for two in cutlass.range_constexpr(2):
-            m = load_matrices(words + (16 * two + lane // 16 * 8 + lane % 8) * ROW_WORDS + (column + lane // 8 % 2 * 8) // 2)
-            fragments += [(m[0], m[1]), (m[2], m[3])]
-        return fragments
-
-    @cute.jit
     def activate(self, space, sums, count, warp, lane):
         """The warps' sums in warp order, then situ: the pass's acts (BF16 words)."""
-        g, t = lane // 4, lane % 4
         parts = space.parts
         for n in cutlass.range_constexpr(4):
-            for k in cutlass.range_constexpr(4):  # D's (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
-                parts[warp, 8 * (k // 2) + g, 8 * n + 2 * t + k % 2] = sums[n, k]
+            for k in cutlass.range_constexpr(4):
+                row, column = sum_place(lane, n, k)
+                parts[warp, row, column] = sums[n, k]
         cute.arch.barrier(barrier_id=1, number_of_threads=32 * STREAM_WARPS)
         half = self.intermediate // 2
         for item in cutlass.range(warp * 32 + lane, count * half, 32 * STREAM_WARPS, unroll=1):
