@@ -235,6 +235,12 @@ def l2_evict_first() -> Int64:
     return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_first.b64 {$w0}, 1.0;", write_only_types=[Int64])
 
 
+@cute.jit
+def l2_evict_last() -> Int64:
+    """An L2 policy that evicts last: rows many CTAs read again (the streamed experts' latent)."""
+    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_last.b64 {$w0}, 1.0;", write_only_types=[Int64])
+
+
 # The polls' sleep and the group barrier's fence.
 
 @cute.jit

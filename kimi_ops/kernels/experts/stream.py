@@ -54,7 +54,7 @@ from ...mailbox import EXPERTS_READY
 from ..launch import PDL
 from ..mailbox import await_arrivals
 from ..packets import clamp, situ_value
-from ..ptx import bulk_copy, l2_evict_first, load_matrices, mma_bf16, pack_bf16, store_word, store_words
+from ..ptx import bulk_copy, l2_evict_first, l2_evict_last, load_matrices, mma_bf16, pack_bf16, store_word, store_words
 from ..ring import expect, hand_back, landed, wait_handed_back
 from .plan import (
     DOWN_ROWS,
@@ -189,7 +189,7 @@ class StreamedExperts:
     def produce(self, latent, gate_up, down, space, rank, per_rank, lane):
         """Step 2: the stream of every pass of the CTA's experts, chunk i into slot i % depth;
         a gate/up chunk's slot also takes the pass's latent rows of its columns (lane n's pair)."""
-        policy = l2_evict_first()
+        policy, rows_policy = l2_evict_first(), l2_evict_last()  # weights once; latent rows for every expert
         full, empty = space.full, space.empty
         i = Int32(0)
         for j in cutlass.range(space.header[0], unroll=1):
@@ -214,7 +214,7 @@ class StreamedExperts:
                         if lane < pairs:
                             bulk_copy(words + (self.double + lane) * ROW_WORDS,
                                       latent.iterator + token * self.latent + chunk * GATE_COLUMNS,
-                                      Int32(2 * GATE_COLUMNS), full + slot, Int64(0))
+                                      Int32(2 * GATE_COLUMNS), full + slot, rows_policy)
                     else:
                         expect(full, slot, STREAM_CHUNK, lane)
                         if lane == 0:
