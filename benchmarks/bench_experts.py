@@ -51,7 +51,7 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(
             error = torch.zeros(1, dtype=torch.int32, device="cuda")
             floor = floor_us(per_expert * sum(int(ids.unique().numel()) for ids in routings) / CALLS)
             times = []
-            plan = experts_plan.call_plan(width, intermediate, batch, 0, 1, count)
+            plan = experts_plan.pair_plan(width, intermediate, batch, 0, 1, count)  # the stream has its column
             _, _, pairs, by_expert = experts_plan.variants(width, intermediate)
             for cluster, per_sm, tokens, spread in ((c, p, t, s) for c in clusters for p in per_sms
                                                     for t in tokens_list for s in spreads):

@@ -77,7 +77,15 @@ class CallPlan(NamedTuple):
 
 
 def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1, experts: int = 0) -> CallPlan:
-    """While the pairs served are one wave, each CTA takes its SM's whole share and serves
+    """From STREAM_FROM tokens on (where set), where it takes the call, the streamed form
+    (:data:`STREAMED`); else :func:`pair_plan`'s."""
+    if STREAM_FROM and batch >= STREAM_FROM and streams(latent, intermediate) and 0 < experts // tp <= MAX_EXPERTS:
+        return STREAMED
+    return pair_plan(latent, intermediate, batch, device, tp, experts)
+
+
+def pair_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1, experts: int = 0) -> CallPlan:
+    """The pair grid's and by-expert forms' plan (kernels.RoutedExperts). While the pairs served are one wave, each CTA takes its SM's whole share and serves
     one token: a pair of a repeated expert re-reads its weights from L2, the grid ends with
     its slowest pair (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8
     rank at B = 8 took 8.45 µs against 3.85 at B = 1). While they are one wave at
@@ -89,11 +97,7 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
     TP8 rank's, L = 512, at B = 64: 15.5 µs against 20.0 a CTA an SM; bench_experts,
     benchmarks/NOTES.md). There, where a CTA holds a whole expert, the grid goes by
     expert instead (``experts``: E; :func:`spread_for`): one wave, each CTA's weights in
-    flight before the wait, no CTA for a pair another serves. From STREAM_FROM tokens on
-    (where set), where it takes the shape, the streamed form serves instead
-    (:data:`STREAMED`)."""
-    if STREAM_FROM and batch >= STREAM_FROM and streams(latent, intermediate) and 0 < experts // tp <= MAX_EXPERTS:
-        return STREAMED
+    flight before the wait, no CTA for a pair another serves."""
     cluster = cluster_for(latent, intermediate, batch, device, tp)
     _, shared, past, by_expert = variants(latent, intermediate)
     if one_wave(batch, cluster, device, tp):
