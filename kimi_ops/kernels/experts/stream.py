@@ -14,13 +14,17 @@ behind a ring of 2-3 chunks, and their FP64 FMA chains wait for one another a to
    one pair, and no row's sum depends on another's).
 2. Stream (the producer warp, after the consumers): for each of its experts and each pass
    of up to PASS_PAIRS pairs, the expert's gate/up chunks (2I rows × GATE_COLUMNS, a row a
-   lane by bulk copy, rows padded 16 bytes: conflict-free ldmatrix), then its down chunks
-   (DOWN_ROWS rows of I, one bulk copy), through ``depth`` slots with full and empty
-   barriers: the next expert's first chunks are in flight while this one's last are read.
+   lane by bulk copy, rows padded 16 bytes: conflict-free ldmatrix), each with the pass's
+   latent rows of the same columns after them in the slot (a row a lane, evict-last: every
+   expert of the token reads it), then its down chunks (DOWN_ROWS rows of I, one bulk
+   copy), through ``depth`` slots with full and empty barriers: the next expert's first
+   chunks are in flight while this one's last are read. (A first cut loaded the latent from
+   L2 a word a lane per chunk: each chunk then waited a loaded round trip, ~1.5 µs, 26 µs for
+   one expert at B = 1 on an H100: benchmarks/NOTES.md.)
 3. Serve (the STREAM_WARPS consumer warps), per pass, for each rounding point of the
    reference:
-   - hidden: A is the pass's latent rows (loaded from L2 a lane at a time, the mma's row
-     layout), B the gate/up chunk's rows; warp w takes columns [64w, 64w + 64) of each chunk,
+   - hidden: A is the slot's latent rows, B its gate/up rows (both by ldmatrix:
+     plan.latent_piece, gate_piece); warp w takes columns [64w, 64w + 64) of each chunk,
      its four k16 steps from zero, the chunk's sum added to the warp's FP32 running sums
      (the tensor core's own accumulation is not FP32 rounding, so its chains stay short);
      the warps' sums added in warp order: FP32.
