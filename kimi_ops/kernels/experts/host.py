@@ -29,32 +29,30 @@ from .plan import (
 )
 
 
+def fake_tensors(latent: int, intermediate: int) -> tuple:
+    """The adapter's tensors as compile placeholders: latent, ids, gate_up, down, out, ready,
+    error (RoutedExpertsKernel's views)."""
+    batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
+    return (fake(BFloat16, (batch, latent)), fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)),
+            fake(BFloat16, (down_rows, intermediate)), fake(BFloat16, (rows, latent)), fake(Int64, (2,), align=8),
+            fake(Int32, (1,), align=4))
+
+
 @compiled
 def compile_routed_experts(latent: int, intermediate: int, cluster: int, per_sm: int, tokens: int, by_expert: bool,
                            counted: bool):
     """A :class:`~.plan.CallPlan`'s variant: C, the CTAs an SM, T, by expert; ``counted``:
     the ids' wait is the route poll's ready count (kernels.RoutedExperts)."""
-    batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
-    return cute.compile(
-        RoutedExperts(latent, intermediate, cluster, per_sm, tokens, counted, by_expert),
-        fake(BFloat16, (batch, latent)), fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)),
-        fake(BFloat16, (down_rows, intermediate)), fake(BFloat16, (rows, latent)), fake(Int64, (2,), align=8),
-        fake(Int32, (1,), align=4), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), fake_stream(),
-        options=compile_options(),
-    )
+    return cute.compile(RoutedExperts(latent, intermediate, cluster, per_sm, tokens, counted, by_expert),
+                        *fake_tensors(latent, intermediate), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0),
+                        Int32(1), fake_stream(), options=compile_options())
 
 
 @compiled
 def compile_streamed_experts(latent: int, intermediate: int, counted: bool):
     """The streamed form (stream.StreamedExperts); ``counted`` as compile_routed_experts'."""
-    batch, pairs, rows, gate_rows, down_rows = (cute.sym_int() for _ in range(5))
-    return cute.compile(
-        StreamedExperts(latent, intermediate, counted),
-        fake(BFloat16, (batch, latent)), fake(Int32, (pairs,)), fake(BFloat16, (gate_rows, latent)),
-        fake(BFloat16, (down_rows, intermediate)), fake(BFloat16, (rows, latent)), fake(Int64, (2,), align=8),
-        fake(Int32, (1,), align=4), Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), fake_stream(),
-        options=compile_options(),
-    )
+    return cute.compile(StreamedExperts(latent, intermediate, counted), *fake_tensors(latent, intermediate),
+                        Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), fake_stream(), options=compile_options())
 
 
 def unsupported_shape(latent: int, intermediate: int, batch: int) -> str | None:
