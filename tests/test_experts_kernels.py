@@ -1,4 +1,5 @@
-"""The routed experts' CuTe kernel (kernels/experts.py): its variants compile for sm_90a
+"""The routed experts' CuTe kernels (kernels/experts/: the pair grid and by-expert forms, and
+the streamed form, whose rows are checked at their terms' scale): their variants compile for sm_90a
 without a GPU, with no spills and no ptxas performance note; on a Hopper GPU
 ``kimi::routed_experts`` equals the reference backend on the same device (outputs
 poisoned first, fresh inputs) at every batch up to CAP, at TP1 and at a TP8 rank, with
