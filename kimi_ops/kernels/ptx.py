@@ -136,12 +136,6 @@ def load_pair(address):
 
 
 @cute.jit
-def load_word(address) -> Uint32:
-    """One word (two BF16 values), a plain 4-byte load."""
-    return cute.arch.inline_ptx("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[address])
-
-
-@cute.jit
 def store_word(address, word: Uint32):
     cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[address, word])
 

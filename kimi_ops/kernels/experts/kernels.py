@@ -215,7 +215,7 @@ class RoutedExperts:
         """Pair ``pair``: its zero row, nothing (another pair of its expert serves it), or its
         expert's service; 1 if it served. Every CTA of a cluster decides alike (the same
         pair): all serve, or none."""
-        expert = self.expert_of(ids, pair, rank, per_rank, experts)
+        expert = expert_of(ids, pair, rank, per_rank, experts)
         serves = Int32(0)
         if expert < 0:
             self.zero_row(out, pair, part, tid)
@@ -223,18 +223,6 @@ class RoutedExperts:
             self.serve(latent, ids, gate_up, down, out, batch, expert, pair // TOP_K, part, tid, space)
             serves = Int32(1)
         return serves
-
-    @cute.jit
-    def expert_of(self, ids, pair, rank, per_rank, experts) -> Int32:
-        """The pair's expert where this rank serves it, else −1 (another rank's, or an id
-        outside [0, E))."""
-        expert = ids[pair]
-        mine = Int32(-1)
-        if expert >= 0:
-            if expert < experts:
-                if expert // per_rank == rank:
-                    mine = expert
-        return mine
 
     @cute.jit
     def zero_row(self, out, pair, part, tid):
@@ -383,7 +371,7 @@ class RoutedExperts:
         rows = self.threads // self.packets
         if tid < rows * self.packets:
             for pair in cutlass.range(cta + grid * (tid // self.packets), batch * TOP_K, grid * rows, unroll=1):
-                if self.expert_of(ids, pair, rank, per_rank, experts) < 0:
+                if expert_of(ids, pair, rank, per_rank, experts) < 0:
                     self.zero_row(out, pair, 0, tid % self.packets)
 
     @cute.jit
@@ -565,6 +553,19 @@ class ExpertsSpace(NamedTuple):
     masks: object  # [MAX_BATCH]
     matched: object  # the matched tokens: count, then the list
     counts: object  # the warps' token counts
+
+
+@cute.jit
+def expert_of(ids, pair, rank, per_rank, experts) -> Int32:
+    """The pair's expert where this rank serves it, else −1 (another rank's, or an id
+    outside [0, E)); the streamed form's too."""
+    expert = ids[pair]
+    mine = Int32(-1)
+    if expert >= 0:
+        if expert < experts:
+            if expert // per_rank == rank:
+                mine = expert
+    return mine
 
 
 @cute.jit

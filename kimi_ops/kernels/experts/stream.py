@@ -60,6 +60,7 @@ from ..mailbox import await_arrivals
 from ..packets import clamp, situ_value
 from ..ptx import bulk_copy, l2_evict_first, l2_evict_last, load_matrices, mma_bf16, pack_bf16, store_word, store_words
 from ..ring import expect, hand_back, landed, wait_handed_back
+from .kernels import expert_of
 from .plan import (
     DOWN_ROWS,
     GATE_COLUMNS,
@@ -131,17 +132,6 @@ class StreamedExperts:
             self.consume(out, space, warp, lane)
 
     @cute.jit
-    def local_expert(self, ids, pair, rank, per_rank, experts) -> Int32:
-        """The pair's expert among the rank's (its index from the rank's first), else −1."""
-        expert = ids[pair]
-        local = Int32(-1)
-        if expert >= 0:
-            if expert < experts:
-                if expert // per_rank == rank:
-                    local = expert - rank * per_rank
-        return local
-
-    @cute.jit
     def list_work(self, ids, batch, rank, per_rank, experts, cta, grid, tid, space):
         """Step 1 (the module doc): ``counts`` by expert, the CTA's experts in ``mine`` (their
         number in header[0]), their pairs in ``lists`` (expert j's end at ``cursors[j]``)."""
@@ -150,11 +140,11 @@ class StreamedExperts:
             counts[e] = Int32(0)
             places[e] = Int32(-1)
         cute.arch.sync_threads()
-        pairs = batch * TOP_K
+        pairs, first = batch * TOP_K, rank * per_rank
         for pair in cutlass.range(tid, pairs, self.threads, unroll=1):
-            e = self.local_expert(ids, pair, rank, per_rank, experts)
-            if e >= 0:
-                cute.arch.atomic_add(counts.iterator + e, Int32(1))
+            expert = expert_of(ids, pair, rank, per_rank, experts)
+            if expert >= 0:
+                cute.arch.atomic_add(counts.iterator + expert - first, Int32(1))
         cute.arch.sync_threads()
         if tid < 32:  # the routed experts numbered in order; ours are c, c + grid, …
             routed = Int32(0)
@@ -182,9 +172,9 @@ class StreamedExperts:
                     start = start + counts[mine[j]]
         cute.arch.sync_threads()
         for pair in cutlass.range(tid, pairs, self.threads, unroll=1):
-            e = self.local_expert(ids, pair, rank, per_rank, experts)
-            if e >= 0:
-                j = places[e]
+            expert = expert_of(ids, pair, rank, per_rank, experts)
+            if expert >= 0:
+                j = places[expert - first]
                 if j >= 0:
                     lists[cute.arch.atomic_add(cursors.iterator + j, Int32(1))] = pair
         cute.arch.sync_threads()
@@ -231,7 +221,7 @@ class StreamedExperts:
     def zero_rows_of_others(self, ids, out, batch, rank, per_rank, experts, cta, grid, tid):
         """The zero rows of the pairs no expert of ours serves: CTA c's pairs c, c + grid, …."""
         for pair in cutlass.range(cta, batch * TOP_K, grid, unroll=1):
-            if self.local_expert(ids, pair, rank, per_rank, experts) < 0:
+            if expert_of(ids, pair, rank, per_rank, experts) < 0:
                 for packet in cutlass.range(tid, self.latent // 8, 32 * STREAM_WARPS, unroll=1):
                     store_words(out.iterator + pair * self.latent + 8 * packet, [Uint32(0)] * 4)
 
