@@ -4,7 +4,10 @@ import torch
 
 HBM_READ_BYTES_PER_US = 4.26e6  # 4.26 TB/s, measured on the H200
 L2_BYTES = 60e6  # rotate weight copies past the H200's L2 (50 MB), with margin
-HBM_BYTES_PER_US = 4.3e6  # the weight floors' bandwidth (issues 21, 25)
+# The bandwidth of the floors the issues' acceptance lines are written against (issues 21, 25,
+# 38: bench_layer, bench_projection, bench_stream), kept apart from the measured read above
+# (floor_us, the timeline) so that those lines' floors stay the ones they were set at (1 %)
+HBM_BYTES_PER_US = 4.3e6
 
 
 def capture(fn, calls: int = 1, warmups: int = 3):
