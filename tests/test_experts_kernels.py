@@ -282,6 +282,11 @@ def test_launcher_takes_the_adapters_arguments():
         launch(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
                cuda((count * latent, intermediate)), cuda((batch * 16, latent)), cuda((2,), "i64"), cuda((1,), "i32"),
                batch, 0, count, count, 0, 0)
+    streamed = experts.compile_streamed_experts.build(latent, intermediate, True)  # its grid last: a CTA an SM
+    with pytest.raises(RuntimeError, match="(?i)cuda"):
+        streamed(cuda((batch, latent)), cuda((batch * 16,), "i32"), cuda((count * 2 * intermediate, latent)),
+                 cuda((count * latent, intermediate)), cuda((batch * 16, latent)), cuda((2,), "i64"),
+                 cuda((1,), "i32"), batch, 0, count, count, 132)
 
 
 def args_of(batch, shape, seed, device="cuda"):
