@@ -181,9 +181,14 @@ def store_shared_doubles(address, low: Float64, high: Float64):
 
 
 @cute.jit
-def copy_async(destination, source):
-    """16 bytes from global to shared memory by cp.async (L2 only: read once per CTA)."""
-    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[destination, source])
+def copy_async(destination, source, policy=None):
+    """16 bytes from global to shared memory by cp.async (L2 only: read once per CTA), with
+    an L2 ``policy`` where given."""
+    if cutlass.const_expr(policy is None):
+        cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[destination, source])
+    else:
+        cute.arch.inline_ptx("cp.async.cg.shared.global.L2::cache_hint [{$r0}], [{$r1}], 16, {$r2};",
+                             read_only_args=[destination, source, policy])
 
 
 @cute.jit

@@ -49,9 +49,9 @@ def wait_handed_back(empty, i, depth: cutlass.Constexpr[int]):
 
 
 @cute.jit
-def expect(full, slot, size, lane):
-    """Lane 0 arms slot ``slot``'s full barrier for ``size`` bytes of TMA copies (a constant,
-    or the streamed experts' count of a pass's rows), which the warp then issues."""
+def expect(full, slot, size: cutlass.Constexpr[int], lane):
+    """Lane 0 arms slot ``slot``'s full barrier for ``size`` bytes of TMA copies, which the
+    warp then issues."""
     if lane == 0:
         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, size)
     cute.arch.sync_warp()

@@ -13,14 +13,14 @@ behind a ring of 2-3 chunks, and their FP64 FMA chains wait for one another a to
    expert (a pair's place within its expert is the atomics' order: a row of the mma's M is
    one pair, and no row's sum depends on another's).
 2. Stream (the producer warp, after the consumers): for each of its experts and each pass
-   of up to PASS_PAIRS pairs, the expert's gate/up chunks (2I rows × GATE_COLUMNS, a row a
-   lane by bulk copy, rows padded 16 bytes: conflict-free ldmatrix), each with the pass's
-   latent rows of the same columns after them in the slot (a row a lane, evict-last: every
-   expert of the token reads it), then its down chunks (DOWN_ROWS rows of I, one bulk
-   copy), through ``depth`` slots with full and empty barriers: the next expert's first
-   chunks are in flight while this one's last are read. (A first cut loaded the latent from
-   L2 a word a lane per chunk: each chunk then waited a loaded round trip, ~1.5 µs, 26 µs for
-   one expert at B = 1 on an H100: benchmarks/NOTES.md.)
+   of up to PASS_PAIRS pairs, the expert's gate/up chunks (2I rows × GATE_COLUMNS, rows
+   padded 16 bytes: conflict-free ldmatrix), each with the pass's latent rows of the same
+   columns after them in the slot (evict-last: every expert of the token reads them), then
+   its down chunks (DOWN_ROWS rows of I), through ``depth`` slots with full and empty
+   barriers: the next expert's first chunks are in flight while this one's last are read.
+   The copies are cp.async, 16 bytes a lane, a 512-byte row a warp instruction. (Bulk
+   copies of a row each ran at ~1 µs a chunk, whatever the batch: 512-byte bulk copies
+   reach a third of the HBM rate or less, bench_stream; benchmarks/NOTES.md.)
 3. Serve (the STREAM_WARPS consumer warps), per pass, for each rounding point of the
    reference:
    - hidden: A is the slot's latent rows, B its gate/up rows (both by ldmatrix:
@@ -58,8 +58,8 @@ from ...mailbox import EXPERTS_READY
 from ..launch import PDL
 from ..mailbox import await_arrivals
 from ..packets import clamp, situ_value
-from ..ptx import bulk_copy, l2_evict_first, l2_evict_last, load_matrices, mma_bf16, pack_bf16, store_word, store_words
-from ..ring import expect, hand_back, landed, wait_handed_back
+from ..ptx import copy_async, l2_evict_first, l2_evict_last, load_matrices, mma_bf16, pack_bf16, store_word, store_words
+from ..ring import hand_back, landed, wait_handed_back
 from .kernels import expert_of
 from .plan import (
     DOWN_ROWS,
@@ -117,7 +117,7 @@ class StreamedExperts:
         space = self.allocate()
         if tid == 0:
             for slot in cutlass.range_constexpr(self.depth):
-                cute.arch.mbarrier_init(space.full + slot, 1)
+                cute.arch.mbarrier_init(space.full + slot, 32)  # the producer's lanes
                 cute.arch.mbarrier_init(space.empty + slot, STREAM_WARPS)
             cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.counted):  # ids and latent: the routing's
@@ -181,8 +181,10 @@ class StreamedExperts:
 
     @cute.jit
     def produce(self, latent, gate_up, down, space, rank, per_rank, lane):
-        """Step 2: the stream of every pass of the CTA's experts, chunk i into slot i % depth;
-        a gate/up chunk's slot also takes the pass's latent rows of its columns (lane n's pair)."""
+        """Step 2: the stream of every pass of the CTA's experts, chunk i into slot i % depth
+        by cp.async, 16 bytes a lane (a warp instruction a 512-byte row); a gate/up chunk's
+        slot also takes the pass's latent rows of its columns. Each lane then arrives on the
+        slot's full barrier once its copies land (noinc: the barrier counts the 32 lanes)."""
         policy, rows_policy = l2_evict_first(), l2_evict_last()  # weights once; latent rows for every expert
         full, empty = space.full, space.empty
         i = Int32(0)
@@ -193,28 +195,24 @@ class StreamedExperts:
             listed = space.cursors[j] - count
             for start in cutlass.range(0, count, PASS_PAIRS, unroll=1):
                 pairs = clamp(count - start, Int32(PASS_PAIRS))
-                token = Int32(0)
-                if lane < pairs:
-                    token = space.lists[listed + start + lane] // TOP_K
                 for chunk in cutlass.range(self.chunks, unroll=1):
                     slot = i % self.depth
                     wait_handed_back(empty, i, self.depth)
-                    words = space.ring + slot * SLOT_WORDS
+                    words = space.ring + slot * SLOT_WORDS + 4 * lane  # the lane's 16 bytes of a row
                     if chunk < self.gate_chunks:
-                        expect(full, slot, STREAM_CHUNK + pairs * 2 * GATE_COLUMNS, lane)
-                        row = expert * self.double + lane  # row ``lane`` of the expert's 2I
-                        bulk_copy(words + lane * ROW_WORDS, gate_up.iterator + row * self.latent + chunk * GATE_COLUMNS,
-                                  Int32(2 * GATE_COLUMNS), full + slot, policy)
-                        if lane < pairs:
-                            bulk_copy(words + (self.double + lane) * ROW_WORDS,
-                                      latent.iterator + token * self.latent + chunk * GATE_COLUMNS,
-                                      Int32(2 * GATE_COLUMNS), full + slot, rows_policy)
+                        rows = gate_up.iterator + expert * self.double * self.latent + chunk * GATE_COLUMNS + 8 * lane
+                        for row in cutlass.range_constexpr(self.double):
+                            copy_async(words + row * ROW_WORDS, rows + row * self.latent, policy)
+                        for r in cutlass.range(pairs, unroll=1):
+                            token = space.lists[listed + start + r] // TOP_K
+                            copy_async(words + (self.double + r) * ROW_WORDS,
+                                       latent.iterator + token * self.latent + chunk * GATE_COLUMNS + 8 * lane, rows_policy)
                     else:
-                        expect(full, slot, STREAM_CHUNK, lane)
-                        if lane == 0:
-                            first = expert * self.latent + (chunk - self.gate_chunks) * DOWN_ROWS
-                            bulk_copy(words, down.iterator + first * self.intermediate, Int32(STREAM_CHUNK),
-                                      full + slot, policy)
+                        rows = down.iterator + (expert * self.latent + (chunk - self.gate_chunks) * DOWN_ROWS) * \
+                            self.intermediate + 8 * lane
+                        for piece in cutlass.range_constexpr(STREAM_CHUNK // 512):  # the chunk is contiguous
+                            copy_async(words + 128 * piece, rows + 256 * piece, policy)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)
                     i = i + 1
 
     @cute.jit
