@@ -9,8 +9,8 @@ Front: q_c [B, K] × wq_b [4096, K]ᵀ (K = 1536) on the engine's main loop. A C
 indexer head (its 128 wq_b rows: two 64-row tiles, one TMA box) over 1/split of K; the
 split CTAs of a head form a cluster (:func:`index_partition`: split 3 for K = 1536, 96
 CTAs, eight 8 KB chunks each, the whole slice in the ring at once). Everything up to the
-K parts' exchange is the engine's: the weights by TMA (L2 evict-first, the first PACE
-chunks before the PDL wait), x by the producer warpgroup, per-chunk wgmma sums added in
+K parts' exchange is the engine's: the weights by TMA (L2 evict-first, the first
+PACE_BYTES before the PDL wait), x by the producer warpgroup, per-chunk wgmma sums added in
 chunk order. The K parts meet by token (GemmPlan ``by_token``): CTA q of the cluster takes
 tokens [q·P, (q+1)·P) of every row of the head and adds the parts 0, 1, … in order (the
 same bits every run), so a head's 128 channels are in one CTA and its amax needs no

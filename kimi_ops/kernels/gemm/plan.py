@@ -28,10 +28,11 @@ PRODUCERS = 32 * PRODUCER_WARPS
 # registers, no spills, at three tiles of 64 tokens)
 ACCUMULATOR_REGISTERS = 192
 MAX_SETS = 4  # chunks whose wgmmas are in flight at once
-PACE = 3  # weight chunks in flight before x's first chunk is in (x queues behind the stream)
-# Plans of the 8-token bucket (B <= 8) issue their whole ring before the PDL wait: at B = 1 / 8
-# / 64 the TP8-rank layer took 77.2 / 92.9 / 122.3 µs so against 78.0 / 97.5 / 119.6 with PACE
-# (bench_layer A/B, benchmarks/NOTES.md), so at 64 tokens the PACE rule stays
+PACE_BYTES = 48 * 1024  # a CTA's weight bytes in flight before x's first chunk is in (x queues behind the stream)
+# Plans of the 8-token bucket (B <= 8) issue their whole ring before the PDL wait; past it a CTA
+# keeps PACE_BYTES in flight, whatever its tiles. TP8-rank layer A/B (H100, two runs, µs at
+# B = 1 / 8 / 64; benchmarks/NOTES.md): whole ring to 8, then 3 chunks 61.9 / 67.1 / 93.6;
+# 48 KB at every bucket 64.1 / 70.0 / 92.1; 3 chunks at every bucket 64.9 / 70.7 / 93.5
 EARLY_TOKENS = 8
 # partition's costs, from the H200 (bench_projection, benchmarks/NOTES.md): a one-tile CTA
 # streamed at ~67 % of the HBM floor whatever its K (8 KB chunks: a fixed ~0.3 µs each),
@@ -168,7 +169,8 @@ class GemmPlan:
         # registers hold beside the running sums and the ring's slots, that divide the CTA's chunks
         sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1, self.depth)
         self.sets = max(s for s in range(1, sets + 1) if self.chunks % s == 0)
-        self.pace = self.depth if tokens <= EARLY_TOKENS else min(PACE, self.depth)  # weight chunks issued before the PDL wait
+        # weight chunks issued before the PDL wait
+        self.pace = self.depth if tokens <= EARLY_TOKENS else max(1, min(PACE_BYTES // self.w_slot, self.depth))
         self.block_bytes = self.owned * self.stride * 4  # a part's sums of one owner's rows (by_token: tokens)
         # the parts that own rows (tokens): an uneven plan's or a small batch's last parts own none
         self.receivers = min(self.split, -(-tokens // self.per_owner) if by_token else -(-self.rows // self.owned))
