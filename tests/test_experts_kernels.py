@@ -592,6 +592,20 @@ def assert_matches_at_scale(got, args, rank, tp):
     assert torch.equal(torch.isnan(got), torch.isnan(want))
 
 
+def test_ulps_at_scale_where_the_scale_is_nan():
+    """A NaN token's rows served by another rank are equal zeros with a NaN scale (row_terms):
+    they pass; a NaN on one side, or a plain 2-ulp miss under a NaN scale, still fails."""
+    zeros, scale = torch.zeros(4, dtype=torch.bfloat16), torch.full((4,), float("nan"))
+    assert_bf16_close(zeros, zeros.clone(), magnitude=scale)
+    one_nan = zeros.clone()
+    one_nan[1] = float("nan")
+    with pytest.raises(AssertionError):
+        assert_bf16_close(one_nan, zeros, magnitude=torch.ones(4))
+    ones = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError):
+        assert_bf16_close(ones + 2 * 2**-7, ones, magnitude=scale)
+
+
 @on_hopper
 @pytest.mark.parametrize("rank, tp", [(0, 1), (5, 8)])
 @pytest.mark.parametrize("batch", [1, 5, 8, 33, 64])
