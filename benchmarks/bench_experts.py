@@ -29,6 +29,7 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(
     a bare letter in the header; spread −1: a cluster a pair, s > 0: by expert, s CTAs an
     expert), then (``stream``) the streamed form, then (``composites``) eager and compiled."""
     from kimi_ops.kernels.experts import host as experts
+    from kimi_ops.kernels.launch import multiprocessors
     from kimi_ops.kernels.experts import plan as experts_plan
     from kimi_ops.ops.experts import routed_experts as composite
 
@@ -78,10 +79,9 @@ def measure(batches, clusters, shapes, per_sms=(0,), tokens_list=(0,), spreads=(
                     count, count, int(wave), spread), routings), calls=CALLS))
             if stream:
                 launch = experts.compile_streamed_experts(width, intermediate, False)
-                ctas = torch.cuda.get_device_properties(0).multi_processor_count
                 times.append(graph_us(rotating(lambda ids: launch(
                     latent, ids, gate_up.view(-1, width), down.view(-1, intermediate), out, unused, error, batch, 0,
-                    count, count, ctas), routings), calls=CALLS))
+                    count, count, multiprocessors(0)), routings), calls=CALLS))
             if composites:
                 for form in (composite, compiled):
                     times.append(graph_us(rotating(lambda ids: form(

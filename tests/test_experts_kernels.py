@@ -17,6 +17,7 @@ from kimi_ops.mailbox import EXPERTS_READY, KimiMailboxError, raise_if_error  # 
 from kimi_ops.kernels.experts import host as experts  # noqa: E402
 from kimi_ops.kernels.experts import kernels as experts_kernels  # noqa: E402
 from kimi_ops.kernels.experts import plan as experts_plan  # noqa: E402
+from kimi_ops.kernels.launch import multiprocessors  # noqa: E402
 
 from conftest import KERNEL_BATCHES, assert_bf16_close, on_hopper, reference  # noqa: E402
 
@@ -580,7 +581,7 @@ def run_streamed(latent, ids, gate_up, down, rank, tp, ready=None, error=None):
         error = torch.zeros(1, dtype=torch.int32, device="cuda")
     experts.compile_streamed_experts(width, intermediate, counted)(
         latent, ids.view(-1), gate_up.view(-1, width), down.view(-1, intermediate), out.view(-1, width), ready, error,
-        batch, rank, count // tp, count, torch.cuda.get_device_properties(0).multi_processor_count)
+        batch, rank, count // tp, count, multiprocessors(0))
     return out
 
 

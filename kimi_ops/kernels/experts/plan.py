@@ -85,8 +85,8 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
 
 
 def pair_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1, experts: int = 0) -> CallPlan:
-    """The pair grid's and by-expert forms' plan (kernels.RoutedExperts). While the pairs served are one wave, each CTA takes its SM's whole share and serves
-    one token: a pair of a repeated expert re-reads its weights from L2, the grid ends with
+    """The pair grid's and by-expert forms' plan (kernels.RoutedExperts). While the pairs
+    served are one wave, each CTA takes its SM's whole share and serves one token: a pair of a repeated expert re-reads its weights from L2, the grid ends with
     its slowest pair (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8
     rank at B = 8 took 8.45 µs against 3.85 at B = 1). While they are one wave at
     :func:`per_sm_for` CTAs an SM (more than one), each still serves one token (B = 16:
@@ -191,9 +191,10 @@ MAX_EXPERTS = 1024  # a rank's experts (the work list's per-expert arrays)
 
 
 # KIMI_OPS_STREAM_FROM=B: the streamed form serves calls of B tokens or more where it takes
-# them. Unset (or 0): never, until a GPU has checked and timed it (benchmarks/NOTES.md,
-# thirty-third session): the knob is the A/B of bench_layer and bench_experts, part of no cache
-# key (the form's kernel is prepared either way).
+# them. Unset (or 0): never. Its rows passed on an H100, but its first copies (a bulk copy a
+# row) lost to the pair grid at every batch, and the cp.async copies are not yet timed
+# (benchmarks/NOTES.md, thirty-fourth session): the knob is the A/B of bench_layer and
+# bench_experts, part of no cache key (the form's kernel is prepared either way).
 STREAM_FROM = int(os.environ.get("KIMI_OPS_STREAM_FROM", "") or 0)
 STREAMED = CallPlan(1, 1, PASS_PAIRS, True, 0, True)  # one wave: a CTA an SM, passes of PASS_PAIRS
 
