@@ -3,7 +3,8 @@
     python -m kimi_ops.launch --tp 2 examples/decode_layer.py --config tiny --layers 6
 
 Each process gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (a free
-port), and where ranks outnumber the GPUs (rank r runs on GPU r % count)
+port), multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1: the group
+never creates a multicast object, on any machine), and where ranks outnumber the GPUs (rank r runs on GPU r % count)
 TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
 100 / ranks per GPU (unless set). Ranks sharing a GPU need MPS running
 (``nvidia-cuda-mps-control -d``) with that share each: a rank's polling grid then holds
@@ -27,6 +28,10 @@ import sys
 import time
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=120)  # a host collective with a dead peer fails, never hangs
+# Set on every rank, whatever the caller's environment: NCCL's NVLS and symmetric memory's
+# rendezvous would otherwise create multicast objects on NVLink hosts (the project's rule:
+# never; the boxes store to each peer instead, SymmMemGroup.multicast is then False).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def free_port() -> int:
@@ -42,7 +47,7 @@ def ranks_per_gpu(tp: int, devices: int) -> int:
 
 def rank_env(rank: int, tp: int, port: int, devices: int) -> dict[str, str]:
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(tp),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **MULTICAST_OFF}
     if tp > max(devices, 1):
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",

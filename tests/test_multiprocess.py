@@ -3,6 +3,7 @@ memory, one process per rank, ranks sharing the GPU (gloo; see kimi_ops.launch).
 launcher itself is tested on the CPU; the groups need an sm_90 GPU (the kernels)."""
 
 import json
+import os
 import pathlib
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kimi_ops import KimiDecoder, launch
+from kimi_ops.checks import KimiArgumentError
 
 from conftest import on_hopper
 
@@ -28,6 +30,43 @@ def test_launcher_kills_the_others_when_a_rank_fails(tmp_path):
     codes = launch.spawn(3, ["-c", code], timeout=30, grace=0.5)
     assert codes[1] == 3 and codes[0] < 0 and codes[2] < 0
     assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == ["3"] * 3
+
+
+def test_every_rank_runs_with_multicast_off(tmp_path, monkeypatch):
+    """The launcher turns NCCL's NVLS and symmetric memory's multicast off on every rank,
+    over a caller's environment that turned them on."""
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    code = (
+        "import os, pathlib\n"
+        f"pathlib.Path(r'{tmp_path}', os.environ['RANK']).write_text("
+        "os.environ['NCCL_NVLS_ENABLE'] + os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'])\n"
+    )
+    assert launch.spawn(2, ["-c", code], timeout=30) == [0, 0]
+    assert [(tmp_path / str(r)).read_text() for r in range(2)] == ["01", "01"]
+
+
+def test_a_symm_mem_group_turns_multicast_off_before_anything_else(monkeypatch):
+    """Built outside the launcher (a serving engineer's torchrun), the group still sets
+    TORCH_SYMM_MEM_DISABLE_MULTICAST before any rendezvous, and keeps a caller's own choice."""
+    import torch.distributed as dist
+
+    from kimi_ops.runtime.groups import SymmMemGroup
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the setting where the group then stops, with no CUDA device")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for given, kept in ((None, "1"), ("0", "0")):
+            if given is None:
+                monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+            else:
+                monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", given)
+            with pytest.raises(KimiArgumentError, match="device"):
+                SymmMemGroup()
+            assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == kept
+    finally:
+        dist.destroy_process_group()
 
 
 def run_group(tp: int, scenario: str, out: pathlib.Path, timeout: float = 300) -> list[dict]:

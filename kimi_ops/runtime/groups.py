@@ -6,6 +6,7 @@ the ``boxes`` argument of the publishing ops. ``owned`` are the buffers this pro
 allocated (registered as module buffers: static addresses for CUDA graphs).
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,13 +59,16 @@ class SymmMemGroup:
     ``kimi::group_barrier`` (a bounded device barrier: a dead peer sets the error word
     rather than hanging). Multicast is used only when the handle's ``multicast_ptr`` is
     non-zero; otherwise (and always in the reference backend) a multicast store is one
-    peer store per rank."""
+    peer store per rank. The group turns torch's multicast off before its first rendezvous
+    (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, unless the caller set it): no multicast object is
+    created unless a caller asks for one."""
 
     barrier = True
 
     def __init__(self, group=None, device=None):
         import torch.distributed as dist
 
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # read at rendezvous
         self.group = group or dist.group.WORLD
         self.tp = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
