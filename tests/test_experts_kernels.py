@@ -7,6 +7,8 @@ repeated experts across tokens (past one wave a cluster serves TOKENS of an expe
 outside [0, E), −0 and NaN latent rows, extreme finite weights and latent values; it replays
 from a CUDA graph."""
 
+import os
+
 import pytest
 import torch
 
@@ -71,6 +73,9 @@ def test_cluster_size(monkeypatch):
     (16·B/TP the pairs a rank expects to serve), a TP8 rank's (512: 48 KB) one CTA; the
     fewest CTAs whose slice is at most SLICE_BYTES, whole chunks always."""
     monkeypatch.setattr(experts_plan, "multiprocessors", lambda device: 132)
+    if "KIMI_OPS_STREAM_FROM" not in os.environ:
+        assert experts_plan.STREAM_FROM == 32  # the default: the streamed form from 32 tokens on
+    monkeypatch.setattr(experts_plan, "STREAM_FROM", 0)  # the pair grid's bands alone first
     assert [experts_plan.cluster_for(3584, 16, batch, 0) for batch in (1, 2, 3, 8)] == [4, 4, 1, 1]
     assert [experts_plan.cluster_for(3584, 16, batch, 0, 8) for batch in (1, 16, 17, 64)] == [4, 4, 1, 1]
     assert [experts_plan.cluster_for(512, 16, batch, 0) for batch in (1, 8)] == [1, 1]
@@ -94,7 +99,7 @@ def test_cluster_size(monkeypatch):
     assert experts_plan.call_plan(512, 16, 133, 0, 1, 200)[1:] == by_expert[1]  # 2 · 200 > 2 · 132
     two_an_sm = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False, 0, False)
     assert experts_plan.call_plan(512, 16, 133, 0, 1, 300)[1:] == two_an_sm  # past 2 · 132: pairs
-    # KIMI_OPS_STREAM_FROM set: the streamed form from that batch where it takes the call (I = 16,
+    # STREAM_FROM (KIMI_OPS_STREAM_FROM) set: the streamed form from that batch where it takes the call (I = 16,
     # whole chunks, E/TP within its lists), else the bands above
     monkeypatch.setattr(experts_plan, "STREAM_FROM", 16)
     assert experts_plan.call_plan(3584, 16, 15, 0, 1, 896)[1:] == shared
@@ -333,7 +338,7 @@ def test_routed_experts_kernel(batch, rank, tp, shape):
     served_by_the_kernel(*args, rank, tp)
     poison(batch, shape[0])
     got = kimi.routed_experts(*args, rank, tp)
-    assert_matches_at_scale(got, args, rank, tp)  # the streamed form's sums are FP32 (from STREAM_FROM, where set)
+    assert_matches_at_scale(got, args, rank, tp)  # the streamed form's sums are FP32 (from STREAM_FROM tokens on)
 
 
 @on_hopper
@@ -619,7 +624,7 @@ def test_streamed_experts_kernel(batch, rank, tp, shape):
 @on_hopper
 @pytest.mark.parametrize("batch", [16, 64])
 def test_routed_experts_op_takes_the_streamed_form(batch, monkeypatch):
-    """With STREAM_FROM set, ``kimi::routed_experts`` and its counted form run the streamed
+    """With STREAM_FROM at 16, ``kimi::routed_experts`` and its counted form run the streamed
     kernel (the adapter's grid of a CTA an SM)."""
     monkeypatch.setattr(experts_plan, "STREAM_FROM", 16)
     args = args_of(batch, K3, seed=900 + batch)

@@ -190,12 +190,14 @@ SLOT_WORDS = (2 * STREAM_INTERMEDIATE + PASS_PAIRS) * ROW_WORDS
 MAX_EXPERTS = 1024  # a rank's experts (the work list's per-expert arrays)
 
 
-# KIMI_OPS_STREAM_FROM=B: the streamed form serves calls of B tokens or more where it takes
-# them. Unset (or 0): never. Its rows passed on an H100, but its first copies (a bulk copy a
-# row) lost to the pair grid at every batch, and the cp.async copies are not yet timed
-# (benchmarks/NOTES.md, thirty-fourth session): the knob is the A/B of bench_layer and
-# bench_experts, part of no cache key (the form's kernel is prepared either way).
-STREAM_FROM = int(os.environ.get("KIMI_OPS_STREAM_FROM", "") or 0)
+# The streamed form serves calls of STREAM_FROM tokens or more where it takes them; below,
+# the pair grid's bands. 32 from the H100 (benchmarks/NOTES.md, thirty-fifth session): alone
+# it wins from 32 tokens at kimi_k3 (56.1 / 83.8 µs at B = 32 / 64 against 65.1 / 102.6)
+# and ties or wins slightly at a TP8 rank (7.4 / 10.8 against 8.0 / 10.7), loses at 16 at
+# kimi_k3 (36.2 against 31.3); in the layer at B = 64, TP1 365.7 against 383.0 µs, a TP8
+# rank 91.8 against 93.2. KIMI_OPS_STREAM_FROM=B overrides it (0: never), the A/B knob of
+# bench_layer and bench_experts, part of no cache key (both forms are prepared either way).
+STREAM_FROM = int(os.environ.get("KIMI_OPS_STREAM_FROM") or 32)
 STREAMED = CallPlan(1, 1, PASS_PAIRS, True, 0, True)  # one wave: a CTA an SM, passes of PASS_PAIRS
 
 
