@@ -515,15 +515,20 @@ def test_streamed_fragments_take_every_product_once():
     rows = torch.randn(count, latent, generator=gen, dtype=torch.float64)
     down = torch.randn(latent, double // 2, generator=gen, dtype=torch.float64)
     acts = torch.randn(experts_plan.PASS_PAIRS, double // 2, generator=gen, dtype=torch.float64)
-    words, columns = experts_plan.ROW_WORDS, experts_plan.GATE_COLUMNS
+    columns = experts_plan.GATE_COLUMNS
     warp_columns = columns // experts_plan.STREAM_WARPS
+
+    def fill(slot, first, row, values):  # a row's 16-byte pieces where the producer's copies put them
+        for piece in range(columns // 8):
+            slot[2 * experts_plan.slot_row_piece(first, row, piece):][:8] = values[8 * piece:][:8]
+
     parts = torch.zeros(experts_plan.STREAM_WARPS, experts_plan.PASS_PAIRS, double, dtype=torch.float64)
     for chunk in range(latent // columns):
         slot = torch.full((2 * experts_plan.SLOT_WORDS,), float("nan"), dtype=torch.float64)
         for r in range(double):
-            slot[2 * r * words:][:columns] = weights[r, chunk * columns:][:columns]
+            fill(slot, 0, r, weights[r, chunk * columns:][:columns])
         for n in range(count):
-            slot[2 * (double + n) * words:][:columns] = rows[n, chunk * columns:][:columns]
+            fill(slot, double, n, rows[n, chunk * columns:][:columns])
         for warp in range(experts_plan.STREAM_WARPS):
             for step in range(warp_columns // 16):
                 column = warp * warp_columns + 16 * step

@@ -65,11 +65,12 @@ def hand_back(empty, lane):
         cute.arch.mbarrier_arrive(empty)
 
 
-def swizzled(first, row, piece):
-    """The 16-byte piece ``piece`` of 128-byte row ``first + row`` (``first`` a multiple of
-    8) in TMA's 128-byte swizzle (at piece XOR row % 8), so that the eight rows of an
-    ldmatrix 8x8 matrix fall in distinct banks."""
-    return (first + row) * 8 + (piece ^ (row % 8))
+def swizzled(first, row, piece, pieces=8):
+    """The 16-byte piece ``piece`` of row ``first + row`` (``first`` a multiple of 8; rows of
+    ``pieces`` pieces, 128 bytes unless said) in TMA's 128-byte swizzle (at piece XOR row % 8,
+    within its 128 bytes), so that the eight rows of an ldmatrix 8x8 matrix fall in distinct
+    banks."""
+    return (first + row) * pieces + (piece ^ (row % 8))
 
 
 def swizzled_stages(rows, stages):

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from ...config import TOP_K
 from ..launch import SMEM_BYTES, multiprocessors
+from ..ring import swizzled
 
 GATE_ROWS = 4  # gate/up rows a chunk (8·L/C bytes; a down chunk is as many bytes)
 MAX_CLUSTER = 8  # portable cluster size
@@ -184,9 +185,14 @@ GATE_COLUMNS = 256  # a gate/up chunk: the expert's 2I rows × 256 columns (16 K
 DOWN_ROWS = 512  # a down chunk: 512 rows of I (16 KB)
 STREAM_CHUNK = 2 * 2 * STREAM_INTERMEDIATE * GATE_COLUMNS  # weight bytes a chunk, either kind
 PASS_PAIRS = 16  # an expert's pairs a pass over its weights: the mma's M
-ROW_WORDS = GATE_COLUMNS // 2 + 4  # a row of a gate/up slot: 16 bytes of pad (conflict-free ldmatrix)
+# A gate/up slot's rows: GATE_COLUMNS unpadded, their 16-byte pieces in the 128-byte swizzle
+# (ring.swizzled), so that ldmatrix's eight rows fall in distinct banks while every piece lands
+# 32-byte aligned, as its global row is. (Rows padded by 16 bytes instead left every other
+# row's cp.async copies half a sector off: twice the L2 sectors and 3-4× the shared
+# wavefronts of a copy, ncu at kimi_k3 B = 64; benchmarks/NOTES.md, thirty-fifth session.)
+ROW_PIECES = GATE_COLUMNS // 8
 # a slot: the chunk's 2I gate/up rows, then the pass's latent rows of its columns (or a down chunk)
-SLOT_WORDS = (2 * STREAM_INTERMEDIATE + PASS_PAIRS) * ROW_WORDS
+SLOT_WORDS = (2 * STREAM_INTERMEDIATE + PASS_PAIRS) * 4 * ROW_PIECES
 MAX_EXPERTS = 1024  # a rank's experts (the work list's per-expert arrays)
 
 
@@ -226,16 +232,22 @@ def streams(latent: int, intermediate: int) -> bool:
 # g) and D's (g | g + 8, 2t | 2t + 1)), as word offsets in a slot; kernels and the CPU model
 # (tests/test_experts_kernels.py) take them from here.
 
+def slot_row_piece(first, row, piece):
+    """Word offset of the 16-byte piece ``piece`` of a gate/up slot's row ``first + row``
+    (``first`` a multiple of 8), as the producer's copies place it."""
+    return 4 * swizzled(first, row, piece, ROW_PIECES)
+
+
 def latent_piece(lane, column):
     """A of a gate/up chunk's k16 step at ``column``: matrix q is the pass's latent rows
     8·(q % 2).. (after the 2I weight rows), columns column + 8·(q // 2) (registers a0-a3)."""
-    return (2 * STREAM_INTERMEDIATE + lane // 8 % 2 * 8 + lane % 8) * ROW_WORDS + (column + lane // 16 * 8) // 2
+    return slot_row_piece(2 * STREAM_INTERMEDIATE, lane // 8 % 2 * 8 + lane % 8, (column + lane // 16 * 8) // 8)
 
 
 def gate_piece(lane, group, column):
     """B of the same step for n8 groups 2·``group`` and 2·``group`` + 1 of the 2I rows: matrix
     q is rows 16·group + 8·(q // 2).., columns column + 8·(q % 2) (b0, b1 of each group)."""
-    return (16 * group + lane // 16 * 8 + lane % 8) * ROW_WORDS + (column + lane // 8 % 2 * 8) // 2
+    return slot_row_piece(16 * group, lane // 16 * 8 + lane % 8, (column + lane // 8 % 2 * 8) // 8)
 
 
 def down_piece(lane, first):

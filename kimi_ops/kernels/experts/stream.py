@@ -13,8 +13,9 @@ behind a ring of 2-3 chunks, and their FP64 FMA chains wait for one another a to
    expert (a pair's place within its expert is the atomics' order: a row of the mma's M is
    one pair, and no row's sum depends on another's).
 2. Stream (the producer warp, after the consumers): for each of its experts and each pass
-   of up to PASS_PAIRS pairs, the expert's gate/up chunks (2I rows × GATE_COLUMNS, rows
-   padded 16 bytes: conflict-free ldmatrix), each with the pass's latent rows of the same
+   of up to PASS_PAIRS pairs, the expert's gate/up chunks (2I rows × GATE_COLUMNS, the rows'
+   16-byte pieces in the 128-byte swizzle: conflict-free ldmatrix, every copy 32-byte
+   aligned at both ends), each with the pass's latent rows of the same
    columns after them in the slot (evict-last: every expert of the token reads them), then
    its down chunks (DOWN_ROWS rows of I), through ``depth`` slots with full and empty
    barriers: the next expert's first chunks are in flight while this one's last are read.
@@ -67,7 +68,6 @@ from .plan import (
     MAX_BATCH,
     MAX_EXPERTS,
     PASS_PAIRS,
-    ROW_WORDS,
     SLOT_WORDS,
     STREAM_CHUNK,
     STREAM_WARPS,
@@ -75,6 +75,7 @@ from .plan import (
     down_piece,
     gate_piece,
     latent_piece,
+    slot_row_piece,
     stream_depth,
     streams,
     sum_place,
@@ -198,20 +199,20 @@ class StreamedExperts:
                 for chunk in cutlass.range(self.chunks, unroll=1):
                     slot = i % self.depth
                     wait_handed_back(empty, i, self.depth)
-                    words = space.ring + slot * SLOT_WORDS + 4 * lane  # the lane's 16 bytes of a row
+                    words = space.ring + slot * SLOT_WORDS  # the lane's copies: the 16-byte piece ``lane`` of a row
                     if chunk < self.gate_chunks:
                         rows = gate_up.iterator + expert * self.double * self.latent + chunk * GATE_COLUMNS + 8 * lane
                         for row in cutlass.range_constexpr(self.double):
-                            copy_async(words + row * ROW_WORDS, rows + row * self.latent, policy)
+                            copy_async(words + slot_row_piece(0, row, lane), rows + row * self.latent, policy)
                         for r in cutlass.range(pairs, unroll=1):
                             token = space.lists[listed + start + r] // TOP_K
-                            copy_async(words + (self.double + r) * ROW_WORDS,
+                            copy_async(words + slot_row_piece(self.double, r, lane),
                                        latent.iterator + token * self.latent + chunk * GATE_COLUMNS + 8 * lane, rows_policy)
                     else:
                         rows = down.iterator + (expert * self.latent + (chunk - self.gate_chunks) * DOWN_ROWS) * \
                             self.intermediate + 8 * lane
                         for piece in cutlass.range_constexpr(STREAM_CHUNK // 512):  # the chunk is contiguous
-                            copy_async(words + 128 * piece, rows + 256 * piece, policy)
+                            copy_async(words + 128 * piece + 4 * lane, rows + 256 * piece, policy)
                     cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)
                     i = i + 1
 
