@@ -559,7 +559,12 @@ class ExpertsSpace(NamedTuple):
 def expert_of(ids, pair, rank, per_rank, experts) -> Int32:
     """The pair's expert where this rank serves it, else −1 (another rank's, or an id
     outside [0, E)); the streamed form's too."""
-    expert = ids[pair]
+    return served(ids[pair], rank, per_rank, experts)
+
+
+@cute.jit
+def served(expert, rank, per_rank, experts) -> Int32:
+    """``expert`` where this rank serves it, else −1."""
     mine = Int32(-1)
     if expert >= 0:
         if expert < experts:

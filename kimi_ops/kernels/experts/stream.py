@@ -7,7 +7,8 @@ spends ~100 µs at kimi_k3's B = 64 against a 47 µs floor: its CTAs each stream
 behind a ring of 2-3 chunks, and their FP64 FMA chains wait for one another a token
 (benchmarks/NOTES.md). Here a grid of one CTA an SM lists the work after the wait:
 
-1. Work list (every thread): the rank's experts' pair counts by shared atomics over the ids;
+1. Work list (every thread; a thread a token, its ids in four loads at once): the rank's
+   experts' pair counts by shared atomics over the ids;
    warp 0 numbers the routed experts in expert order and the CTA takes numbers c, c + grid,
    … (each CTA within one expert of the others); then the pairs of its experts, listed by
    expert (a pair's place within its expert is the atomics' order: a row of the mma's M is
@@ -59,9 +60,10 @@ from ...mailbox import EXPERTS_READY
 from ..launch import PDL
 from ..mailbox import await_arrivals
 from ..packets import clamp, situ_value
-from ..ptx import copy_async, l2_evict_first, l2_evict_last, load_matrices, mma_bf16, pack_bf16, store_word, store_words
+from ..ptx import (copy_async, l2_evict_first, l2_evict_last, load_matrices, load_words, mma_bf16, pack_bf16, store_word,
+                   store_words)
 from ..ring import hand_back, landed, wait_handed_back
-from .kernels import expert_of
+from .kernels import expert_of, served
 from .plan import (
     DOWN_ROWS,
     GATE_COLUMNS,
@@ -84,6 +86,13 @@ from .plan import (
 WARP_COLUMNS = GATE_COLUMNS // STREAM_WARPS  # a warp's columns of a gate/up chunk
 STEPS = WARP_COLUMNS // 16  # its k16 steps
 WARP_ROWS = DOWN_ROWS // STREAM_WARPS  # a warp's rows of a down chunk
+
+
+def token_ids(ids, token):
+    """A token's TOP_K ids as TOP_K / 4 packets of four words, every load issued before any
+    is used: the work list's passes wait one load's latency a token, not one a pair (a pair
+    a thread took 7 dependent loads a pass at 1024 pairs)."""
+    return [load_words(ids.iterator + token * TOP_K + 4 * q) for q in range(TOP_K // 4)]
 
 
 class StreamedExperts:
@@ -141,11 +150,13 @@ class StreamedExperts:
             counts[e] = Int32(0)
             places[e] = Int32(-1)
         cute.arch.sync_threads()
-        pairs, first = batch * TOP_K, rank * per_rank
-        for pair in cutlass.range(tid, pairs, self.threads, unroll=1):
-            expert = expert_of(ids, pair, rank, per_rank, experts)
-            if expert >= 0:
-                cute.arch.atomic_add(counts.iterator + expert - first, Int32(1))
+        first = rank * per_rank
+        for token in cutlass.range(tid, batch, self.threads, unroll=1):  # a thread a token: its 4 loads at once
+            words = token_ids(ids, token)
+            for k in cutlass.range_constexpr(TOP_K):
+                expert = served(Int32(words[k // 4][k % 4]), rank, per_rank, experts)
+                if expert >= 0:
+                    cute.arch.atomic_add(counts.iterator + expert - first, Int32(1))
         cute.arch.sync_threads()
         if tid < 32:  # the routed experts numbered in order; ours are c, c + grid, …
             routed = Int32(0)
@@ -172,12 +183,14 @@ class StreamedExperts:
                     cursors[j] = start
                     start = start + counts[mine[j]]
         cute.arch.sync_threads()
-        for pair in cutlass.range(tid, pairs, self.threads, unroll=1):
-            expert = expert_of(ids, pair, rank, per_rank, experts)
-            if expert >= 0:
-                j = places[expert - first]
-                if j >= 0:
-                    lists[cute.arch.atomic_add(cursors.iterator + j, Int32(1))] = pair
+        for token in cutlass.range(tid, batch, self.threads, unroll=1):
+            words = token_ids(ids, token)
+            for k in cutlass.range_constexpr(TOP_K):
+                expert = served(Int32(words[k // 4][k % 4]), rank, per_rank, experts)
+                if expert >= 0:
+                    j = places[expert - first]
+                    if j >= 0:
+                        lists[cute.arch.atomic_add(cursors.iterator + j, Int32(1))] = token * TOP_K + k
         cute.arch.sync_threads()
 
     @cute.jit
