@@ -4,8 +4,8 @@
 
 Each process gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (a free
 port), multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1: the group
-never creates a multicast object, on any machine), and where ranks outnumber the GPUs (rank r runs on GPU r % count)
-TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
+never creates a multicast object, on any machine), and where ranks outnumber the GPUs
+(rank r runs on GPU r % count) TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
 100 / ranks per GPU (unless set). Ranks sharing a GPU need MPS running
 (``nvidia-cuda-mps-control -d``) with that share each: a rank's polling grid then holds
 only its own SMs, as on a GPU of its own. Without a share, pollers of some ranks filled

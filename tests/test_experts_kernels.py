@@ -99,8 +99,8 @@ def test_cluster_size(monkeypatch):
     assert experts_plan.call_plan(512, 16, 133, 0, 1, 200)[1:] == by_expert[1]  # 2 · 200 > 2 · 132
     two_an_sm = (experts_plan.PAST_WAVE_PER_SM, experts_plan.TOKENS, False, 0, False)
     assert experts_plan.call_plan(512, 16, 133, 0, 1, 300)[1:] == two_an_sm  # past 2 · 132: pairs
-    # STREAM_FROM (KIMI_OPS_STREAM_FROM) set: the streamed form from that batch where it takes the call (I = 16,
-    # whole chunks, E/TP within its lists), else the bands above
+    # STREAM_FROM (KIMI_OPS_STREAM_FROM) set: the streamed form from that batch where it takes
+    # the call (I = 16, whole chunks, E/TP within its lists), else the bands above
     monkeypatch.setattr(experts_plan, "STREAM_FROM", 16)
     assert experts_plan.call_plan(3584, 16, 15, 0, 1, 896)[1:] == shared
     assert [experts_plan.call_plan(3584, 16, b, 0, 1, 896) for b in (16, 64)] == [experts_plan.STREAMED] * 2
