@@ -567,6 +567,20 @@ def test_streamed_fragments_take_every_product_once():
     assert torch.allclose(out, acts @ down.T)
 
 
+def test_streamed_zeroing_rounds_check_every_pair_once():
+    """StreamedExperts.zero_rows_of_others: CTA c's rounds (plan.zeroing_pair) check each of
+    its pairs c + grid·j once, and the grid's CTAs every pair once."""
+    warps = experts_plan.STREAM_WARPS
+    for grid, pairs in ((132, 16), (132, 1024), (132, 4096), (7, 1000)):
+        checked = [experts_plan.zeroing_pair(cta, first, grid, warp, lane)
+                   for cta in range(grid) for first in range(0, pairs, grid * experts_plan.ZEROING_ROUND)
+                   for warp in range(warps) for lane in range(32)]
+        checked = [pair for pair in checked if pair < pairs]
+        assert sorted(checked) == list(range(pairs))
+        assert all(pair % grid == cta for cta in range(grid)
+                   for pair in (experts_plan.zeroing_pair(cta, 0, grid, w, lane) for w in range(warps) for lane in range(32)))
+
+
 def row_terms(latent, ids, gate_up, down, rank, tp):
     """[B, 16, L]: Σ_j |act_j · down[e, l, j]| of each pair's row (the reference's acts), the
     scale at which a row's ulps are counted."""

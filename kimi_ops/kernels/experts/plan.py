@@ -256,6 +256,16 @@ def down_piece(lane, first):
     return (first + lane // 16 * 8 + lane % 8) * (STREAM_INTERMEDIATE // 2) + lane // 8 % 2 * 4
 
 
+ZEROING_ROUND = 32 * STREAM_WARPS  # pairs a CTA checks at once for zero rows
+
+
+def zeroing_pair(cta, first, grid, warp, lane):
+    """The pair that lane ``lane`` of consumer warp ``warp`` checks in the zeroing round at
+    ``first`` (StreamedExperts.zero_rows_of_others; rounds ZEROING_ROUND · grid apart): CTA
+    c's pairs are c + grid·j, j = STREAM_WARPS·lane + warp within the round."""
+    return cta + first + grid * (STREAM_WARPS * lane + warp)
+
+
 def sum_place(lane, group, k):
     """Where D's register ``k`` of n8 group ``group`` goes in a warp's [pair, 2I] sums."""
     return 8 * (k // 2) + lane // 4, 8 * group + 2 * (lane % 4) + k % 2

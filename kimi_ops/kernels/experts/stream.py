@@ -73,6 +73,7 @@ from .plan import (
     SLOT_WORDS,
     STREAM_CHUNK,
     STREAM_WARPS,
+    ZEROING_ROUND,
     act_word,
     down_piece,
     gate_piece,
@@ -81,6 +82,7 @@ from .plan import (
     stream_depth,
     streams,
     sum_place,
+    zeroing_pair,
 )
 
 WARP_COLUMNS = GATE_COLUMNS // STREAM_WARPS  # a warp's columns of a gate/up chunk
@@ -138,7 +140,7 @@ class StreamedExperts:
         if warp == STREAM_WARPS:
             self.produce(latent, gate_up, down, space, rank, per_rank, lane)
         else:
-            self.zero_rows_of_others(ids, out, batch, rank, per_rank, experts, cta, grid, tid)
+            self.zero_rows_of_others(ids, out, batch, rank, per_rank, experts, cta, grid, warp, lane)
             self.consume(out, space, warp, lane)
 
     @cute.jit
@@ -230,12 +232,24 @@ class StreamedExperts:
                     i = i + 1
 
     @cute.jit
-    def zero_rows_of_others(self, ids, out, batch, rank, per_rank, experts, cta, grid, tid):
-        """The zero rows of the pairs no expert of ours serves: CTA c's pairs c, c + grid, …."""
-        for pair in cutlass.range(cta, batch * TOP_K, grid, unroll=1):
-            if expert_of(ids, pair, rank, per_rank, experts) < 0:
-                for packet in cutlass.range(tid, self.latent // 8, 32 * STREAM_WARPS, unroll=1):
-                    store_words(out.iterator + pair * self.latent + 8 * packet, [Uint32(0)] * 4)
+    def zero_rows_of_others(self, ids, out, batch, rank, per_rank, experts, cta, grid, warp, lane):
+        """The zero rows of the pairs no expert of ours serves: CTA c's pairs c + grid·j. A
+        round checks ZEROING_ROUND of them at once (plan.zeroing_pair: every load in flight
+        together, where one pair at a time made the consumers wait a load each before their
+        first chunk), and each warp zeroes the rows its ballot found."""
+        pairs = batch * TOP_K
+        for first in cutlass.range(0, pairs, grid * ZEROING_ROUND, unroll=1):
+            pair = zeroing_pair(cta, first, grid, warp, lane)
+            other = Int32(0)
+            if pair < pairs:
+                if expert_of(ids, pair, rank, per_rank, experts) < 0:
+                    other = Int32(1)
+            found = cute.arch.vote_ballot_sync(other != 0)
+            for source in cutlass.range(32, unroll=1):
+                if ((found >> Uint32(source)) & Uint32(1)) != Uint32(0):
+                    row = out.iterator + zeroing_pair(cta, first, grid, warp, source) * self.latent
+                    for packet in cutlass.range(lane, self.latent // 8, 32, unroll=1):
+                        store_words(row + 8 * packet, [Uint32(0)] * 4)
 
     @cute.jit
     def consume(self, out, space, warp, lane):
