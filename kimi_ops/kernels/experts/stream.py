@@ -90,11 +90,12 @@ STEPS = WARP_COLUMNS // 16  # its k16 steps
 WARP_ROWS = DOWN_ROWS // STREAM_WARPS  # a warp's rows of a down chunk
 
 
-def token_ids(ids, token):
-    """A token's TOP_K ids as TOP_K / 4 packets of four words, every load issued before any
-    is used: the work list's passes wait one load's latency a token, not one a pair (a pair
-    a thread took 7 dependent loads a pass at 1024 pairs)."""
-    return [load_words(ids.iterator + token * TOP_K + 4 * q) for q in range(TOP_K // 4)]
+def token_experts(ids, token, rank, per_rank, experts):
+    """Each of a token's TOP_K pairs' expert where this rank serves it, else −1
+    (kernels.served); its ids in TOP_K / 4 vector loads all issued before any is used, so
+    the work list waits one load a token, not one a pair."""
+    packets = [load_words(ids.iterator + token * TOP_K + 4 * q) for q in range(TOP_K // 4)]
+    return [served(Int32(packets[k // 4][k % 4]), rank, per_rank, experts) for k in range(TOP_K)]
 
 
 class StreamedExperts:
@@ -153,12 +154,11 @@ class StreamedExperts:
             places[e] = Int32(-1)
         cute.arch.sync_threads()
         first = rank * per_rank
-        for token in cutlass.range(tid, batch, self.threads, unroll=1):  # a thread a token: its 4 loads at once
-            words = token_ids(ids, token)
+        for token in cutlass.range(tid, batch, self.threads, unroll=1):  # a thread a token
+            pairs = token_experts(ids, token, rank, per_rank, experts)
             for k in cutlass.range_constexpr(TOP_K):
-                expert = served(Int32(words[k // 4][k % 4]), rank, per_rank, experts)
-                if expert >= 0:
-                    cute.arch.atomic_add(counts.iterator + expert - first, Int32(1))
+                if pairs[k] >= 0:
+                    cute.arch.atomic_add(counts.iterator + pairs[k] - first, Int32(1))
         cute.arch.sync_threads()
         if tid < 32:  # the routed experts numbered in order; ours are c, c + grid, …
             routed = Int32(0)
@@ -186,11 +186,10 @@ class StreamedExperts:
                     start = start + counts[mine[j]]
         cute.arch.sync_threads()
         for token in cutlass.range(tid, batch, self.threads, unroll=1):
-            words = token_ids(ids, token)
+            pairs = token_experts(ids, token, rank, per_rank, experts)
             for k in cutlass.range_constexpr(TOP_K):
-                expert = served(Int32(words[k // 4][k % 4]), rank, per_rank, experts)
-                if expert >= 0:
-                    j = places[expert - first]
+                if pairs[k] >= 0:
+                    j = places[pairs[k] - first]
                     if j >= 0:
                         lists[cute.arch.atomic_add(cursors.iterator + j, Int32(1))] = token * TOP_K + k
         cute.arch.sync_threads()
@@ -245,11 +244,12 @@ class StreamedExperts:
                 if expert_of(ids, pair, rank, per_rank, experts) < 0:
                     other = Int32(1)
             found = cute.arch.vote_ballot_sync(other != 0)
-            for source in cutlass.range(32, unroll=1):
-                if ((found >> Uint32(source)) & Uint32(1)) != Uint32(0):
-                    row = out.iterator + zeroing_pair(cta, first, grid, warp, source) * self.latent
-                    for packet in cutlass.range(lane, self.latent // 8, 32, unroll=1):
-                        store_words(row + 8 * packet, [Uint32(0)] * 4)
+            if found != Uint32(0):  # none at TP1 but ids outside [0, E)
+                for source in cutlass.range(32, unroll=1):
+                    if ((found >> Uint32(source)) & Uint32(1)) != Uint32(0):
+                        row = out.iterator + zeroing_pair(cta, first, grid, warp, source) * self.latent
+                        for packet in cutlass.range(lane, self.latent // 8, 32, unroll=1):
+                            store_words(row + 8 * packet, [Uint32(0)] * 4)
 
     @cute.jit
     def consume(self, out, space, warp, lane):
