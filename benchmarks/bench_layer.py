@@ -134,6 +134,11 @@ def layer_units(decoder, hidden, slots) -> list[Unit]:
 
     q_c, head_in, k_in = unit("oproj wq_a + w_head + wk", lambda w: kimi.oproj(x, w), index.w_in).split(
         index.sizes, dim=1)
+    if batch <= decoder.embedding_folds_to:  # a step's first layer: the embedding's AttnRes inside (once a step)
+        norm_w = decoder.embed_res.out_norm_w
+        unit("normed_oproj the same, layer 0 (the embedding's AttnRes folded)",
+             lambda w: kimi.normed_oproj(hidden, w, norm_w, eps), index.w_in, extra_bytes=norm_w.nbytes,
+             in_layer=False)
     unit("dsa_index_front_keys", lambda w: kimi.dsa_index_front_keys(
         q_c, w, head_in, index.q_norm_w, k_in, index.k_norm_w, index.k_norm_b, eps, index.index_cache, slots),
         index.wq_b, extra_bytes=index.q_norm_w.nbytes + index.k_norm_w.nbytes + index.k_norm_b.nbytes)

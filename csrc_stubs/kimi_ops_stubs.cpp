@@ -8,6 +8,7 @@ TORCH_LIBRARY(kimi, m) {
   m.def("situ(Tensor gate_up, float beta, float linear_beta) -> Tensor");
   m.def("moe_tail(Tensor expanded, Tensor weights, Tensor shared, Tensor gamma, Tensor w_up, float eps) -> Tensor");
   m.def("oproj(Tensor x, Tensor w) -> Tensor");
+  m.def("normed_oproj(Tensor x, Tensor w, Tensor norm_w, float eps) -> Tensor");
   m.def("gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta) -> Tensor");
   m.def("dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, float eps) -> (Tensor q, Tensor head_w)");
   m.def("dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps, Tensor(a!) cache, Tensor slots) -> ()");

@@ -21,6 +21,8 @@ SCHEMAS: dict[str, str] = {
         " Tensor w_up, float eps) -> Tensor"
     ),
     "oproj": "oproj(Tensor x, Tensor w) -> Tensor",
+    # Not in DESIGN §3: the decoder's first projection over the raw embedding (its AttnRes folded in).
+    "normed_oproj": "normed_oproj(Tensor x, Tensor w, Tensor norm_w, float eps) -> Tensor",
     "gate_up_situ": "gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta) -> Tensor",
     "dsa_index_front": (
         "dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w,"

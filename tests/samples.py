@@ -21,6 +21,8 @@ def sample_args(name: str, batch: int, gen: torch.Generator) -> tuple:
         )
     if name == "oproj":
         return rand(gen, batch, 64), rand(gen, 48, 64, scale=0.1)
+    if name == "normed_oproj":  # raw rows of a scale the norm undoes
+        return rand(gen, batch, 64, scale=3.0), rand(gen, 48, 64, scale=0.1), rand(gen, 64) + 1, 1e-6
     if name == "gate_up_situ":  # I = 16
         return rand(gen, batch, 64), rand(gen, 32, 64, scale=0.1), 1.0, 0.0
     if name == "dsa_index_front":

@@ -21,6 +21,7 @@ from kimi_ops.kernels.dsa import plan as dsa_plans  # noqa: E402
 from kimi_ops.kernels.ring import CHUNK  # noqa: E402
 from kimi_ops.kernels.launch import SMEM_BYTES  # noqa: E402
 from kimi_ops.mailbox import SENTINEL, canonical  # noqa: E402
+from kimi_ops.numerics import rms_norm  # noqa: E402
 from kimi_ops.ops import oproj as oproj_ops  # noqa: E402
 from benchmarks import bench_projection as bench  # noqa: E402  (the variants it times compile)
 
@@ -370,6 +371,52 @@ def test_oproj_kernel(n, k, batch):
     got = kimi.oproj(x, w)
     assert_gemm_close(got, reference(kimi.oproj, x, w), x, w)
     assert torch.equal(got, kimi.oproj(x, w))  # bit-identical across runs
+
+
+# kimi::normed_oproj: the stacked DSA GEMM over the raw embedding (the decoder's layer 0) at the
+# buckets it serves: at 8 tokens one chunk past the whole-ring pace, at 16 PACE_BYTES' 3 chunks
+NORMED = (1696, 7168)
+
+
+@pytest.mark.parametrize("tokens", [8, 16])
+def test_normed_oproj_compiles(tokens, clean_ptxas):
+    assert gemm.compile_normed.build(*NORMED, tokens) is not None
+    clean_ptxas()
+
+
+def test_normed_oproj_plans_are_partitions_with_room_for_the_squares():
+    """The raw-row plan is partition's (so kimi::oproj over rms_norm rows sums in the same
+    order), its ring shorter than the CTA's chunks where shared memory ends (the chunks
+    past it wait for their slots), and none where a producer's registers cannot hold its
+    packets: past 16 tokens at these shapes, where the kernel is not preferred."""
+    kernel = gemm.NormedOprojKernel()
+    for tokens in (8, 16):
+        plan = gemm_plans.raw_rows_plan(*NORMED, tokens)
+        assert (plan.tiles, plan.split) == gemm_plans.partition(*NORMED, tokens)
+        assert plan.depth < plan.chunks and plan.reserve >= 8 * plan.split * tokens
+        assert gemm_plans.raw_rows_fit(plan.chunks, tokens) and kernel.prefers(*NORMED, tokens)
+    for tokens in (32, 64):
+        with pytest.raises(ValueError, match="raw rows"):
+            gemm_plans.raw_rows_plan(*NORMED, tokens)
+        assert not kernel.prefers(*NORMED, tokens)
+
+
+@on_hopper
+@pytest.mark.parametrize("batch", [b for b in KERNEL_BATCHES if b <= 16])
+def test_normed_oproj_kernel(batch):
+    """Raw rows of any scale: the rows the reference's rms_norm leaves, then kimi::oproj's
+    kernel (the same plan, so the same bits), and within the GEMM's bound of the reference."""
+    x, w = inputs(batch, *NORMED, seed=batch + 7)
+    x = x * 5.0
+    gen = torch.Generator().manual_seed(batch)
+    gamma = (1 + 0.1 * torch.randn(NORMED[1], generator=gen)).bfloat16().cuda()
+    poisoned_pool((batch, NORMED[0]))
+    got = kimi.normed_oproj(x, w, gamma, 1e-6)
+    rows = reference(kimi.normed_oproj, x, w, gamma, 1e-6)
+    xn = rms_norm(x, gamma, 1e-6)
+    assert_gemm_close(got, rows, xn, w)
+    assert torch.equal(got, kimi.oproj(xn, w))
+    assert torch.equal(got, kimi.normed_oproj(x, w, gamma, 1e-6))  # bit-identical across runs
 
 
 def test_forced_partitions_are_the_plans_choices_and_compile(clean_ptxas):

@@ -118,6 +118,26 @@ def test_oproj(gen, device, batch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", BATCHES)
+def test_normed_oproj_is_oproj_of_the_normalized_rows(gen, device, batch):
+    """kimi::normed_oproj(x, w, g) = kimi::oproj(rms_norm(x; g), w) bit for bit (on CUDA: the
+    plans are partition's alike, so the sums' order is the same), and the float64 oracle's
+    rms then linear within the rounding of both (the embedding's h_normed as AttnRes leaves
+    it, then layer 0's stacked GEMM)."""
+    x = randn(gen, batch, 1536, dtype=torch.bfloat16, device=device, scale=4.0)
+    w = randn(gen, 512, 1536, dtype=torch.bfloat16, device=device, scale=0.03)
+    g = (1 + randn(gen, 1536, device=device, scale=0.1)).bfloat16()
+    got = kimi.normed_oproj(x, w, g, 1e-6)
+    h_normed = kimi.attn_res(x.new_empty(0, batch, 1536), torch.zeros_like(x), x[None], g, g, g, 1e-6)[2]
+    assert torch.equal(got, kimi.oproj(h_normed, w))
+    xn = oracle.rms(x.cpu(), g.cpu(), 1e-6)  # an xn one ulp off flips a term: ulps at the terms' size
+    assert_bf16_close(got, oracle.linear(xn, w.cpu()).to(torch.bfloat16), max_ulps=2,
+                      magnitude=oracle.linear(xn.abs(), w.cpu().abs()))
+    with pytest.raises(KimiArgumentError, match="'norm_w' must be"):
+        kimi.normed_oproj(x, w, g[:64], 1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", BATCHES)
 def test_gate_up_situ_is_situ_of_the_gate_up_rows(gen, device, batch):
     """The interleaved rows (interleave_gate_up) give kimi::situ(kimi::oproj(x, [gate; up]))
     bit for bit (on CUDA too: at this shape the situ plan splits K as oproj's at every

@@ -222,6 +222,27 @@ def test_the_fused_forms_are_chosen_for_the_device_the_decoder_runs_on(monkeypat
     assert front.fused_shared and front.shared_first and front.front_inside
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_embedding_folds_into_layer_0s_stacked_gemm(tp):
+    """Up to ``embedding_folds_to`` (where kimi::normed_oproj's kernel serves the batch: the
+    CPU's references never, so forced here) the step launches no AttnRes for the embedding
+    and layer 0's stacked GEMM takes the raw hidden with the embedding's out_norm_w: the
+    same step (blocks empty and a zero partial give h = hidden; each rank alike), eager and
+    compiled (fullgraph). Past it the embedding's AttnRes runs as before."""
+    torch._dynamo.reset()
+    plain, folded = (KimiDecoder(CONFIG, 2, tp=tp, seed=6) for _ in range(2))
+    assert plain.embedding_folds_to == 0
+    folded.embedding_folds_to = 4
+    compiled = torch.compile(folded, fullgraph=True, dynamic=False)
+    for batch in (1, 4, 5):
+        hidden = hidden_states(batch, seed=batch)
+        names = [name for name, _ in kimi_calls(folded, hidden)]
+        assert names.count("normed_oproj") == (tp if batch <= 4 else 0)
+        assert names.count("attn_res") == (0 if batch <= 4 else tp)
+        want = plain(hidden)
+        assert torch.equal(folded(hidden), want) and torch.equal(compiled(hidden), want)
+
+
 @pytest.mark.parametrize("chain", ["shared first", "front inside", "shared last"])
 def test_the_fused_shared_expert_leads_routing_which_then_does_not_wait(chain):
     """The fused shared expert launches before routing, whose poll then does not wait for its

@@ -27,6 +27,7 @@ kimi::moe_front(Tensor x, Tensor w, int n_logits) -> (Tensor logits, Tensor late
 kimi::situ(Tensor gate_up, float beta, float linear_beta) -> Tensor
 kimi::moe_tail(Tensor expanded, Tensor weights, Tensor shared, Tensor gamma, Tensor w_up, float eps) -> Tensor
 kimi::oproj(Tensor x, Tensor w) -> Tensor
+kimi::normed_oproj(Tensor x, Tensor w, Tensor norm_w, float eps) -> Tensor
 kimi::gate_up_situ(Tensor x, Tensor w, float beta, float linear_beta) -> Tensor
 kimi::dsa_index_front(Tensor rows, Tensor wq_b, Tensor head_in, Tensor? q_norm_w, float eps) -> (Tensor q, Tensor head_w)
 kimi::dsa_index_key_insert(Tensor k_in, Tensor norm_w, Tensor norm_b, float eps, Tensor(a!) cache, Tensor slots) -> ()

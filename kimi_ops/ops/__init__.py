@@ -11,6 +11,7 @@ OPS = {
     "situ": (route.situ, route.situ_fake),
     "moe_tail": (tail.moe_tail, tail.moe_tail_fake),
     "oproj": (oproj.oproj, oproj.oproj_fake),
+    "normed_oproj": (oproj.normed_oproj, oproj.normed_oproj_fake),
     "gate_up_situ": (oproj.gate_up_situ, oproj.gate_up_situ_fake),
     "dsa_index_front": (dsa.dsa_index_front, dsa.dsa_index_front_fake),
     "dsa_index_key_insert": (dsa.dsa_index_key_insert, dsa.dsa_index_key_insert_fake),

@@ -1,16 +1,17 @@
 """The attention output projection (the seeds' ``oproj/producer.py``): ``kimi::oproj``, and
-the other projections on its engine with their own epilogues: the shared expert's gate/up
+the other projections on its engine: over RMS-normalized raw rows (``kimi::normed_oproj``);
+with their own epilogues, the shared expert's gate/up
 with ``situ`` (``kimi::gate_up_situ``), its down with the reduce-scatter push
 (``kimi::oproj_push``), and the two in one launch (``kimi::shared_expert_push``, the seeds'
 fused ``SharedFront``), with the MoE front's publish beside them (``kimi::moe_front_shared_push``)."""
 
 import torch
 
-from ..checks import check_placement, check_same_device, check_tensor, fail
+from ..checks import check_eps, check_placement, check_same_device, check_tensor, fail
 from ..mailbox import (
     canonical,
 )
-from ..numerics import bf16, matmul_f32
+from ..numerics import bf16, matmul_f32, rms_norm
 from . import front as front_op
 from .boxes import check_boxes, check_error, store_shards
 from .route import situ
@@ -36,6 +37,29 @@ def oproj(x, w):
 
 def oproj_fake(x, w):
     return x.new_empty(check_oproj(x, w), dtype=torch.bfloat16)
+
+
+def check_normed_oproj(x, w, norm_w, eps) -> tuple[int, int]:
+    op = "normed_oproj"
+    shape = check_oproj(x, w, op)
+    check_tensor(op, "norm_w", norm_w, torch.bfloat16, (x.shape[1],))
+    check_same_device(op, x=x, norm_w=norm_w)
+    check_eps(op, eps)
+    return shape
+
+
+def normed_oproj(x, w, norm_w, eps: float):
+    """``kimi::oproj(rms_norm(x; norm_w), w)`` in one launch: x holds raw rows, each
+    BF16((x · rr) · norm_w) with rr = rsqrt(Σ x² / K + eps) (QueryNorm's rounding points,
+    :func:`~kimi_ops.numerics.rms_norm`) before the projection. The decoder's first layer
+    takes the embedding so: the embedding's AttnRes (no blocks, a zero partial) is then
+    h = the embedding and h_normed = rms_norm(h; out_norm_w), with no launch of its own."""
+    check_normed_oproj(x, w, norm_w, eps)
+    return oproj(rms_norm(x, norm_w, eps), w)
+
+
+def normed_oproj_fake(x, w, norm_w, eps):
+    return x.new_empty(check_normed_oproj(x, w, norm_w, eps), dtype=torch.bfloat16)
 
 
 # The mailbox ops of the family (DESIGN §4; the box checks: :mod:`.boxes`).

@@ -99,9 +99,10 @@ class RankLayer(nn.Module):
         self.front.shared_first = backend.serves("moe_tail_poll", device, tp, self.tail.w_up.shape[0], config.latent,
                                                  buckets(config.capacity))
 
-    def attention(self, x, slots, boxes: DecodeBoxes):
-        """The index front (keys into the cache), the stand-in core and the o-proj publish."""
-        q_c, _, _ = self.index.run(x, slots)
+    def attention(self, x, slots, boxes: DecodeBoxes, norm_w=None):
+        """The index front (keys into the cache), the stand-in core and the o-proj publish;
+        ``norm_w``: x holds raw rows, RMS-normalized with it first (the embedding's AttnRes)."""
+        q_c, _, _ = self.index.run(x, slots, norm_w)
         self.oproj.run(q_c, boxes)
 
     def front_publish(self, x, boxes: DecodeBoxes):
@@ -193,6 +194,15 @@ class KimiDecoder(nn.Module):
             ranks = [RankLayer(config, attention, moe, group.tp, r, i, num_layers, target) for r in group.ranks]
             self.layers.append(nn.ModuleList(ranks))
             self.attn_res.append(res)
+        # The embedding's AttnRes has no blocks and a zero partial: h = hidden (α = 1), and
+        # its h_normed, rms_norm(hidden; out_norm_w), is read by layer 0's stacked GEMM alone.
+        # Up to this batch kimi::normed_oproj's kernel serves that GEMM over the raw hidden, and
+        # the step launches no AttnRes for the embedding (partial = h = hidden, −0 kept).
+        self.embedding_folds_to = 0
+        for bucket in buckets(config.capacity):
+            if not backend.prefers("normed_oproj", target, *self.layers[0][0].index.w_in.shape, bucket):
+                break
+            self.embedding_folds_to = bucket
         # AttnRes's zero partial (the embedding's, and each block's first): rows of a buffer
         # no op writes, so a step launches no fill for them
         self.register_buffer("zero_partial", torch.zeros(config.capacity, config.hidden, dtype=torch.bfloat16),
@@ -296,12 +306,17 @@ class KimiDecoder(nn.Module):
         empty = hidden.new_empty((0, batch, config.hidden))
         # The embedding is the first sublayer output of the first block.
         blocks, partial, x, h = {}, {}, {}, {}
+        folded = batch <= self.embedding_folds_to
         for r in ranks:
             blocks[r] = empty
-            partial[r], h[r], x[r] = self.residual(self.embed_res, empty, self.zero_partial[:batch], hidden[None])
+            if folded:  # layer 0's stacked GEMM normalizes hidden itself
+                partial[r], h[r], x[r] = hidden, hidden, hidden
+            else:
+                partial[r], h[r], x[r] = self.residual(self.embed_res, empty, self.zero_partial[:batch], hidden[None])
         for i, (layer, (attn_res, moe_res)) in enumerate(zip(self.layers, self.attn_res)):
+            norm_w = self.embed_res.out_norm_w if folded and i == 0 else None
             for r, part in zip(ranks, layer):
-                part.attention(x[r], slots, boxes)
+                part.attention(x[r], slots, boxes, norm_w)
             self.barrier()
             for r, part in zip(ranks, layer):
                 partial[r], h[r], x[r] = self.residual_take(attn_res, boxes.own("attn", r), blocks[r], partial[r],

@@ -55,12 +55,18 @@ class PreparedIndexFront(Prepared):
 
     def prepare(self, batches, boxes):
         backend.prepare("oproj", *self.w_in.shape, batches)
+        backend.prepare("normed_oproj", *self.w_in.shape, batches)  # the buckets it serves (layer 0's)
         backend.prepare("dsa_index_front_keys", self.wq_b.shape[1], batches, (True,))  # raw rows: q_norm_w given
 
-    def run(self, x, slots):
+    def run(self, x, slots, norm_w=None):
         """q_c (the raw rows the front normalizes), the FP8 query and head weights; the
-        keys go into the cache at ``slots`` in the front's launch."""
-        q_c, head_in, k_in = kimi.oproj(x, self.w_in).split(self.sizes, dim=1)
+        keys go into the cache at ``slots`` in the front's launch. ``norm_w``: x holds raw
+        rows, RMS-normalized with it in the stacked GEMM's launch (``kimi::normed_oproj``)."""
+        if norm_w is None:
+            stacked = kimi.oproj(x, self.w_in)
+        else:
+            stacked = kimi.normed_oproj(x, self.w_in, norm_w, self.config.eps)
+        q_c, head_in, k_in = stacked.split(self.sizes, dim=1)
         q, head_w = kimi.dsa_index_front_keys(q_c, self.wq_b, head_in, self.q_norm_w, k_in, self.k_norm_w,
                                               self.k_norm_b, self.config.eps, self.index_cache, slots)
         return q_c, q, head_w

@@ -6,13 +6,13 @@ import functools
 from ...config import INDEX_DIM, INDEX_HEADS
 from ..gemm.plan import (
     CONSUMER_WARPS,
-    PRODUCERS,
     RESIDENT,
     RESIDENT_3,
     THREADS,
     TILE,
     GemmPlan,
     cta_cost,
+    raw_rows_fit,
 )
 from ..launch import SMEM_BYTES
 from ..ring import CHUNK
@@ -21,7 +21,6 @@ N = INDEX_HEADS * INDEX_DIM  # wq_b's rows
 TILES = INDEX_DIM // TILE  # a head's rows: one CTA's block
 SPLITS = (1, 2, 3)  # K parts per head (cluster sizes; 4 would need 128 CTAs in clusters of 4: 120 resident)
 FOLD = (INDEX_HEADS * INDEX_DIM) ** -0.5  # 2^-6
-NORM_REGISTERS = 160  # words of x and gamma packets a producer thread holds in raw-row mode
 KEY_WARPS = THREADS // 32  # tokens per key-insert CTA, a warp each (the front's CTA shape: one grid holds both)
 
 
@@ -39,12 +38,11 @@ def reserve(tokens: int, split: int) -> int:
 def index_partition(k: int, tokens: int, norm: bool) -> tuple[int, int] | None:
     """(tiles, split) of the front at T tokens: a head per row block (TILES tiles), the K
     split of least :func:`~kimi_ops.kernels.gemm.plan.cta_cost` whose grid is resident at once;
-    raw-row mode also needs the whole K slice in the ring (depth = chunks: the producers
-    hold every chunk's x until the factors are in) and its packets in registers."""
+    raw-row mode keeps the whole K slice in the ring (depth = chunks: no slot waits for the
+    factors, the form measured) and needs its packets in registers (``raw_rows_fit``)."""
     if k % CHUNK or k <= 0:
         return None
     chunks = k // CHUNK
-    x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)
     fits = []
     for split in SPLITS:
         per_cta = chunks // split
@@ -52,7 +50,7 @@ def index_partition(k: int, tokens: int, norm: bool) -> tuple[int, int] | None:
             continue
         stage = (TILE * TILES + tokens) * CHUNK * 2
         if norm and (per_cta * stage + 2048 + reserve(tokens, split) > SMEM_BYTES
-                     or per_cta * (x_items + 1) * 4 > NORM_REGISTERS):
+                     or not raw_rows_fit(per_cta, tokens)):
             continue
         fits.append((cta_cost(chunks, TILES, split, tokens), split))
     return (TILES, min(fits)[1]) if fits else None

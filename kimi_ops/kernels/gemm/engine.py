@@ -247,7 +247,8 @@ class DecodeGemm:
         if warp >= CONSUMER_WARPS:
             producer = tid - 32 * CONSUMER_WARPS
             if cutlass.const_expr(norm is not None):
-                self.produce_normalized(w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, *norm)
+                self.produce_normalized(w_copy, w_boxes, x, ring, full, empty, factored, squares, block, part, producer,
+                                        *norm)
             else:
                 self.produce(w_copy, w_boxes, x_load, ring, full, empty, block, part, producer, inputs, stamped)
             cute.arch.cluster_arrive()  # the consumers' two cluster barriers
@@ -375,19 +376,22 @@ class DecodeGemm:
                   cache_policy=evict_first)
 
     @cute.jit
-    def produce_normalized(self, w_copy, w_boxes, x, ring, full, factored, squares, block, part, producer, gamma, eps):
-        """Producer thread ``producer`` when x holds raw rows (the DSA front's q_c):
-        xn = BF16((x · rr) · gamma) with rr = rsqrt(Σ x² / K + eps), QueryNorm's rounding
-        points (:func:`~kimi_ops.numerics.rms_norm`). The whole K slice is in the ring at
-        once (plan: depth = chunks), so after the wait every thread loads its x packets of
-        every chunk into registers (the same 8 columns of a chunk for each of its tokens),
-        warp 0 then queues the rest of the weights; each token's Σ x² over our slice (FP64:
-        BF16 squares are exact in FP32 and their sum in FP64, so any order gives the
-        reference's FP32 ss) goes to every CTA of the cluster (st.async on ``factored``);
-        once every part's sums are in, each chunk's packets are normalized into their slots
-        (the swizzle TMA would write) and the slot's full barrier is arrived on."""
+    def produce_normalized(self, w_copy, w_boxes, x, ring, full, empty, factored, squares, block, part, producer, gamma,
+                           eps):
+        """Producer thread ``producer`` when x holds raw rows (the DSA front's q_c;
+        ``kimi::normed_oproj``'s): xn = BF16((x · rr) · gamma) with rr = rsqrt(Σ x² / K + eps),
+        QueryNorm's rounding points (:func:`~kimi_ops.numerics.rms_norm`). After the wait every
+        thread loads its x packets of every chunk into registers (the same 8 columns of a
+        chunk for each of its tokens: :func:`~.plan.raw_rows_fit` bounds them), warp 0 then
+        queues the rest of the ring; each token's Σ x² over our slice (FP64: BF16 squares
+        are exact in FP32 and their sum in FP64, so any order gives the reference's FP32 ss)
+        goes to every CTA of the cluster (st.async on ``factored``). The packets of the
+        ring's chunks go into their slots raw at once (the swizzle TMA would write; x leaves
+        the registers), and once every part's sums are in they are normalized in place and
+        the slot's full barrier is arrived on. A chunk past the ring keeps its packets in
+        registers until its slot is handed back; the streamer then queues its weights, and
+        the packets go in normalized."""
         plan = self.plan
-        assert plan.depth == plan.chunks, "raw rows need the CTA's whole K slice in the ring"
         stream = self.start_stream(w_copy, w_boxes, ring, full, block, part, producer)
         box_in, box_out, evict_first, first_chunk, streamer, pace, lane = stream
         piece = producer % (CHUNK // 8)
@@ -398,19 +402,18 @@ class DecodeGemm:
         tokens = [producer // (CHUNK // 8) + PRODUCERS // (CHUNK // 8) * j for j in range(plan.x_items)]
         rows = [x.iterator + clamp(token, batch - 1) * x.stride[0] + column0 for token in tokens]
         packets = [[load_words(row + i * CHUNK) for row in rows] for i in range(plan.chunks)]
-        if streamer:  # after x's loads: they do not queue behind the rest of the weights
-            for i in cutlass.range_constexpr(pace, plan.chunks):
+        if streamer:  # after x's loads: they do not queue behind the rest of the ring
+            for i in cutlass.range_constexpr(pace, plan.depth):
                 self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
-        # The raw packets into their slots (the swizzle TMA would write: wgmma reads them as
-        # any x), their squares summed on the way: x leaves the registers at once.
         x_words = plan.depth * plan.w_slot // 4
-        slots = [[ring + x_words + i * (plan.x_slot // 4) + swizzled(0, token, piece) * 4 for token in tokens]
-                 for i in range(plan.chunks)]
+        slots = [[ring + x_words + i % plan.depth * (plan.x_slot // 4) + swizzled(0, token, piece) * 4
+                  for token in tokens] for i in range(plan.chunks)]
         totals = [Float64(0.0)] * plan.x_items
         for i in cutlass.range_constexpr(plan.chunks):
             for j in cutlass.range_constexpr(plan.x_items):
-                if tokens[j] < plan.tokens:
-                    store_shared(slots[i][j], packets[i][j])
+                if cutlass.const_expr(i < plan.depth):
+                    if tokens[j] < plan.tokens:
+                        store_shared(slots[i][j], packets[i][j])
                 for v in unpack_words(packets[i][j]):
                     totals[j] = totals[j] + Float64(v * v)
         cute.arch.cluster_wait()  # every CTA's barriers are initialized
@@ -428,13 +431,18 @@ class DecodeGemm:
                 ss += squares[p * plan.tokens + clamp(tokens[j], plan.tokens - 1)]
             inverse.append(rsqrt_like_torch(divide(Float32(ss), Float32(plan.k)) + eps))
         for i in cutlass.range_constexpr(plan.chunks):
+            if cutlass.const_expr(i >= plan.depth):
+                wait_handed_back(empty, i, plan.depth)
+                if streamer:
+                    self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
             for j in cutlass.range_constexpr(plan.x_items):
                 if tokens[j] < plan.tokens:
-                    values = unpack_words(load_shared(slots[i][j]))
+                    raw = load_shared(slots[i][j]) if cutlass.const_expr(i < plan.depth) else packets[i][j]
+                    values = unpack_words(raw)
                     normed = [(values[e] * inverse[j]) * gammas[i][e] for e in range(8)]
                     store_shared(slots[i][j], pack_values(normed))
             cute.arch.fence_proxy("async.shared", space="cta")  # our stores, then wgmma's reads (async proxy)
-            cute.arch.mbarrier_arrive(full + i)
+            cute.arch.mbarrier_arrive(full + i % plan.depth)
 
     @cute.jit
     def consume(self, ring, full, empty, warp, lane):
@@ -562,3 +570,23 @@ class DecodeGemm:
         return values
 
 
+
+
+class NormedGemm(DecodeGemm):
+    """``kimi::normed_oproj``: the engine over raw rows of x, RMS-normalized by the producers
+    on their way into the ring (:meth:`DecodeGemm.produce_normalized`), BF16 rows out."""
+
+    def __init__(self, plan: GemmPlan):
+        super().__init__(plan, Outputs(plan.n))
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, out: cute.Tensor, eps: Float32, stream):
+        w_copy, w_boxes = self.weight_copy(w)
+        x_copy, x_boxes = self.x_copy(x)  # (unused: the producers load raw rows themselves)
+        self.launch(self.kernel(w_copy, w_boxes, x_copy, x_boxes, x, gamma, out, eps), stream)
+
+    @cute.kernel
+    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x_copy: cute.CopyAtom, x_boxes: cute.Tensor,
+               x: cute.Tensor, gamma: cute.Tensor, out: cute.Tensor, eps: Float32):
+        # out stands in for the epilogue's unused tensors (rows go to ``first`` alone)
+        self.body(w_copy, w_boxes, (x_copy, x_boxes), x, (out, out, out, Int32(0), Int32(0), Int32(0)), (gamma, eps))

@@ -1,6 +1,6 @@
 """The engine's host side: its compiles, a call's variant (chosen once by
 :func:`gemm_variant`, which every adapter's ``prepare``, ``unsupported`` and call ask) and
-the adapters of ``kimi::oproj``, ``kimi::gate_up_situ``, ``kimi::moe_front``,
+the adapters of ``kimi::oproj``, ``kimi::normed_oproj``, ``kimi::gate_up_situ``, ``kimi::moe_front``,
 ``kimi::oproj_publish``, ``kimi::oproj_push``, ``kimi::moe_front_publish`` and
 ``kimi::shared_expert_push`` (the two plans of :mod:`.shared`)."""
 
@@ -20,7 +20,7 @@ from ..compile import compile_options, compiled, fake, fake_stream, hopper
 from ..launch import check_marks_room
 from ..ring import CHUNK
 from ..variant import Unsupported, Variant, prepare_all, reason
-from .engine import DecodeGemm, Outputs
+from .engine import DecodeGemm, NormedGemm, Outputs
 from .plan import (
     MAX_BATCH,
     RESIDENT,
@@ -31,6 +31,7 @@ from .plan import (
     gemm_plan,
     joint_partition,
     partition,
+    raw_rows_plan,
     token_tile,
 )
 from .shared import SharedExpert, SharedPlan
@@ -167,6 +168,58 @@ class OprojKernel(GemmKernel):
         out = x.new_empty((x.shape[0], w.shape[0]))
         if x.shape[0]:
             variant.run(x, w, out, placeholder(out, torch.float32, 2), placeholder(out, torch.int64), 0, 0, 0)
+        return out
+
+
+@compiled
+def compile_normed(n: int, k: int, tokens: int):
+    """``kimi::normed_oproj`` at one (N, K, T): raw rows of x, BF16 rows out."""
+    batch = cute.sym_int()
+    return cute.compile(
+        NormedGemm(raw_rows_plan(n, k, tokens)), fake(BFloat16, (batch, k)), fake(BFloat16, (n, k)),
+        fake(BFloat16, (k,)), fake(BFloat16, (batch, n)), Float32(0), fake_stream(), options=compile_options(),
+    )
+
+
+@functools.cache
+def normed_variant(n: int, k: int, batch: int) -> Variant:
+    why = unsupported_shape(n, k, batch)
+    if why:
+        raise Unsupported(why)
+    tokens = token_tile(batch)
+    try:
+        plan = raw_rows_plan(n, k, tokens)
+    except ValueError as error:
+        raise Unsupported(str(error)) from None
+    return engine_variant(lambda: compile_normed(n, k, tokens), plan)
+
+
+class NormedOprojKernel(GemmKernel):
+    """``kimi::normed_oproj`` on CUDA: the producers normalize x's raw rows into the ring
+    (every K part's Σ x² shared over the cluster), then the engine as ``kimi::oproj``."""
+
+    check = staticmethod(oproj_op.check_normed_oproj)
+
+    def variant(self, x, w, norm_w, eps):
+        return normed_variant(w.shape[0], w.shape[1], x.shape[0])
+
+    def unsupported(self, x, w, norm_w, eps):
+        if not aligned(x, w, norm_w):
+            return "the decode GEMM reads 16-byte packets: x, w and norm_w must be 16-byte aligned"
+        return reason(lambda: self.variant(x, w, norm_w, eps)) or hopper(x)
+
+    def prefers(self, n: int, k: int, batch: int) -> bool:
+        """Where the kernel serves ``batch`` tokens: one launch instead of a norm's (the
+        decoder's embedding AttnRes) and the projection's."""
+        return reason(lambda: normed_variant(n, k, batch)) is None
+
+    def prepare(self, n: int, k: int, batches=None) -> None:
+        prepare_all(lambda tokens=tokens: normed_variant(n, k, tokens) for tokens in tokens_of(batches))
+
+    def __call__(self, x, w, norm_w, eps):
+        out = x.new_empty((x.shape[0], w.shape[0]))
+        if x.shape[0]:
+            self.variant(x, w, norm_w, eps).run(x, w, norm_w, out, float(eps))
         return out
 
 
@@ -425,7 +478,7 @@ class FrontSharedKernel(SharedExpertKernel):
 
 
 def register() -> None:
-    backend.KERNELS.update(oproj=OprojKernel(), gate_up_situ=GateUpSituKernel(), moe_front=FrontKernel(),
+    backend.KERNELS.update(oproj=OprojKernel(), normed_oproj=NormedOprojKernel(), gate_up_situ=GateUpSituKernel(), moe_front=FrontKernel(),
                            oproj_publish=OprojPublishKernel(),
                            oproj_push=OprojPushKernel(), moe_front_publish=FrontPublishKernel(),
                            shared_expert_push=SharedExpertKernel(), moe_front_shared_push=FrontSharedKernel())

@@ -49,6 +49,7 @@ COST_SLACK = 0.03  # partitions this close to the least cost count as ties
 WIDE_TOKENS = 64
 WIDE_CHUNKS = 48  # the most chunks a two-tile CTA has where the swap applies
 RECEIVE_PAD = 4  # FP32 words after each received row of T tokens (fewer bank conflicts)
+NORM_REGISTERS = 160  # words of x and gamma packets a producer thread holds in raw-row mode
 
 
 def token_tile(batch: int) -> int:
@@ -191,6 +192,26 @@ class GemmPlan:
         """The FP32 word of K part ``part``'s sum of owned row ``index``, ``token`` (by_token:
         the owner's index of the token)."""
         return (part * self.owned + index) * self.stride + token
+
+
+def raw_rows_fit(chunks: int, tokens: int) -> bool:
+    """Raw rows (``DecodeGemm.produce_normalized``): a producer thread holds its x packets
+    and gamma's of each of the CTA's ``chunks`` chunks in registers until the K parts'
+    Σ x² are in."""
+    x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)
+    return chunks * (x_items + 1) * 4 <= NORM_REGISTERS
+
+
+@functools.cache
+def raw_rows_plan(n: int, k: int, tokens: int) -> GemmPlan:
+    """``kimi::normed_oproj``'s plan: :func:`partition`'s, with the K parts' Σ x² [part][token]
+    (FP64) beside the ring; ValueError where the producers' registers cannot hold a CTA's
+    raw packets (:func:`raw_rows_fit`: at the stacked DSA GEMM's 14 chunks a CTA, up to 16
+    tokens)."""
+    parts = partition(n, k, tokens)
+    if parts is None or not raw_rows_fit(k // CHUNK // parts[1], tokens):
+        raise ValueError(f"the decode GEMM does not take raw rows of N={n}, K={k} at {tokens} tokens")
+    return GemmPlan(n, k, tokens, parts, reserve=8 * parts[1] * tokens + 64)
 
 
 @functools.cache
