@@ -428,7 +428,8 @@ def measure(decoder, composite, batch, smoke, replays) -> dict:
 
 
 NOTES = [
-    "µs per layer: a forward of LAYERS layers / LAYERS (the embedding AttnRes shared among them)",
+    ("µs per layer: a forward of LAYERS layers / LAYERS (the embedding AttnRes shared among them; up to "
+     "KimiDecoder.embedding_folds_to inside layer 0's stacked GEMM, kimi::normed_oproj)"),
     "ours PDL / no PDL: KimiDecoder CUDA-graph replayed, kernels chained by PDL / launched without it "
     "(KIMI_OPS_PDL=0, a child process)",
     "compiled: torch.compile(mode='reduce-overhead') of the composite; cudagraph_skips should be 0",

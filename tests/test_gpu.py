@@ -51,6 +51,21 @@ def test_decoder_serving_tail_equals_the_split_tail():
             assert torch.equal(serving(x), split(x))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decoder_embedding_folded_equals_its_attn_res(tp):
+    """Up to embedding_folds_to (every batch at this config) layer 0's stacked GEMM takes
+    the raw hidden (kimi::normed_oproj's kernel) and the step launches no embedding AttnRes;
+    the same decoder with the AttnRes kernel and kimi::oproj gives the same bits (the AttnRes
+    kernel's h_normed is rms_norm(hidden; out_norm_w), bit for bit)."""
+    folded = KimiDecoder(CONFIG, 3, tp=tp, seed=18, device="cuda")
+    plain = KimiDecoder(CONFIG, 3, tp=tp, seed=18, device="cuda")
+    assert folded.embedding_folds_to == CONFIG.capacity
+    plain.embedding_folds_to = 0
+    for batch in (1, 8, 16, 64):
+        for x in inputs(2, batch, seed=batch):
+            assert torch.equal(folded(x), plain(x))
+
+
 def test_decoder_fused_shared_expert_equals_the_two_ops():
     """TP1's shared expert in one launch, the front's publish inside it (the decoder's default
     there) gives the two ops' (and the front publish's) bits, eager at 1, 5 and 13 tokens and in 20 CUDA-graph replays (its barrier's counter

@@ -48,10 +48,11 @@ so every SM of the grid streams its share at once.
    and the up packet after it (``kimi::gate_up_situ``: the rows interleaved in packets, so
    an owner's rows hold both), 8 BF16 activations a pair.
 
-Raw rows (``body``'s ``norm``, the DSA front's q_c): the producers load x by plain loads,
-store it into the slots, share each token's Σ x² over the cluster (DSMEM) and normalize
-the slots in place before arriving (:meth:`DecodeGemm.produce_normalized`); the consumer
-side is unchanged.
+Raw rows (``body``'s ``norm``: the DSA front's q_c, ``kimi::normed_oproj``'s x): the
+producers load x by plain loads, store the ring's chunks into their slots, share each
+token's Σ x² over the cluster (DSMEM) and normalize the slots in place before arriving;
+chunks past the ring wait in registers for their slots (:meth:`DecodeGemm.produce_normalized`);
+the consumer side is unchanged.
 
 PDL: dependents are released at entry (a dependent may only prefetch its own weights
 before it waits for us, and lands on the SMs our grid leaves free); the weights' first
@@ -205,7 +206,7 @@ class DecodeGemm:
         """The engine, whatever the epilogue: ``x_load`` x's TMA descriptor and boxes;
         ``outs`` :meth:`finish`'s arguments; ``norm`` (gamma, eps): x holds raw rows,
         RMS-normalized on their way into shared memory by the producers' loads
-        (:meth:`produce_normalized`; ``x_load`` unused). A kernel that runs two plans
+        (:meth:`produce_normalized`; ``x_load`` unused: None will do). A kernel that runs two plans
         (kernels/gemm/shared.py) gives ``storage``, the barriers and the ring sized for
         both, and for the second ``inputs``, the waiter's arguments; ``stamped`` (its
         :class:`~..values.Stamps`, the names of three phases): x in (the waiter's copier),
@@ -570,8 +571,6 @@ class DecodeGemm:
         return values
 
 
-
-
 class NormedGemm(DecodeGemm):
     """``kimi::normed_oproj``: the engine over raw rows of x, RMS-normalized by the producers
     on their way into the ring (:meth:`DecodeGemm.produce_normalized`), BF16 rows out."""
@@ -582,11 +581,11 @@ class NormedGemm(DecodeGemm):
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, out: cute.Tensor, eps: Float32, stream):
         w_copy, w_boxes = self.weight_copy(w)
-        x_copy, x_boxes = self.x_copy(x)  # (unused: the producers load raw rows themselves)
-        self.launch(self.kernel(w_copy, w_boxes, x_copy, x_boxes, x, gamma, out, eps), stream)
+        self.launch(self.kernel(w_copy, w_boxes, x, gamma, out, eps), stream)
 
     @cute.kernel
-    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x_copy: cute.CopyAtom, x_boxes: cute.Tensor,
-               x: cute.Tensor, gamma: cute.Tensor, out: cute.Tensor, eps: Float32):
-        # out stands in for the epilogue's unused tensors (rows go to ``first`` alone)
-        self.body(w_copy, w_boxes, (x_copy, x_boxes), x, (out, out, out, Int32(0), Int32(0), Int32(0)), (gamma, eps))
+    def kernel(self, w_copy: cute.CopyAtom, w_boxes: cute.Tensor, x: cute.Tensor, gamma: cute.Tensor,
+               out: cute.Tensor, eps: Float32):
+        # the producers load x's raw rows themselves (no x descriptor); out stands in for the
+        # epilogue's unused tensors (rows go to ``first`` alone)
+        self.body(w_copy, w_boxes, None, x, (out, out, out, Int32(0), Int32(0), Int32(0)), (gamma, eps))

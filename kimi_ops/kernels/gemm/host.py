@@ -210,7 +210,9 @@ class NormedOprojKernel(GemmKernel):
 
     def prefers(self, n: int, k: int, batch: int) -> bool:
         """Where the kernel serves ``batch`` tokens: one launch instead of a norm's (the
-        decoder's embedding AttnRes) and the projection's."""
+        decoder's embedding AttnRes, which added 9.9 / 9.9 / 7.2 µs a step at B = 1 / 8 / 64 on
+        the H200's TP8-rank timeline, 8d1af04) and the projection's. Not yet measured
+        itself: the layer A/B against 49cc56c (benchmarks/NOTES.md) keeps or drops it."""
         return reason(lambda: normed_variant(n, k, batch)) is None
 
     def prepare(self, n: int, k: int, batches=None) -> None:
@@ -478,7 +480,8 @@ class FrontSharedKernel(SharedExpertKernel):
 
 
 def register() -> None:
-    backend.KERNELS.update(oproj=OprojKernel(), normed_oproj=NormedOprojKernel(), gate_up_situ=GateUpSituKernel(), moe_front=FrontKernel(),
+    backend.KERNELS.update(oproj=OprojKernel(), normed_oproj=NormedOprojKernel(), gate_up_situ=GateUpSituKernel(),
+                           moe_front=FrontKernel(),
                            oproj_publish=OprojPublishKernel(),
                            oproj_push=OprojPushKernel(), moe_front_publish=FrontPublishKernel(),
                            shared_expert_push=SharedExpertKernel(), moe_front_shared_push=FrontSharedKernel())
