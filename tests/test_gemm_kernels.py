@@ -373,35 +373,33 @@ def test_oproj_kernel(n, k, batch):
     assert torch.equal(got, kimi.oproj(x, w))  # bit-identical across runs
 
 
-# kimi::normed_oproj: the stacked DSA GEMM over the raw embedding (the decoder's layer 0) at the
-# buckets it serves: at 8 tokens one chunk past the whole-ring pace, at 16 PACE_BYTES' 3 chunks
+# kimi::normed_oproj: the stacked DSA GEMM over the raw embedding (the decoder's layer 0): at 8
+# and 16 tokens one and two chunks past the ring, held in registers; at 32 and 64 three and 15,
+# loaded again
 NORMED = (1696, 7168)
 
 
-@pytest.mark.parametrize("tokens", [8, 16])
+@pytest.mark.parametrize("tokens", gemm_plans.TOKEN_TILES)
 def test_normed_oproj_compiles(tokens, clean_ptxas):
     assert gemm.compile_normed.build(*NORMED, tokens) is not None
     clean_ptxas()
 
 
-def test_normed_oproj_plans_are_partitions_with_room_for_the_squares():
+def test_normed_oproj_plans_are_partitions_past_the_ring():
     """The raw-row plan is partition's (so kimi::oproj over rms_norm rows sums in the same
-    order), its ring shorter than the CTA's chunks where shared memory ends (the chunks
-    past it wait for their slots), and none where a producer's registers cannot hold its
-    packets: past 16 tokens at these shapes, where the kernel is not preferred."""
+    order), its ring shorter than the CTA's chunks (the chunks past it wait for their
+    slots); a producer holds the packets of them all up to 16 tokens (raw_rows_fit), past
+    that it loads x again for those past the ring."""
     kernel = gemm.NormedOprojKernel()
-    for tokens in (8, 16):
+    for tokens in gemm_plans.TOKEN_TILES:
         plan = gemm_plans.raw_rows_plan(*NORMED, tokens)
         assert (plan.tiles, plan.split) == gemm_plans.partition(*NORMED, tokens)
-        assert plan.depth < plan.chunks and kernel.prefers(*NORMED, tokens)
-    for tokens in (32, 64):
-        with pytest.raises(ValueError, match="raw rows"):
-            gemm_plans.raw_rows_plan(*NORMED, tokens)
-        assert not kernel.prefers(*NORMED, tokens)
+        assert plan.depth < plan.chunks and plan.holds_raw == (tokens <= 16) and kernel.prefers(*NORMED, tokens)
+    assert kernel.prefers(*NORMED, 64) and not kernel.prefers(1696, 7000, 8)  # K % 64
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", [b for b in KERNEL_BATCHES if b <= 16])
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_normed_oproj_kernel(batch):
     """Raw rows of any scale: the rows the reference's rms_norm leaves, then kimi::oproj's
     kernel (the same plan, so the same bits), and within the GEMM's bound of the reference."""

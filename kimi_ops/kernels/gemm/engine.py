@@ -151,6 +151,11 @@ class Outputs:
                     store_words(first.iterator + token * first.stride[0] + n0 - self.n_logits, bf16)
 
 
+# raw rows past the registers (GemmPlan.holds_raw): chunks past the ring whose x and gamma loads
+# are in flight at once (an L2 round trip each, against a weight chunk's ~0.25 µs a CTA)
+RELOADS_AHEAD = 4
+
+
 class DecodeGemm:
     """One variant of the engine: a :class:`GemmPlan` and its :class:`Outputs`. A kernel that
     runs this plan after another one (kernels/gemm/shared.py) gives ``cluster``, its launch's
@@ -382,27 +387,31 @@ class DecodeGemm:
         """Producer thread ``producer`` when x holds raw rows (the DSA front's q_c;
         ``kimi::normed_oproj``'s): xn = BF16((x · rr) · gamma) with rr = rsqrt(Σ x² / K + eps),
         QueryNorm's rounding points (:func:`~kimi_ops.numerics.rms_norm`). After the wait every
-        thread loads its x packets of every chunk into registers (the same 8 columns of a
-        chunk for each of its tokens: :func:`~.plan.raw_rows_fit` bounds them), warp 0 then
-        queues the rest of the ring; each token's Σ x² over our slice (FP64: BF16 squares
-        are exact in FP32 and their sum in FP64, so any order gives the reference's FP32 ss)
-        goes to every CTA of the cluster (st.async on ``factored``). The packets of the
-        ring's chunks go into their slots raw at once (the swizzle TMA would write; x leaves
-        the registers), and once every part's sums are in they are normalized in place and
-        the slot's full barrier is arrived on. A chunk past the ring keeps its packets in
-        registers until its slot is handed back; the streamer then queues its weights, and
-        the packets go in normalized."""
+        thread loads its x packets of every chunk (the same 8 columns of a chunk for each of
+        its tokens), warp 0 then queues the rest of the ring; each token's Σ x² over our
+        slice (FP64: BF16 squares are exact in FP32 and their sum in FP64, so any order gives
+        the reference's FP32 ss) goes to every CTA of the cluster (st.async on ``factored``).
+        The packets of the ring's chunks go into their slots raw at once (the swizzle TMA
+        would write; x leaves the registers), and once every part's sums are in they are
+        normalized in place and the slot's full barrier is arrived on. A chunk past the ring
+        waits for its slot to be handed back; the streamer then queues its weights, and its
+        packets go in normalized: held in registers since the sums where the plan's
+        ``holds_raw`` (they and gamma's fit: :func:`~.plan.raw_rows_fit`), else loaded again
+        (L2 hits), gamma's with them, RELOADS_AHEAD chunks ahead of the slots."""
         plan = self.plan
         stream = self.start_stream(w_copy, w_boxes, ring, full, block, part, producer)
         box_in, box_out, evict_first, first_chunk, streamer, pace, lane = stream
         piece = producer % (CHUNK // 8)
         column0 = first_chunk * CHUNK + piece * 8
-        gammas = [unpack_words(load_words(gamma.iterator + column0 + i * CHUNK)) for i in range(plan.chunks)]
+        held = plan.chunks if plan.holds_raw else plan.depth  # chunks whose gamma and x stay in registers
+        gammas = [unpack_words(load_words(gamma.iterator + column0 + i * CHUNK)) for i in range(held)]
         cute.arch.griddepcontrol_wait()
         batch = x.shape[0]
         tokens = [producer // (CHUNK // 8) + PRODUCERS // (CHUNK // 8) * j for j in range(plan.x_items)]
         rows = [x.iterator + clamp(token, batch - 1) * x.stride[0] + column0 for token in tokens]
-        packets = [[load_words(row + i * CHUNK) for row in rows] for i in range(plan.chunks)]
+        packets = [None] * plan.chunks  # every chunk's loads at once where they fit the registers, else at its sum
+        if cutlass.const_expr(plan.holds_raw):
+            packets = [[load_words(row + i * CHUNK) for row in rows] for i in range(plan.chunks)]
         if streamer:  # after x's loads: they do not queue behind the rest of the ring
             for i in cutlass.range_constexpr(pace, plan.depth):
                 self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
@@ -411,6 +420,8 @@ class DecodeGemm:
                   for token in tokens] for i in range(plan.chunks)]
         totals = [Float64(0.0)] * plan.x_items
         for i in cutlass.range_constexpr(plan.chunks):
+            if cutlass.const_expr(not plan.holds_raw):
+                packets[i] = [load_words(row + i * CHUNK) for row in rows]
             for j in cutlass.range_constexpr(plan.x_items):
                 if cutlass.const_expr(i < plan.depth):
                     if tokens[j] < plan.tokens:
@@ -431,7 +442,12 @@ class DecodeGemm:
             for p in cutlass.range_constexpr(plan.split):
                 ss += squares[p * plan.tokens + clamp(tokens[j], plan.tokens - 1)]
             inverse.append(rsqrt_like_torch(divide(Float32(ss), Float32(plan.k)) + eps))
+        gammas = gammas + [None] * (plan.chunks - held)
         for i in cutlass.range_constexpr(plan.chunks):
+            ahead = i + RELOADS_AHEAD  # a chunk past the ring loaded again: RELOADS_AHEAD in flight
+            if cutlass.const_expr(held <= ahead < plan.chunks):
+                gammas[ahead] = unpack_words(load_words(gamma.iterator + column0 + ahead * CHUNK))
+                packets[ahead] = [load_words(row + ahead * CHUNK) for row in rows]
             if cutlass.const_expr(i >= plan.depth):
                 wait_handed_back(empty, i, plan.depth)
                 if streamer:

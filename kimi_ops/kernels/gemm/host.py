@@ -187,11 +187,7 @@ def normed_variant(n: int, k: int, batch: int) -> Variant:
     if why:
         raise Unsupported(why)
     tokens = token_tile(batch)
-    try:
-        plan = raw_rows_plan(n, k, tokens)
-    except ValueError as error:
-        raise Unsupported(str(error)) from None
-    return engine_variant(lambda: compile_normed(n, k, tokens), plan)
+    return engine_variant(lambda: compile_normed(n, k, tokens), raw_rows_plan(n, k, tokens))
 
 
 class NormedOprojKernel(GemmKernel):

@@ -147,6 +147,8 @@ class GemmPlan:
         self.ctas = self.blocks * self.split
         self.chunks = k // CHUNK // self.split  # per CTA
         self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # raw rows: x packets per producer thread a chunk
+        # raw rows: a producer holds every chunk's x and gamma packets from the sums to the slots
+        self.holds_raw = raw_rows_fit(self.chunks, tokens)
         if by_token:
             # tokens per owner, even: an accumulator pair (tokens 2t, 2t + 1) has one owner
             self.per_owner = -(-tokens // self.split) + (-(-tokens // self.split)) % 2
@@ -205,11 +207,10 @@ def raw_rows_fit(chunks: int, tokens: int) -> bool:
 @functools.cache
 def raw_rows_plan(n: int, k: int, tokens: int) -> GemmPlan:
     """``kimi::normed_oproj``'s plan: :func:`partition`'s, with the K parts' Σ x² [part][token]
-    (FP64) beside the ring; ValueError where the producers' registers cannot hold a CTA's
-    raw packets (:func:`raw_rows_fit`: at the stacked DSA GEMM's 14 chunks a CTA, up to 16
-    tokens)."""
+    (FP64) beside the ring (past :func:`raw_rows_fit` the chunks beyond the ring load x
+    again: GemmPlan.holds_raw)."""
     parts = partition(n, k, tokens)
-    if parts is None or not raw_rows_fit(k // CHUNK // parts[1], tokens):
+    if parts is None:
         raise ValueError(f"the decode GEMM does not take raw rows of N={n}, K={k} at {tokens} tokens")
     return GemmPlan(n, k, tokens, parts, reserve=8 * parts[1] * tokens + 64)
 
