@@ -14,6 +14,7 @@ pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not inst
 
 from kimi_ops import KimiConfig  # noqa: E402
 from kimi_ops.checks import KimiArgumentError  # noqa: E402
+from kimi_ops.kernels.gemm import engine  # noqa: E402
 from kimi_ops.kernels.gemm import host as gemm  # noqa: E402
 from kimi_ops.kernels.gemm import plan as gemm_plans  # noqa: E402
 from kimi_ops.kernels.gemm.shared import CALL_STRIDE  # noqa: E402
@@ -385,6 +386,17 @@ def test_normed_oproj_compiles(tokens, clean_ptxas):
     clean_ptxas()
 
 
+def test_normed_oproj_compiles_with_a_ring_shorter_than_its_reloads(monkeypatch, clean_ptxas):
+    """KIMI_OPS_GEMM_ROOM's A/B setting can leave a ring of 3 slots at 64 tokens, fewer than
+    RELOADS_AHEAD: every chunk past it is still loaded again once, before its slot."""
+    monkeypatch.setattr(gemm_plans, "GEMM_ROOM", 170 * 1024)
+    plan = gemm_plans.GemmPlan(*NORMED, 64, gemm_plans.partition(*NORMED, 64), reserve=8 * 4 * 64 + 64)
+    assert not plan.holds_raw and plan.depth < engine.RELOADS_AHEAD
+    monkeypatch.setattr(gemm, "raw_rows_plan", lambda *key: plan)
+    assert gemm.compile_normed.build(*NORMED, 64) is not None
+    clean_ptxas()
+
+
 def test_normed_oproj_plans_are_partitions_past_the_ring():
     """The raw-row plan is partition's (so kimi::oproj over rms_norm rows sums in the same
     order), its ring shorter than the CTA's chunks (the chunks past it wait for their
@@ -399,7 +411,7 @@ def test_normed_oproj_plans_are_partitions_past_the_ring():
 
 
 @on_hopper
-@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+@pytest.mark.parametrize("batch", sorted({*KERNEL_BATCHES, 13, 33, 40}))  # and tokens past the batch in a bucket
 def test_normed_oproj_kernel(batch):
     """Raw rows of any scale: the rows the reference's rms_norm leaves, then kimi::oproj's
     kernel (the same plan, so the same bits), and within the GEMM's bound of the reference."""

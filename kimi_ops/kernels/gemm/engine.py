@@ -51,8 +51,8 @@ so every SM of the grid streams its share at once.
 Raw rows (``body``'s ``norm``: the DSA front's q_c, ``kimi::normed_oproj``'s x): the
 producers load x by plain loads, store the ring's chunks into their slots, share each
 token's Σ x² over the cluster (DSMEM) and normalize the slots in place before arriving;
-chunks past the ring wait in registers for their slots (:meth:`DecodeGemm.produce_normalized`);
-the consumer side is unchanged.
+chunks past the ring go in normalized once their slots come back, held in registers or
+loaded again (:meth:`DecodeGemm.produce_normalized`); the consumer side is unchanged.
 
 PDL: dependents are released at entry (a dependent may only prefetch its own weights
 before it waits for us, and lands on the SMs our grid leaves free); the weights' first
@@ -154,6 +154,13 @@ class Outputs:
 # raw rows past the registers (GemmPlan.holds_raw): chunks past the ring whose x and gamma loads
 # are in flight at once (an L2 round trip each, against a weight chunk's ~0.25 µs a CTA)
 RELOADS_AHEAD = 4
+
+
+def raw_chunk(gamma, rows, column0, chunk: int):
+    """Raw rows: chunk ``chunk``'s gamma packet (unpacked) and the x packets of ``rows`` (a
+    producer's tokens) at the producer's columns ``column0`` of the CTA's first chunk."""
+    return (unpack_words(load_words(gamma.iterator + column0 + chunk * CHUNK)),
+            [load_words(row + chunk * CHUNK) for row in rows])
 
 
 class DecodeGemm:
@@ -397,7 +404,8 @@ class DecodeGemm:
         waits for its slot to be handed back; the streamer then queues its weights, and its
         packets go in normalized: held in registers since the sums where the plan's
         ``holds_raw`` (they and gamma's fit: :func:`~.plan.raw_rows_fit`), else loaded again
-        (L2 hits), gamma's with them, RELOADS_AHEAD chunks ahead of the slots."""
+        (L2 hits), gamma's with them, RELOADS_AHEAD chunks ahead of the slots. The sums'
+        loads keep ``raw_window`` chunks in flight (all of them where they are held)."""
         plan = self.plan
         stream = self.start_stream(w_copy, w_boxes, ring, full, block, part, producer)
         box_in, box_out, evict_first, first_chunk, streamer, pace, lane = stream
@@ -409,9 +417,9 @@ class DecodeGemm:
         batch = x.shape[0]
         tokens = [producer // (CHUNK // 8) + PRODUCERS // (CHUNK // 8) * j for j in range(plan.x_items)]
         rows = [x.iterator + clamp(token, batch - 1) * x.stride[0] + column0 for token in tokens]
-        packets = [None] * plan.chunks  # every chunk's loads at once where they fit the registers, else at its sum
-        if cutlass.const_expr(plan.holds_raw):
-            packets = [[load_words(row + i * CHUNK) for row in rows] for i in range(plan.chunks)]
+        # the sums' loads, plan.raw_window chunks in flight (every chunk where they all fit)
+        packets = [[load_words(row + i * CHUNK) for row in rows] for i in range(plan.raw_window)]
+        packets = packets + [None] * (plan.chunks - plan.raw_window)
         if streamer:  # after x's loads: they do not queue behind the rest of the ring
             for i in cutlass.range_constexpr(pace, plan.depth):
                 self.load_weights(w_copy, box_in, box_out, full, block, first_chunk, i, lane, evict_first)
@@ -420,14 +428,14 @@ class DecodeGemm:
                   for token in tokens] for i in range(plan.chunks)]
         totals = [Float64(0.0)] * plan.x_items
         for i in cutlass.range_constexpr(plan.chunks):
-            if cutlass.const_expr(not plan.holds_raw):
-                packets[i] = [load_words(row + i * CHUNK) for row in rows]
             for j in cutlass.range_constexpr(plan.x_items):
                 if cutlass.const_expr(i < plan.depth):
                     if tokens[j] < plan.tokens:
                         store_shared(slots[i][j], packets[i][j])
                 for v in unpack_words(packets[i][j]):
                     totals[j] = totals[j] + Float64(v * v)
+            if cutlass.const_expr(i + plan.raw_window < plan.chunks):
+                packets[i + plan.raw_window] = [load_words(row + (i + plan.raw_window) * CHUNK) for row in rows]
         cute.arch.cluster_wait()  # every CTA's barriers are initialized
         for j in cutlass.range_constexpr(plan.x_items):
             total = butterfly_sum(totals[j], CHUNK // 8)  # the token's 8 pieces
@@ -444,10 +452,10 @@ class DecodeGemm:
             inverse.append(rsqrt_like_torch(divide(Float32(ss), Float32(plan.k)) + eps))
         gammas = gammas + [None] * (plan.chunks - held)
         for i in cutlass.range_constexpr(plan.chunks):
-            ahead = i + RELOADS_AHEAD  # a chunk past the ring loaded again: RELOADS_AHEAD in flight
-            if cutlass.const_expr(held <= ahead < plan.chunks):
-                gammas[ahead] = unpack_words(load_words(gamma.iterator + column0 + ahead * CHUNK))
-                packets[ahead] = [load_words(row + ahead * CHUNK) for row in rows]
+            # the chunks past the ring loaded again (not held), RELOADS_AHEAD chunks ahead
+            for c in cutlass.range_constexpr(held, plan.chunks):
+                if cutlass.const_expr(max(0, c - RELOADS_AHEAD) == i):
+                    gammas[c], packets[c] = raw_chunk(gamma, rows, column0, c)
             if cutlass.const_expr(i >= plan.depth):
                 wait_handed_back(empty, i, plan.depth)
                 if streamer:

@@ -147,7 +147,8 @@ class GemmPlan:
         self.ctas = self.blocks * self.split
         self.chunks = k // CHUNK // self.split  # per CTA
         self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # raw rows: x packets per producer thread a chunk
-        # raw rows: a producer holds every chunk's x and gamma packets from the sums to the slots
+        # raw rows: a producer holds every chunk's x and gamma packets from the sums to the slots,
+        # else the sums keep raw_window chunks' loads in flight beside the ring's gamma packets
         self.holds_raw = raw_rows_fit(self.chunks, tokens)
         if by_token:
             # tokens per owner, even: an accumulator pair (tokens 2t, 2t + 1) has one owner
@@ -168,6 +169,8 @@ class GemmPlan:
         self.depth = min(self.chunks, MAX_DEPTH, (free - self.room) // stage)
         if self.depth < 1:
             raise ValueError(f"the decode GEMM's ring does not fit shared memory (N={n}, K={k}, {tokens} tokens)")
+        self.raw_window = self.chunks if self.holds_raw else max(
+            1, min(self.chunks, (NORM_REGISTERS - 4 * self.depth) // (4 * self.x_items)))
         # chunks in flight (each into its own accumulator set and ring slot): as many as the
         # registers hold beside the running sums and the ring's slots, that divide the CTA's chunks
         sets = min(MAX_SETS, ACCUMULATOR_REGISTERS // (self.tiles * tokens // 2) - 1, self.depth)
