@@ -87,9 +87,10 @@ def call_plan(latent: int, intermediate: int, batch: int, device: int, tp: int =
 
 def pair_plan(latent: int, intermediate: int, batch: int, device: int, tp: int = 1, experts: int = 0) -> CallPlan:
     """The pair grid's and by-expert forms' plan (kernels.RoutedExperts). While the pairs
-    served are one wave, each CTA takes its SM's whole share and serves one token: a pair of a repeated expert re-reads its weights from L2, the grid ends with
-    its slowest pair (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8
-    rank at B = 8 took 8.45 µs against 3.85 at B = 1). While they are one wave at
+    served are one wave, each CTA takes its SM's whole share and serves one token: a pair
+    of a repeated expert re-reads its weights from L2, the grid ends with its slowest pair
+    (with T = TOKENS a CTA served up to 4 tokens one after another: a TP8 rank at B = 8
+    took 8.45 µs against 3.85 at B = 1). While they are one wave at
     :func:`per_sm_for` CTAs an SM (more than one), each still serves one token (B = 16:
     a TP8 rank's 6.07 µs against 8.48 at T = TOKENS, kimi_k3's 32.45 against 41.16).
     Past that most pairs' CTAs end at once, so each CTA serves TOKENS tokens (an expert's

@@ -1,8 +1,9 @@
 """The engine's host side: its compiles, a call's variant (chosen once by
 :func:`gemm_variant`, which every adapter's ``prepare``, ``unsupported`` and call ask) and
-the adapters of ``kimi::oproj``, ``kimi::normed_oproj``, ``kimi::gate_up_situ``, ``kimi::moe_front``,
-``kimi::oproj_publish``, ``kimi::oproj_push``, ``kimi::moe_front_publish`` and
-``kimi::shared_expert_push`` (the two plans of :mod:`.shared`)."""
+the adapters of ``kimi::oproj``, ``kimi::normed_oproj``, ``kimi::gate_up_situ``,
+``kimi::moe_front``, ``kimi::oproj_publish``, ``kimi::oproj_push``,
+``kimi::moe_front_publish`` and ``kimi::shared_expert_push`` (the two plans of
+:mod:`.shared`)."""
 
 import functools
 
@@ -477,7 +478,6 @@ class FrontSharedKernel(SharedExpertKernel):
 
 def register() -> None:
     backend.KERNELS.update(oproj=OprojKernel(), normed_oproj=NormedOprojKernel(), gate_up_situ=GateUpSituKernel(),
-                           moe_front=FrontKernel(),
-                           oproj_publish=OprojPublishKernel(),
+                           moe_front=FrontKernel(), oproj_publish=OprojPublishKernel(),
                            oproj_push=OprojPushKernel(), moe_front_publish=FrontPublishKernel(),
                            shared_expert_push=SharedExpertKernel(), moe_front_shared_push=FrontSharedKernel())

@@ -146,7 +146,7 @@ class GemmPlan:
         self.blocks = -(-n // self.rows)
         self.ctas = self.blocks * self.split
         self.chunks = k // CHUNK // self.split  # per CTA
-        self.x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)  # raw rows: x packets per producer thread a chunk
+        self.x_items = raw_items(tokens)
         # raw rows: a producer holds every chunk's x and gamma packets from the sums to the slots,
         # else the sums keep raw_window chunks' loads in flight beside the ring's gamma packets
         self.holds_raw = raw_rows_fit(self.chunks, tokens)
@@ -199,12 +199,16 @@ class GemmPlan:
         return (part * self.owned + index) * self.stride + token
 
 
+def raw_items(tokens: int) -> int:
+    """Raw rows: the x packets a producer thread loads of each chunk."""
+    return -(-tokens * (CHUNK // 8) // PRODUCERS)
+
+
 def raw_rows_fit(chunks: int, tokens: int) -> bool:
     """Raw rows (``DecodeGemm.produce_normalized``): a producer thread holds its x packets
     and gamma's of each of the CTA's ``chunks`` chunks in registers until the K parts'
     Σ x² are in."""
-    x_items = -(-tokens * (CHUNK // 8) // PRODUCERS)
-    return chunks * (x_items + 1) * 4 <= NORM_REGISTERS
+    return chunks * (raw_items(tokens) + 1) * 4 <= NORM_REGISTERS
 
 
 @functools.cache
